@@ -1,0 +1,35 @@
+# Two entry points, each doing all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CORES  ?= 2
+
+.PHONY: install demo test test-fast bench lint clean
+
+# constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES)
+
+test: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q -m "not slow and not slurm"
+
+bench: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/snakefmt --check Snakefile workflow/rules
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+
+clean:
+	rm -rf results logs benchmarks/results/tmp .snakemake

@@ -1,0 +1,5 @@
+"""`python -m diffrelay` is the same as the `diffrelay` console script."""
+
+from diffrelay.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""`diffrelay <stage>`: one subcommand per workflow stage. Stage modules are imported only when run.
+
+Examples:
+  diffrelay prepare --config config/config.yaml
+  torchrun --standalone --nproc-per-node 2 -m diffrelay train --config config/config.yaml --until-step 400
+  diffrelay sample --config config/config.yaml --snapshot results/demo/snapshots/step_0000400.safetensors \\
+      --out results/demo/samples/step_0000400
+  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference.npz \\
+      --extractor resources/extractors/random.pt --out results/demo/metrics/fid/step_0000400.json
+"""
+
+import argparse
+import importlib
+import sys
+
+from diffrelay.errors import UserError
+
+
+def _config(p, required=True):
+    p.add_argument("--config", action="append", required=required, metavar="YAML",
+                   help="run config; repeat to layer files (later ones win)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffrelay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="STAGE")
+
+    p = sub.add_parser("validate", help="check a config and print it with defaults filled in")
+    _config(p)
+    p.set_defaults(module="diffrelay.config_cli")
+
+    p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, png/, dataset.json)")
+    _config(p)
+    p.add_argument("--out", help="dataset folder [default: <results>/<run>/dataset]")
+    p.set_defaults(module="diffrelay.prepare")
+
+    p = sub.add_parser("train", help="train one segment: resume, run to --until-step, checkpoint, exit")
+    _config(p)
+    p.add_argument("--until-step", type=int, help="stop after this step [default: train.total_steps]")
+    p.add_argument("--init", help="checkpoint folder to start from [default: newest in the run folder]")
+    p.add_argument("--dataset", help="dataset folder [default: <results>/<run>/dataset]")
+    p.add_argument("--trace", help="append the dataset indices of every step to this JSONL file (tests)")
+    p.set_defaults(module="diffrelay.train")
+
+    p = sub.add_parser("sample", help="generate PNGs from a snapshot; no dataset, no process group needed")
+    _config(p, required=False)
+    p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors)")
+    p.add_argument("--out", required=True, help="output folder for PNGs, grid.png and manifest.json")
+    p.add_argument("--num-images", type=int)
+    p.add_argument("--first-seed", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--solver", choices=["heun", "euler"])
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--weights", choices=["ema", "raw"])
+    p.add_argument("--class-labels", help="balanced or a class index")
+    p.add_argument("--precision", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int)
+    p.set_defaults(module="diffrelay.sample")
+
+    p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
+    p.add_argument("--extractor", required=True, help="inception | random | a TorchScript file")
+    p.add_argument("--out", required=True, help="where the extractor file goes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random extractor")
+    p.set_defaults(module="diffrelay.extractor")
+
+    p = sub.add_parser("fid-ref", help="reference statistics of a dataset (cached by fingerprint)")
+    p.add_argument("--dataset", required=True, help="dataset folder made by `diffrelay prepare`")
+    p.add_argument("--extractor", required=True, help="TorchScript extractor file")
+    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
+    p.add_argument("--num", type=int, default=0, help="images to use; 0 = all")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache-dir", help="reuse statistics cached here by (fingerprint, extractor, mode, count)")
+    p.add_argument("--out", required=True, help="statistics file (.npz)")
+    p.set_defaults(module="diffrelay.fid")
+
+    p = sub.add_parser("fid", help="FID/KID of an image folder against reference statistics (in a clean subprocess)")
+    p.add_argument("--images", required=True, help="folder of generated images")
+    p.add_argument("--ref", required=True, help="reference statistics from `diffrelay fid-ref`")
+    p.add_argument("--extractor", required=True, help="the TorchScript extractor the statistics were made with")
+    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout-minutes", type=float, default=60)
+    p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.set_defaults(module="diffrelay.fid")
+
+    p = sub.add_parser("report", help="metrics.csv, fid.png, loss.png and best.json of a run")
+    p.add_argument("--run-dir", required=True, help="results/<run>")
+    p.add_argument("--out", required=True, help="report folder")
+    p.set_defaults(module="diffrelay.report")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        module = importlib.import_module(args.module)
+        # fid and fid-ref share a module; each has its own entry point named after the command.
+        entry = getattr(module, "main_" + args.command.replace("-", "_"), None) or module.main
+        return int(entry(args) or 0)
+    except UserError as e:
+        print(f"diffrelay: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("diffrelay: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Load, validate and freeze a run config. Imports only yaml and jsonschema, so the Snakefile can use it."""
+
+import copy
+import json
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from diffrelay.errors import UserError
+
+SCHEMA_FILE = "config.schema.yaml"
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(resources.files("diffrelay").joinpath(SCHEMA_FILE).read_text())
+
+
+class Config:
+    """A read-only view of a validated config dict: `cfg.train.batch_size`."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict):
+        object.__setattr__(self, "_d", d)
+
+    def __getattr__(self, key):
+        try:
+            v = self._d[key]
+        except KeyError:
+            raise AttributeError(key) from None
+        return Config(v) if isinstance(v, dict) else (tuple(v) if isinstance(v, list) else v)
+
+    def __setattr__(self, key, value):
+        raise AttributeError("Config is read-only")
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self._d)
+
+    def __eq__(self, other):
+        return isinstance(other, Config) and self._d == other._d
+
+    def __repr__(self):
+        return f"Config({json.dumps(self._d, sort_keys=True)})"
+
+
+def _filling_validator():
+    # Same idea as snakemake.utils.validate(set_default=True): fill each property's default, then descend.
+    base = jsonschema.Draft202012Validator
+
+    def properties(validator, props, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in props.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from base.VALIDATORS["properties"](validator, props, instance, schema)
+
+    return jsonschema.validators.extend(base, {"properties": properties})
+
+
+def _key_path(err) -> str:
+    return ".".join(str(p) for p in err.absolute_path) or "(top level)"
+
+
+def _explain(err) -> str:
+    """One line for a jsonschema error: where, what was found, what is allowed."""
+    where = _key_path(err)
+    if err.validator == "additionalProperties":
+        allowed = sorted(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - set(allowed))
+        name = ".".join(filter(None, [where if where != "(top level)" else "", extra[0]]))
+        return f"{name}: unknown key; allowed here: {', '.join(allowed)}"
+    value = json.dumps(err.instance)
+    if len(value) > 60:
+        value = value[:57] + "..."
+    if err.validator == "type":
+        want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
+        return f"{where}={value}: wrong type; expected {want}"
+    if err.validator == "enum":
+        return f"{where}={value}: not allowed; choose one of {', '.join(map(str, err.validator_value))}"
+    if err.validator in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        words = {"minimum": "at least", "exclusiveMinimum": "greater than",
+                 "maximum": "at most", "exclusiveMaximum": "less than"}[err.validator]
+        return f"{where}={value}: must be {words} {err.validator_value}"
+    if err.validator == "pattern":
+        return f"{where}={value}: only letters, digits, '.', '_' and '-' are allowed (no spaces or shell characters)"
+    return f"{where}={value}: {err.message}"
+
+
+def _check_combinations(d: dict) -> list[tuple[str, str]]:
+    """Rules that span several keys. Returns (key path, message) pairs; empty when all is well."""
+    bad = []
+    t, m, data, s = d["train"], d["model"], d["data"], d["sample"]
+    per_step = t["nproc_per_node"] * t["nnodes"] * t["grad_accum"]
+    if t["batch_size"] % per_step:
+        up = -(-t["batch_size"] // per_step) * per_step
+        bad.append((f"train.batch_size={t['batch_size']}",
+                    f"not divisible by processes x grad_accum = {per_step}; use a multiple of {per_step} such as {up}"))
+    if t["segment_steps"] > t["total_steps"]:
+        bad.append((f"train.segment_steps={t['segment_steps']}",
+                    f"longer than the run (train.total_steps={t['total_steps']}); use at most {t['total_steps']}"))
+    for key in ("snapshot_every", "recovery_every"):
+        n = t[key]
+        if n and t["segment_steps"] % n:
+            bad.append((f"train.{key}={n}",
+                        f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
+    levels = len(m["channel_mult"])
+    factor = 2 ** (levels - 1)
+    res = data["resolution"]
+    if res % factor or res // factor < 4:
+        bad.append((f"data.resolution={res}",
+                    f"not supported by a UNet with {levels} levels (needs a multiple of {factor} "
+                    f"and at least {4 * factor}); change data.resolution or model.channel_mult"))
+    level_res = [res // 2**i for i in range(levels)]
+    for r in m["attn_resolutions"]:
+        if r not in level_res:
+            bad.append((f"model.attn_resolutions={r}",
+                        f"no UNet level has that resolution; choose from {level_res}"))
+    if data["kind"] == "folder" and not data["path"]:
+        bad.append(("data.path", "required when data.kind is folder; give the image folder"))
+    if m["class_conditional"] and data["labels"] == "none":
+        bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
+    cl = s["class_labels"]
+    if isinstance(cl, str) and cl != "balanced":
+        bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))
+    if isinstance(cl, int) and cl < 0:
+        bad.append((f"sample.class_labels={cl}", "a class index must be 0 or more"))
+    return bad
+
+
+def validate(raw: dict, source: str = "config") -> dict:
+    """Return a new dict with defaults filled, or raise UserError naming the source, key, value and fix."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: the config must be a mapping of sections (run, data, model, train, sample, fid)")
+    d = copy.deepcopy(raw)
+    errors = sorted(_filling_validator()(load_schema()).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        # Report the first problem only: one actionable line beats a wall of text.
+        raise UserError(f"{source}: {_explain(errors[0])}")
+    bad = _check_combinations(d)
+    if bad:
+        key, msg = bad[0]
+        raise UserError(f"{source}: {key}: {msg}")
+    return d
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise UserError(f"{path}: config file not found; pass an existing YAML file") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read config ({e})") from e
+    try:
+        d = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}: not valid YAML{where}; fix the syntax") from e
+    return {} if d is None else d
+
+
+def load(paths, overrides: dict | None = None) -> Config:
+    """Read one or more YAML files (later ones override earlier ones), validate, freeze."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    merged: dict = {}
+    for p in paths:
+        d = read_yaml(p)
+        if not isinstance(d, dict):
+            raise UserError(f"{p}: the config must be a mapping of sections (run, data, model, train, sample, fid)")
+        merged = _merge(merged, d)
+    if overrides:
+        merged = _merge(merged, overrides)
+    return Config(validate(merged, source=", ".join(map(str, paths)) or "config"))
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.results) / cfg.run.name
+
+
+def segment_ends(cfg: Config) -> list[int]:
+    """Steps at which a training segment stops and writes a checkpoint."""
+    t = cfg.train
+    ends = list(range(t.segment_steps, t.total_steps, t.segment_steps))
+    return ends + [t.total_steps]
+
+
+def snapshot_steps(cfg: Config, start: int, end: int) -> list[int]:
+    """Evaluation snapshots written by the segment that trains (start, end]."""
+    every = cfg.train.snapshot_every
+    steps = set(range(start + every, end, every)) if every else set()
+    return sorted(steps | {end})
+
+
+def section_hash(cfg: Config, *sections: str) -> str:
+    """A short stable hash of some sections: a Snakemake param that reruns a stage when they change."""
+    import hashlib
+
+    blob = json.dumps({s: cfg.to_dict()[s] for s in sections}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]

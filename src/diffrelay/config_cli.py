@@ -1,0 +1,11 @@
+"""`diffrelay validate`: check a config and print it with defaults filled in."""
+
+import yaml
+
+from diffrelay import config
+
+
+def main(args) -> int:
+    cfg = config.load(args.config)
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0

@@ -1,0 +1,110 @@
+"""The only module that knows about ranks: init, rank/world queries, reductions, teardown.
+
+A process group always exists during training (a world of one under plain `python`), so callers
+never branch on the world size, and no collective ever sits behind a rank check.
+"""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Variables torchrun and torch.distributed read; removed before starting a child that must not join.
+GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+GROUP_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def env_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(want: str = "auto") -> torch.device:
+    """cuda:LOCAL_RANK when a GPU is wanted and present, else cpu."""
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from diffrelay.errors import UserError
+
+            raise UserError("run.device=cuda: no CUDA device is visible; use run.device=auto or cpu")
+        torch.cuda.set_device(env_local_rank())
+        return torch.device("cuda", env_local_rank())
+    return torch.device("cpu")
+
+
+def init(device: torch.device, timeout_minutes: float = 10) -> None:
+    """Join (or, under plain python, create) the process group. The backend follows the device."""
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        # Plain `python`: a world of one on a free local port.
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else env_rank()
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else env_world()
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks. Every rank must call it."""
+    y = x.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        y /= dist.get_world_size()
+    return y
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    y = x.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y
+
+
+def broadcast_flag(flag: bool, device: torch.device) -> bool:
+    """True on every rank if any rank set it (e.g. a stop signal seen by one process)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_sum(t).item() > 0)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def clean_env(env: dict | None = None) -> dict:
+    """A copy of the environment without torchrun / process-group variables."""
+    env = dict(os.environ if env is None else env)
+    for k in list(env):
+        if k in GROUP_VARS or k.startswith(GROUP_PREFIXES):
+            del env[k]
+    return env

@@ -1,0 +1,69 @@
+"""EDM (Karras et al. 2022): preconditioning, training loss and the deterministic Heun/Euler sampler."""
+
+import torch
+from torch import nn
+
+from diffrelay.unet import UNet
+
+SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
+
+
+class Denoiser(nn.Module):
+    """D(x; sigma) = c_skip x + c_out F(c_in x, c_noise): keeps the network's input and target at unit scale."""
+
+    def __init__(self, unet: UNet, sigma_data: float = 0.5):
+        super().__init__()
+        self.unet = unet
+        self.sigma_data = sigma_data
+
+    def forward(self, x, sigma, labels=None):
+        sigma = sigma.reshape(-1, 1, 1, 1).to(x.dtype)
+        sd2 = self.sigma_data**2
+        c_skip = sd2 / (sigma**2 + sd2)
+        c_out = sigma * self.sigma_data / (sigma**2 + sd2).sqrt()
+        c_in = 1 / (sd2 + sigma**2).sqrt()
+        c_noise = sigma.log().flatten() / 4
+        f = self.unet(c_in * x, c_noise, labels)
+        return c_skip * x + c_out * f.to(x.dtype)
+
+
+def build(model_cfg: dict, resolution: int, num_classes: int) -> Denoiser:
+    """The network described by the config's `model` section (a plain dict, as stored in checkpoints)."""
+    unet = UNet(resolution=resolution, channels=model_cfg["channels"], channel_mult=tuple(model_cfg["channel_mult"]),
+                num_blocks=model_cfg["num_blocks"], attn_resolutions=tuple(model_cfg["attn_resolutions"]),
+                dropout=model_cfg["dropout"], num_classes=num_classes if model_cfg["class_conditional"] else 0)
+    return Denoiser(unet, sigma_data=model_cfg["sigma_data"])
+
+
+def loss(net, images, labels, gen: torch.Generator, p_mean: float, p_std: float, sigma_data: float):
+    """Weighted denoising loss at log-normal noise levels. All draws come from `gen`, so they resume exactly."""
+    b = images.shape[0]
+    rnd = torch.randn(b, 1, 1, 1, generator=gen, device=images.device)
+    sigma = (rnd * p_std + p_mean).exp()
+    weight = (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+    noise = torch.randn(images.shape, generator=gen, device=images.device) * sigma
+    denoised = net(images + noise, sigma, labels)
+    return (weight * (denoised - images) ** 2).mean()
+
+
+def sigma_steps(num_steps: int, device=None) -> torch.Tensor:
+    """Noise levels from SIGMA_MAX down to SIGMA_MIN spaced by the rho schedule, then 0."""
+    i = torch.arange(num_steps, dtype=torch.float64, device=device)
+    t = (SIGMA_MAX ** (1 / RHO) + i / max(num_steps - 1, 1) * (SIGMA_MIN ** (1 / RHO) - SIGMA_MAX ** (1 / RHO))) ** RHO
+    return torch.cat([t, torch.zeros(1, dtype=torch.float64, device=device)])
+
+
+@torch.no_grad()
+def sample(net, latents, labels=None, num_steps: int = 18, solver: str = "heun"):
+    """Deterministic probability-flow ODE from latents ~ N(0, 1) to images in about [-1, 1]."""
+    t = sigma_steps(num_steps, latents.device)
+    x = latents.to(torch.float64) * t[0]
+    for i in range(num_steps):
+        t_cur, t_next = t[i], t[i + 1]
+        d = (x - net(x.float(), t_cur.float().expand(x.shape[0]), labels).double()) / t_cur
+        x_next = x + (t_next - t_cur) * d
+        if solver == "heun" and i < num_steps - 1:
+            d2 = (x_next - net(x_next.float(), t_next.float().expand(x.shape[0]), labels).double()) / t_next
+            x_next = x + (t_next - t_cur) * (0.5 * d + 0.5 * d2)
+        x = x_next
+    return x.float()

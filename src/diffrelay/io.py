@@ -1,0 +1,110 @@
+"""Atomic file writes: a temp file in the same folder, fsync, then rename."""
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from diffrelay.errors import UserError
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is only durable once the folder entry itself reaches the disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """Yield a file object; on success it replaces `path` in one rename, on error nothing changes."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"{path}: cannot write ({e.strerror}); check the folder's permissions and free space") from e
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise UserError(f"{path}: write failed ({e.strerror}); the previous file, if any, is unchanged") from e
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes(path, data: bytes) -> None:
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+
+
+def write_text(path, text: str) -> None:
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+def write_json(path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path):
+    """Yield a temp folder beside `path`; on success it is renamed to `path` (replacing an old one)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    except OSError as e:
+        raise UserError(f"{path}: cannot write ({e.strerror}); check the folder's permissions and free space") from e
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists():
+            # Move the old one aside first so there is never a moment with neither.
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / "x")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{path}: write failed ({e.strerror}); the previous copy, if any, is unchanged") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def sha256_file(path, chunk=1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_json(path):
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise UserError(f"{path}: not found") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable or not valid JSON ({e}); regenerate it") from e

@@ -1,0 +1,62 @@
+"""Logging for every stage: progress lines on stderr from rank 0, JSON lines in the run folder."""
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+LOGGER = "diffrelay"
+
+
+def setup(main: bool = True, level=logging.INFO) -> logging.Logger:
+    """Rank 0 logs to stderr; other ranks get a null handler, so call sites need no rank checks."""
+    log = logging.getLogger(LOGGER)
+    log.handlers.clear()
+    log.propagate = False
+    if main:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+    else:
+        log.addHandler(logging.NullHandler())
+    log.setLevel(level)
+    return log
+
+
+def get() -> logging.Logger:
+    return logging.getLogger(LOGGER)
+
+
+def append_jsonl(path, record: dict) -> None:
+    """Append one record and flush it to disk. A single short write, so a crash cannot interleave lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"time": round(time.time(), 3), **record}, sort_keys=True) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path) -> list[dict]:
+    """Records of a JSON-lines file; a torn last line (killed writer) is ignored."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
