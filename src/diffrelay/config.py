@@ -45,9 +45,15 @@ class Config:
         return f"Config({json.dumps(self._d, sort_keys=True)})"
 
 
+def _is_strict_integer(checker, instance) -> bool:
+    # JSON Schema counts 6.0 as an integer; refuse it, since range() and step arithmetic need real ints.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
 def _filling_validator():
     # Same idea as snakemake.utils.validate(set_default=True): fill each property's default, then descend.
     base = jsonschema.Draft202012Validator
+    base = jsonschema.validators.extend(base, type_checker=base.TYPE_CHECKER.redefine("integer", _is_strict_integer))
 
     def properties(validator, props, instance, schema):
         if isinstance(instance, dict):
@@ -83,6 +89,12 @@ def _explain(err) -> str:
         words = {"minimum": "at least", "exclusiveMinimum": "greater than",
                  "maximum": "at most", "exclusiveMaximum": "less than"}[err.validator]
         return f"{where}={value}: must be {words} {err.validator_value}"
+    if err.validator in ("minLength", "maxLength", "minItems", "maxItems"):
+        if err.validator.startswith("min") and err.validator_value == 1:
+            return f"{where}={value}: must not be empty"
+        words = "at least" if err.validator.startswith("min") else "at most"
+        unit = "characters" if err.validator.endswith("Length") else "items"
+        return f"{where}={value}: must have {words} {err.validator_value} {unit}"
     if err.validator == "pattern":
         return f"{where}={value}: only letters, digits, '.', '_' and '-' are allowed (no spaces or shell characters)"
     return f"{where}={value}: {err.message}"
@@ -207,3 +219,18 @@ def section_hash(cfg: Config, *sections: str) -> str:
 
     blob = json.dumps({s: cfg.to_dict()[s] for s in sections}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# Keys that do not change the training trajectory: how it is split, launched, logged or saved.
+_NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "threads", "num_workers", "log_every",
+                   "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard"}
+
+
+def trajectory_hash(cfg: Config) -> str:
+    """Hash of everything that changes the weights: reruns training in Snakemake, guards resumes."""
+    import hashlib
+
+    d = cfg.to_dict()
+    blob = {"seed": d["run"]["seed"], "data": d["data"], "model": d["model"],
+            "train": {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]

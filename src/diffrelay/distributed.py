@@ -4,6 +4,7 @@ A process group always exists during training (a world of one under plain `pytho
 never branch on the world size, and no collective ever sits behind a rank check.
 """
 
+import contextlib
 import datetime
 import os
 
@@ -69,31 +70,36 @@ def is_main() -> bool:
     return rank() == 0
 
 
+@contextlib.contextmanager
+def _peers(what: str):
+    """Turn a failed or timed-out collective into one line that says which rank saw it."""
+    try:
+        yield
+    except (dist.DistError, RuntimeError) as e:
+        from diffrelay.errors import GroupFailure
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise GroupFailure(f"rank {rank()} of {world()}: {what} failed ({first}); another rank died or stalled "
+                           "(see its lines in the job log); rerun to resume from the last checkpoint") from e
+
+
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks. Every rank must call it."""
-    y = x.detach().clone()
-    if dist.is_initialized():
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
-        y /= dist.get_world_size()
-    return y
+        with _peers("barrier"):
+            dist.barrier()
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks. Every rank must call it."""
     y = x.detach().clone()
     if dist.is_initialized():
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        with _peers("all-reduce"):
+            dist.all_reduce(y, op=dist.ReduceOp.SUM)
     return y
 
 
-def broadcast_flag(flag: bool, device: torch.device) -> bool:
-    """True on every rank if any rank set it (e.g. a stop signal seen by one process)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    return bool(all_reduce_sum(t).item() > 0)
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(x) / world()
 
 
 def teardown() -> None:

@@ -35,15 +35,26 @@ def build(model_cfg: dict, resolution: int, num_classes: int) -> Denoiser:
     return Denoiser(unet, sigma_data=model_cfg["sigma_data"])
 
 
-def loss(net, images, labels, gen: torch.Generator, p_mean: float, p_std: float, sigma_data: float):
-    """Weighted denoising loss at log-normal noise levels. All draws come from `gen`, so they resume exactly."""
-    b = images.shape[0]
-    rnd = torch.randn(b, 1, 1, 1, generator=gen, device=images.device)
-    sigma = (rnd * p_std + p_mean).exp()
+def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float):
+    """Weighted denoising loss at log-normal noise levels.
+
+    rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller, one
+    generator per sample, so they resume exactly and do not depend on how the batch is split.
+    """
+    sigma = (rnd_normal.reshape(-1, 1, 1, 1) * p_std + p_mean).exp()
     weight = (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
-    noise = torch.randn(images.shape, generator=gen, device=images.device) * sigma
-    denoised = net(images + noise, sigma, labels)
+    denoised = net(images + noise * sigma, sigma, labels)
     return (weight * (denoised - images) ** 2).mean()
+
+
+def draw_noise(seeds, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rnd_normal (B,), noise (B, *shape)) on the CPU, one generator per seed."""
+    rnd, noise = torch.empty(len(seeds)), torch.empty(len(seeds), *shape)
+    for i, s in enumerate(seeds):
+        g = torch.Generator().manual_seed(int(s))
+        rnd[i] = torch.randn((), generator=g)
+        noise[i] = torch.randn(shape, generator=g)
+    return rnd, noise
 
 
 def sigma_steps(num_steps: int, device=None) -> torch.Tensor:

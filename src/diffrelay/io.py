@@ -67,6 +67,9 @@ def atomic_dir(path):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any other folder
     except OSError as e:
         raise UserError(f"{path}: cannot write ({e.strerror}); check the folder's permissions and free space") from e
     try:

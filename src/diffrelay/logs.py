@@ -34,10 +34,16 @@ def append_jsonl(path, record: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"time": round(time.time(), 3), **record}, sort_keys=True) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        from diffrelay.errors import UserError
+
+        raise UserError(f"{path}: cannot append ({e.strerror}); earlier records are kept; free space or fix "
+                        "permissions and rerun") from e
 
 
 def read_jsonl(path) -> list[dict]:

@@ -1,0 +1,141 @@
+"""Training throughput of `diffrelay train` against a bare PyTorch loop, and the cost of a segment boundary.
+
+  python benchmarks/bench_train.py [--steps 60] [--resolution 16] [--batch 64] [--threads 1]
+
+Both loops train the same model on the same prepared data with the same batch and thread count,
+in one run of this script. The bare loop does the same math (EDM loss, Adam, grad clipping, EMA)
+with nothing else: no DDP wrapper, no per-sample seeding, no logging or all-reduce.
+Writes benchmarks/results/train.json.
+"""
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+
+
+def model_cfg(channels):
+    return {"channels": channels, "channel_mult": [1, 2, 2], "num_blocks": 1, "attn_resolutions": [],
+            "dropout": 0.0, "class_conditional": True, "sigma_data": 0.5}
+
+
+def bare_loop(data_dir, args) -> float:
+    """Steady steps/s of the plainest loop that does the same work."""
+    import numpy as np
+
+    from diffrelay import datasets, edm, optim
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    data = datasets.open_prepared(data_dir)
+    images = torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+    labels = torch.from_numpy(np.asarray(data.labels))
+    net = edm.build(model_cfg(args.channels), data.resolution, data.num_classes)
+    ema = optim.EMA(net, [0.999])
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), foreach=False)
+    times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        idx = torch.randint(0, len(images), (args.batch,))
+        rnd, noise = torch.randn(args.batch), torch.randn(args.batch, *images.shape[1:])
+        loss = edm.loss(net, images[idx], labels[idx], rnd, noise, -1.2, 1.2, 0.5)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        ema.update(net, step)
+        times.append(time.perf_counter() - t0)
+    steady = times[args.steps // 4:]  # leave out warm-up
+    return len(steady) / sum(steady)
+
+
+def diffrelay_run(cfg_path, until, init=None):
+    cmd = [str(BIN / "diffrelay"), "train", "--config", str(cfg_path), "--until-step", str(until)]
+    if init:
+        cmd += ["--init", str(init)]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(p.stderr)
+    return t0, time.time()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--resolution", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(HERE / "results" / "train.json"))
+    args = ap.parse_args()
+
+    from diffrelay import checkpoint, logs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg = {"run": {"name": "bench", "results": str(tmp), "device": "cpu"},
+               "data": {"kind": "shapes", "resolution": args.resolution, "count": 1024},
+               "model": model_cfg(args.channels),
+               "train": {"total_steps": args.steps + 1, "segment_steps": args.steps, "batch_size": args.batch,
+                         "threads": args.threads, "log_every": max(1, args.steps // 4), "warmup_steps": 0}}
+        cfg_path = tmp / "bench.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        subprocess.run([str(BIN / "diffrelay"), "prepare", "--config", str(cfg_path)], check=True,
+                       capture_output=True)
+
+        # (a) throughput, side by side
+        bare = bare_loop(tmp / "bench" / "dataset", args)
+        launched, _ = diffrelay_run(cfg_path, args.steps)
+        records = logs.read_jsonl(tmp / "bench" / "metrics" / "train.jsonl")
+        steady = [r["steps_per_s"] for r in records if "steps_per_s" in r][1:]  # first interval has warm-up
+        ours = sum(steady) / len(steady)
+
+        # (b) segment boundary: one more step from the checkpoint, timed from process launch
+        ckpt = tmp / "bench" / "checkpoints" / checkpoint.step_name(args.steps)
+        t_load = time.perf_counter()
+        checkpoint.load_checkpoint(ckpt)
+        load_s = time.perf_counter() - t_load
+        launched2, finished2 = diffrelay_run(cfg_path, args.steps + 1, init=ckpt)
+        events = logs.read_jsonl(tmp / "bench" / "metrics" / "train.jsonl")
+        start_evt = [r for r in events if r.get("event") == "segment_start"][-1]
+        end_evt = [r for r in events if r.get("event") == "segment_end"][-1]
+        size = sum(f.stat().st_size for f in ckpt.iterdir())
+        snap = tmp / "bench" / "snapshots" / f"{checkpoint.step_name(args.steps)}.safetensors"
+        result = {
+            "settings": vars(args),
+            "bare_steps_per_s": round(bare, 3),
+            "diffrelay_steps_per_s": round(ours, 3),
+            "ratio": round(ours / bare, 3),
+            "boundary": {
+                "launch_to_segment_start_s": round(start_evt["time"] - launched2, 2),
+                "whole_one_step_segment_s": round(finished2 - launched2, 2),
+                "checkpoint_save_s": end_evt.get("save_seconds"),
+                "checkpoint_load_verify_s": round(load_s, 3),
+                "checkpoint_bytes": size,
+                "snapshot_bytes": snap.stat().st_size,
+            },
+            "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        }
+    print(f"bare loop      {bare:7.2f} steps/s")
+    print(f"diffrelay      {ours:7.2f} steps/s   ratio {ours / bare:.3f} (goal >= 0.95)")
+    for k, v in result["boundary"].items():
+        print(f"{k:28s} {v}")
+    from diffrelay import io
+
+    io.write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

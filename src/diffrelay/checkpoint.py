@@ -1,0 +1,154 @@
+"""Checkpoints (full training state, a folder) and snapshots (weights for sampling, one file).
+
+A checkpoint folder is written under a temp name and renamed into place, and its manifest.json
+(format version + sha256 of every file) is written last, so nothing incomplete ever looks complete.
+A snapshot is one .safetensors file whose metadata carries the model config and a sha256 of its
+own tensors and metadata, so it verifies itself and loads without a dataset or a process group.
+"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+from diffrelay import edm, io
+from diffrelay.errors import UserError
+
+CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
+SNAPSHOT_FORMAT = "diffrelay-snapshot/1"
+STEP_DIR = re.compile(r"^step_(\d{7})$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(path, state: dict, meta: dict) -> Path:
+    """`state`: tensors and plain containers (loadable with weights_only=True); `meta`: JSON-able."""
+    path = Path(path)
+    with io.atomic_dir(path) as tmp:
+        torch.save(state, tmp / "state.pt")
+        io.write_json(tmp / "meta.json", meta)
+        files = {name: io.sha256_file(tmp / name) for name in ("state.pt", "meta.json")}
+        io.write_json(tmp / "manifest.json", {"format": CHECKPOINT_FORMAT, "step": meta["step"], "files": files})
+    return path
+
+
+def is_complete(path) -> bool:
+    """Cheap check (no hashing): the manifest exists and names our format."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("format") == CHECKPOINT_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def verify_checkpoint(path) -> dict:
+    """Recompute every file's sha256 against the manifest; return the manifest or raise UserError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: checkpoint folder not found")
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists():
+        raise UserError(f"{path}: incomplete checkpoint (no manifest.json); delete it to resume from an earlier one")
+    manifest = io.read_json(manifest_path)
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{manifest_path}: format={manifest.get('format')!r}; expected {CHECKPOINT_FORMAT}")
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.exists():
+            raise UserError(f"{f}: missing from checkpoint; delete {path} to resume from an earlier one")
+        if io.sha256_file(f) != digest:
+            raise UserError(f"{f}: sha256 does not match manifest.json (corrupt or altered); "
+                            f"delete {path} to resume from an earlier one")
+    return manifest
+
+
+def load_checkpoint(path, map_location="cpu") -> tuple[dict, dict]:
+    """Verify, then load (weights only: a pickle that would run code is refused)."""
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch raises UnpicklingError, RuntimeError, ...; all mean "refuse"
+        raise UserError(f"{path / 'state.pt'}: refused by the weights-only loader ({type(e).__name__}); "
+                        "checkpoints must hold tensors and plain containers only") from e
+    return state, io.read_json(path / "meta.json")
+
+
+def list_checkpoints(folder) -> list[tuple[int, Path]]:
+    """Complete checkpoints in `folder`, sorted by step."""
+    folder = Path(folder)
+    found = []
+    if folder.is_dir():
+        for p in folder.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir() and is_complete(p):
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots
+
+
+def _digest(tensors: dict, meta: dict) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for k in sorted(tensors):
+        t = tensors[k].contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict) -> Path:
+    """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ..."""
+    tensors = {f"ema.{k}": v.detach().cpu().clone() for k, v in ema_state.items()}
+    tensors |= {f"raw.{k}": v.detach().cpu().clone() for k, v in raw_state.items()}
+    meta = {"format": SNAPSHOT_FORMAT, **meta}
+    blob = save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True), "sha256": _digest(tensors, meta)})
+    io.write_bytes(path, blob)
+    return Path(path)
+
+
+def read_snapshot(path) -> tuple[dict, dict]:
+    """(tensors, meta) after checking the embedded sha256; UserError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: snapshot not found; train to that step first or check the path")
+    try:
+        tensors = load_file(path)
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        stored = header["__metadata__"]
+        meta = json.loads(stored["meta"])
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise UserError(f"{path}: unreadable snapshot ({type(e).__name__}); it is truncated or not a "
+                        "diffrelay snapshot; re-create it from its checkpoint or rerun training") from e
+    if meta.get("format") != SNAPSHOT_FORMAT:
+        raise UserError(f"{path}: format={meta.get('format')!r}; expected {SNAPSHOT_FORMAT}")
+    if _digest(tensors, meta) != stored["sha256"]:
+        raise UserError(f"{path}: sha256 of the weights does not match the file's record (corrupt or altered); "
+                        "rerun training of that segment")
+    return tensors, meta
+
+
+def load_snapshot(path, weights: str = "ema", device="cpu"):
+    """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off."""
+    tensors, meta = read_snapshot(path)
+    if weights not in ("ema", "raw"):
+        raise UserError(f"weights={weights!r}: choose ema or raw")
+    prefix = weights + "."
+    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    _, h, w = meta["image_shape"]
+    net = edm.build(meta["model"], resolution=h, num_classes=meta["num_classes"])
+    net.load_state_dict(state)
+    return net.to(device).eval().requires_grad_(False), meta

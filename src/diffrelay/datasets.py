@@ -1,0 +1,345 @@
+"""Datasets: the generated `shapes` set and user image folders, both written as one prepared folder."""
+
+import colorsys
+import hashlib
+import io as bytes_io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
+
+from diffrelay import io, logs
+from diffrelay.errors import UserError
+
+FORMAT = "diffrelay-dataset/1"
+SHAPES_VERSION = 1  # bump when the drawing code changes the pixels, so old fingerprints stop matching
+FOLDER_VERSION = 1  # bump when loading/cropping/resizing changes the pixels
+SHAPE_NAMES = ("circle", "square", "triangle")
+EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+SUPERSAMPLE = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `build` will write, known before any pixel is decoded; `fingerprint` names the result."""
+
+    kind: str
+    resolution: int
+    labels: str  # "auto" | "none"
+    fingerprint: str
+    source: str
+    seed: int = 0
+    count: int = 0
+    root: Path | None = None
+    files: tuple = ()  # folder: (relative posix path, sha256 or None when unreadable), sorted by path
+    on_corrupt: str = "error"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared dataset folder opened for training; `images` is memory-mapped."""
+
+    path: Path
+    images: np.ndarray  # uint8 (N, H, W, 3)
+    labels: np.ndarray  # int64 (N,)
+    num_classes: int
+    class_names: tuple
+    resolution: int
+    count: int
+    fingerprint: str
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- shapes
+
+def _rgb(h, s, v) -> tuple:
+    return tuple(int(round(c * 255)) for c in colorsys.hsv_to_rgb(h % 1.0, s, v))
+
+
+def _background(rng, big: int, hue: float) -> Image.Image:
+    """A dark plain or linear-gradient background with a hue far from the shape's, so edges stay sharp."""
+    bg_hue = hue + 0.5 + rng.uniform(-0.2, 0.2)
+    c1 = _rgb(bg_hue, rng.uniform(0.2, 0.7), rng.uniform(0.05, 0.3))
+    if rng.random() < 0.5:
+        return Image.new("RGB", (big, big), c1)
+    c2 = _rgb(bg_hue + rng.uniform(-0.15, 0.15), rng.uniform(0.2, 0.7), rng.uniform(0.05, 0.35))
+    angle = rng.uniform(0, 2 * np.pi)
+    xy = (np.arange(big) + 0.5) / big - 0.5
+    t = np.cos(angle) * xy[None, :] + np.sin(angle) * xy[:, None]
+    t = (t - t.min()) / (t.max() - t.min())
+    # A 256-entry colour table indexed by position: much cheaper than blending every pixel in float.
+    ramp = np.linspace(0.0, 1.0, 256)[:, None]
+    table = np.rint(np.asarray(c1) + ramp * (np.asarray(c2) - np.asarray(c1))).astype(np.uint8)
+    return Image.fromarray(table[np.rint(t * 255).astype(np.intp)])
+
+
+def draw_shape(seed: int, index: int, shape: int, resolution: int) -> np.ndarray:
+    """Image `index` of the shapes set: one large saturated shape, fully inside the frame, anti-aliased."""
+    rng = np.random.default_rng(np.random.SeedSequence([SHAPES_VERSION, seed, index]))
+    big = resolution * SUPERSAMPLE
+    hue = rng.random()
+    colour = _rgb(hue, rng.uniform(0.75, 1.0), rng.uniform(0.85, 1.0))
+    img = _background(rng, big, hue)
+    side = rng.uniform(0.35, 0.75) * big
+    margin = SUPERSAMPLE  # one output pixel, so no shape touches the border
+    cx, cy = (rng.uniform(side / 2 + margin, big - side / 2 - margin) for _ in range(2))
+    x0, y0, x1, y1 = cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
+    draw = ImageDraw.Draw(img)
+    if SHAPE_NAMES[shape] == "circle":
+        draw.ellipse([x0, y0, x1, y1], fill=colour)
+    elif SHAPE_NAMES[shape] == "square":
+        draw.rectangle([x0, y0, x1, y1], fill=colour)
+    else:
+        draw.polygon([(x0, y1), (x1, y1), (cx, y0)], fill=colour)
+    # reduce() averages each 4x4 block: exact area coverage, so edges are anti-aliased without ringing.
+    return np.asarray(img.reduce(SUPERSAMPLE))
+
+
+def _shapes_images(plan: Plan):
+    """Yield (image, label, name); image i's class is i mod 3, so the classes are exactly balanced."""
+    for i in range(plan.count):
+        shape = i % len(SHAPE_NAMES)
+        label = shape if plan.labels == "auto" else 0
+        yield draw_shape(plan.seed, i, shape, plan.resolution), label, None
+
+
+# ---------------------------------------------------------------- folders
+
+def list_images(root) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of every image under `root`, sorted by relative path.
+
+    Recursive; extensions .png .jpg .jpeg .webp in any case. Names starting with "." (files or folders)
+    are ignored: they are hidden files such as macOS "._x.jpg" resource forks, which are not images.
+    Symlinked folders are not followed; symlinked files are, and a dangling one counts as unreadable.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise UserError(f"{root}: data.path: folder not found; set data.path to an existing image folder")
+    if not root.is_dir():
+        raise UserError(f"{root}: data.path: is a file, not a folder; "
+                        f"set data.path to the folder that holds the images")
+
+    def unreadable_folder(e: OSError):
+        # os.walk would silently leave out a folder it cannot list; a dataset missing a class is worse.
+        raise UserError(f"{e.filename}: cannot list folder ({e.strerror}); fix its permissions") from e
+
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable_folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith(".") and name.lower().endswith(EXTENSIONS):
+                path = Path(dirpath) / name
+                found.append((path.relative_to(root).as_posix(), path))
+    if not found:
+        raise UserError(f"{root}: data.path: no images found (searched recursively for "
+                        f"{', '.join(EXTENSIONS)}, any case); add images or point data.path at another folder")
+    return sorted(found)
+
+
+def _unopenable(path: Path, e: OSError) -> str:
+    why = "dangling symlink" if path.is_symlink() and not path.exists() else (e.strerror or str(e))
+    return f"{path}: cannot open image file ({why}); fix or remove it, or set data.on_corrupt: skip"
+
+
+def hash_files(root, on_corrupt: str = "error") -> tuple:
+    """(relative path, sha256 of bytes) per image; sha is None for an unopenable file when skipping."""
+    out = []
+    for rel, path in list_images(root):
+        try:
+            out.append((rel, io.sha256_file(path)))
+        except OSError as e:
+            if on_corrupt != "skip":
+                raise UserError(_unopenable(path, e)) from e
+            out.append((rel, None))
+    return tuple(out)
+
+
+def folder_labels(rels) -> tuple[list[int], list[str]]:
+    """Class labels of relative paths, from their first-level subfolder.
+
+    Labelled only when every image sits inside a first-level subfolder (a/x.png, a/b/y.png: class "a") and
+    there are at least 2 such subfolders; class index = position of the name in sorted order. Otherwise
+    every label is 0 and there are no class names (an unlabelled dataset).
+    """
+    tops = [r.split("/")[0] if "/" in r else None for r in rels]
+    if None in tops or len(set(tops)) < 2:
+        return [0] * len(rels), []
+    names = sorted(set(tops))
+    index = {n: i for i, n in enumerate(names)}
+    return [index[t] for t in tops], names
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode to 8-bit RGB. Transparent pixels are composited over white: their stored colour is
+    arbitrary (often black), and white is how image viewers and web pages usually show transparency."""
+    img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit greyscale: scale to 8 bits; PIL's own convert() would clip everything above 255 to white.
+        a = np.asarray(img, dtype=np.float64)
+        img = Image.fromarray(np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8), "L")
+    if (img.mode == "P" and "transparency" in img.info) or img.mode in ("PA", "LA", "La", "RGBa"):
+        img = img.convert("RGBA")
+    if img.mode == "RGBA":
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_image(data: bytes, resolution: int) -> np.ndarray:
+    """Decode, convert to RGB, centre-crop to a square and resize with Lanczos to resolution x resolution."""
+    with Image.open(bytes_io.BytesIO(data)) as img:
+        img.load()
+        img = to_rgb(img)
+    w, h = img.size
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    # Crop first: resize(box=...) would let the filter reach pixels outside the square.
+    img = img.crop((left, top, left + side, top + side)).resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _folder_images(plan: Plan, skipped: list):
+    """Yield (image, rel) of every decodable file; append unreadable ones to `skipped` (skip mode only)."""
+    for rel, sha in plan.files:
+        path = plan.root / rel
+        if sha is None:
+            skipped.append(rel)
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            if plan.on_corrupt != "skip":
+                raise UserError(_unopenable(path, e)) from e
+            skipped.append(rel)
+            continue
+        try:
+            yield load_image(data, plan.resolution), rel
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
+            # PIL reports broken files with several exception types (UnidentifiedImageError is an OSError).
+            if plan.on_corrupt != "skip":
+                why = "not an image format PIL recognises" if isinstance(e, UnidentifiedImageError) else str(e)
+                raise UserError(f"{path}: corrupt or unsupported image ({why}); fix or remove the file, "
+                                f"or set data.on_corrupt: skip") from e
+            skipped.append(rel)
+
+
+# ---------------------------------------------------------------- plan, build, open
+
+def plan(data) -> Plan:
+    """Check the `data` config section and fingerprint its source. Folder datasets hash every file."""
+    if data.kind == "shapes":
+        fp = _digest({"generator": f"shapes/{SHAPES_VERSION}", "seed": data.seed, "count": data.count,
+                      "resolution": data.resolution, "labels": data.labels})
+        return Plan("shapes", data.resolution, data.labels, fp, f"shapes seed={data.seed}", seed=data.seed,
+                    count=data.count)
+    root = Path(data.path).expanduser()
+    files = hash_files(root, data.on_corrupt)
+    # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
+    fp = _digest({"format": f"folder/{FOLDER_VERSION}", "resolution": data.resolution, "labels": data.labels,
+                  "files": [list(f) for f in files]})
+    return Plan("folder", data.resolution, data.labels, fp, str(root.resolve()), root=root, files=files,
+                on_corrupt=data.on_corrupt)
+
+
+def build(p: Plan, out) -> dict:
+    """Write images.npy, labels.npy, png/ and dataset.json into `out` (an empty temp folder); return the info."""
+    log = logs.get()
+    out = Path(out)
+    (out / "png").mkdir(parents=True, exist_ok=True)
+    total = p.count if p.kind == "shapes" else len(p.files)
+    skipped: list[str] = []
+    rows = _shapes_images(p) if p.kind == "shapes" else ((img, 0, rel) for img, rel in _folder_images(p, skipped))
+    # Written straight to disk, so a large folder never has to fit in memory twice.
+    shape = (total, p.resolution, p.resolution, 3)
+    images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8, shape=shape)
+    labels, rels = [], []
+    t0 = last = time.time()
+    for n, (img, label, rel) in enumerate(rows):
+        Image.fromarray(img).save(out / "png" / f"{n:06d}.png")
+        images[n] = img
+        labels.append(label)
+        rels.append(rel)
+        if time.time() - last > 10:
+            last = time.time()
+            log.info(f"prepare: {n + 1 + len(skipped)}/{total} images | {logs.fmt_duration(last - t0)}")
+    images.flush()
+    del images
+    count = len(labels)
+    if count < total:  # some files were skipped: keep only the rows that were filled
+        np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
+        os.replace(out / "kept.npy", out / "images.npy")
+    class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else []
+    if p.kind == "folder":
+        if not count:
+            raise UserError(f"{p.root}: data.path: none of the {total} images could be read "
+                            f"(all skipped); fix the files or point data.path at another folder")
+        if p.labels == "auto":
+            labels, class_names = folder_labels(rels)
+    if skipped:
+        log.warning(f"prepare: skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}; "
+                    f"listed in dataset.json 'skipped'")
+    np.save(out / "labels.npy", np.asarray(labels, dtype=np.int64))
+    info = {"format": FORMAT, "kind": p.kind, "count": count, "resolution": p.resolution,
+            "num_classes": len(class_names), "class_names": class_names, "labels": p.labels,
+            "fingerprint": p.fingerprint, "skipped": skipped, "source": p.source}
+    io.write_json(out / "dataset.json", info)
+    return info
+
+
+def _missing(path) -> UserError:
+    return UserError(f"{path}: no prepared dataset (dataset.json missing); "
+                     f"run `diffrelay prepare --config <your config>`")
+
+
+def open_prepared(path) -> Prepared:
+    """Open a folder made by `diffrelay prepare`; check that the arrays match dataset.json."""
+    path = Path(path)
+    if not (path / "dataset.json").is_file():
+        raise _missing(path)
+    info = io.read_json(path / "dataset.json")
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise UserError(f"{path / 'dataset.json'}: not a {FORMAT} file; "
+                        f"rerun `diffrelay prepare --config <your config>`")
+    keys = ("count", "resolution", "num_classes", "class_names", "fingerprint")
+    if any(k not in info for k in keys):
+        raise UserError(f"{path / 'dataset.json'}: incomplete (needs {', '.join(keys)}); "
+                        f"rerun `diffrelay prepare --config <your config>`")
+    n, res = info["count"], info["resolution"]
+    try:
+        images = np.load(path / "images.npy", mmap_mode="r")
+        labels = np.load(path / "labels.npy")
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: images.npy or labels.npy missing or unreadable ({e}); "
+                        f"rerun `diffrelay prepare --config <your config>`") from e
+    if images.shape != (n, res, res, 3) or images.dtype != np.uint8:
+        raise UserError(f"{path / 'images.npy'}: shape {images.shape} {images.dtype} does not match dataset.json "
+                        f"(count={n}, resolution={res}, uint8); rerun `diffrelay prepare --config <your config>`")
+    if labels.shape != (n,) or labels.dtype != np.int64:
+        raise UserError(f"{path / 'labels.npy'}: shape {labels.shape} {labels.dtype} does not match dataset.json "
+                        f"(count={n}, int64); rerun `diffrelay prepare --config <your config>`")
+    return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"])
+
+
+def is_current(path, p: Plan) -> bool:
+    """True when `path` holds a complete dataset built from exactly this plan."""
+    path = Path(path)
+    if not (path / "dataset.json").is_file():
+        return False
+    try:
+        prepared = open_prepared(path)
+        info = io.read_json(path / "dataset.json")
+    except UserError:
+        return False
+    if prepared.fingerprint != p.fingerprint:
+        return False
+    if p.on_corrupt == "error" and info.get("skipped"):
+        return False  # built while skipping bad files; an "error" config must see them fail
+    pngs = path / "png"
+    return pngs.is_dir() and sum(1 for _ in pngs.glob("*.png")) == prepared.count

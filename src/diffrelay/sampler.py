@@ -1,0 +1,68 @@
+"""Resumable data order and per-step seeds: pure functions of (seed, position), no process group needed.
+
+The global order is a sequence of epoch permutations, each derived from (seed, epoch). Training
+consumes it `global_batch` positions per step; rank r takes every world-th position of each step's
+global batch. The state is just {seed, consumed}, so a resume on any number of processes with the
+same global batch continues the very same global sequence, mid-epoch or not.
+"""
+
+import numpy as np
+
+
+def derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from several integers (never `seed + epoch`, which collides)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xDA7A, epoch]))).permutation(n)
+
+
+def global_indices(seed: int, n: int, start: int, count: int) -> np.ndarray:
+    """Dataset indices at global positions [start, start + count) of the endless shuffled stream."""
+    out = np.empty(count, dtype=np.int64)
+    pos, filled = start, 0
+    while filled < count:
+        epoch, offset = divmod(pos, n)
+        take = min(n - offset, count - filled)
+        out[filled:filled + take] = epoch_permutation(seed, epoch, n)[offset:offset + take]
+        pos, filled = pos + take, filled + take
+    return out
+
+
+def rank_slice(batch: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """This rank's share of one global batch."""
+    return batch[rank::world]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Seed for the draws that belong to a process, not a sample (dropout) at one step."""
+    return derive_seed(seed, 0x57E9, step, rank)
+
+
+def sample_seed(seed: int, position: int) -> int:
+    """Seed for one training sample's noise level and noise, by its global stream position.
+
+    Keyed by position rather than (step, rank), so the draws do not depend on the process count.
+    """
+    return derive_seed(seed, 0x401E, position)
+
+
+class DataOrder:
+    """Global batches for consecutive steps. State: {"seed", "consumed"}."""
+
+    def __init__(self, seed: int, n: int, global_batch: int, consumed: int = 0):
+        self.seed, self.n, self.global_batch, self.consumed = seed, n, global_batch, consumed
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset indices, global stream positions) of the next global batch."""
+        positions = np.arange(self.consumed, self.consumed + self.global_batch, dtype=np.int64)
+        batch = global_indices(self.seed, self.n, self.consumed, self.global_batch)
+        self.consumed += self.global_batch
+        return batch, positions
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.consumed = int(state["seed"]), int(state["consumed"])

@@ -1,0 +1,139 @@
+"""Config: defaults, one-line errors for bad values, layering of files, `diffrelay validate`."""
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from diffrelay import config
+from diffrelay.errors import UserError
+
+
+def test_empty_config_gets_every_default():
+    cfg = config.Config(config.validate({}))
+    assert cfg.run.name == "demo" and cfg.data.kind == "shapes" and cfg.data.resolution == 32
+    assert cfg.model.channel_mult == (1, 2, 2) and cfg.train.betas == (0.9, 0.99)
+    assert cfg.fid.extractor == "random" and cfg.sample.class_labels == "balanced"
+    schema = config.load_schema()
+    for section, spec in schema["properties"].items():
+        for key, prop in spec["properties"].items():
+            assert key in cfg.to_dict()[section], f"{section}.{key} has no default"
+            if "default" in prop:
+                assert cfg.to_dict()[section][key] == prop["default"]
+
+
+def test_given_values_win_over_defaults(write_config):
+    cfg = config.load(write_config({"train": {"grad_clip": 0.5}}))
+    assert cfg.train.grad_clip == 0.5 and cfg.train.batch_size == 8 and cfg.train.optimizer == "adam"
+    assert config.run_dir(cfg).name == "tiny"
+
+
+def test_config_is_read_only(write_config):
+    cfg = config.load(write_config())
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.train.lr = 1.0
+    d = cfg.to_dict()
+    d["train"]["lr"] = 5.0
+    assert cfg.train.lr == 0.002
+
+
+BAD = [
+    ({"trian": {}}, ["trian: unknown key", "allowed here: data, fid, model"]),
+    ({"data": {"reslution": 32}}, ["data.reslution: unknown key", "resolution"]),
+    ({"train": {"batch_size": "big"}}, ['train.batch_size="big": wrong type; expected integer']),
+    ({"train": {"total_steps": 6.0}}, ["train.total_steps=6.0: wrong type; expected integer"]),
+    ({"model": {"class_conditional": "yes"}}, ["model.class_conditional", "expected boolean"]),
+    ({"data": {"kind": "pictures"}}, ['data.kind="pictures": not allowed; choose one of shapes, folder']),
+    ({"train": {"batch_size": 0}}, ["train.batch_size=0: must be at least 1"]),
+    ({"train": {"lr": -0.1}}, ["train.lr=-0.1: must be greater than 0"]),
+    ({"model": {"dropout": 1}}, ["model.dropout=1: must be less than 1"]),
+    ({"model": {"channel_mult": []}}, ["model.channel_mult=[]: must not be empty"]),
+    ({"train": {"betas": [0.9]}}, ["train.betas=[0.9]: must have at least 2 items"]),
+    ({"train": {"batch_size": 30, "grad_accum": 4}},
+     ["train.batch_size=30: not divisible by processes x grad_accum = 4", "such as 32"]),
+    ({"train": {"segment_steps": 10}}, ["train.segment_steps=10: longer than the run", "use at most 6"]),
+    ({"train": {"snapshot_every": 2}}, ["train.snapshot_every=2: does not divide train.segment_steps=3"]),
+    ({"data": {"resolution": 20}, "model": {"channel_mult": [1, 2, 2, 2]}},
+     ["data.resolution=20: not supported by a UNet with 4 levels", "multiple of 8"]),
+    ({"data": {"resolution": 8}, "model": {"channel_mult": [1, 2, 2]}}, ["data.resolution=8", "at least 16"]),
+    ({"model": {"attn_resolutions": [12]}}, ["model.attn_resolutions=12: no UNet level", "[16, 8]"]),
+    ({"data": {"kind": "folder"}}, ["data.path: required when data.kind is folder"]),
+    ({"data": {"labels": "none"}}, ["model.class_conditional=true: needs class labels"]),
+    ({"sample": {"class_labels": "all"}}, ['sample.class_labels="all": use balanced or a class index']),
+    ({"run": {"name": "my run"}}, ['run.name="my run"', "no spaces or shell characters"]),
+    ({"run": {"name": "a;rm -rf x"}}, ['run.name="a;rm -rf x"', "no spaces or shell characters"]),
+    ({"run": {"name": "$(x)"}}, ['run.name="$(x)"', "no spaces or shell characters"]),
+    ({"run": {"name": "../up"}}, ['run.name="../up"', "only letters, digits"]),
+    ({"run": {"name": "x" * 101}}, ["run.name=", "must have at most 100 characters"]),
+    ({"data": 5}, ["data=5: wrong type; expected object"]),
+]
+
+
+@pytest.mark.parametrize("overrides, expect", BAD, ids=[f"{i:02d}" for i in range(len(BAD))])
+def test_bad_config_gives_one_line_naming_file_key_and_fix(write_config, overrides, expect):
+    path = write_config(overrides)
+    with pytest.raises(UserError) as e:
+        config.load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: ")
+    for part in expect:
+        assert part in msg
+
+
+def test_later_files_override_earlier_ones(write_config, tmp_path):
+    base = write_config({"train": {"lr": 0.01, "grad_clip": 2.0}})
+    over = tmp_path / "over.yaml"
+    over.write_text("train:\n  lr: 0.05\ndata:\n  count: 7\n")
+    cfg = config.load([base, over])
+    assert cfg.train.lr == 0.05 and cfg.train.grad_clip == 2.0 and cfg.data.count == 7 and cfg.data.resolution == 16
+    reverse = config.load([over, base])
+    assert reverse.train.lr == 0.01
+
+
+def test_error_in_layered_files_names_both(write_config, tmp_path):
+    over = tmp_path / "over.yaml"
+    over.write_text("train:\n  batch_size: 0\n")
+    with pytest.raises(UserError, match=r"config\.yaml, .*over\.yaml: train\.batch_size=0"):
+        config.load([write_config(), over])
+
+
+def test_validate_cli_prints_the_filled_config_as_yaml(write_config, tmp_path):
+    base = write_config()
+    over = tmp_path / "over.yaml"
+    over.write_text("train: {lr: 0.05}\n")
+    p = run_cli("validate", "--config", base, "--config", over)
+    printed = yaml.safe_load(p.stdout)
+    assert printed == config.load([base, over]).to_dict()
+    assert printed["train"]["lr"] == 0.05 and printed["train"]["optimizer"] == "adam"
+
+
+def test_bad_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("run:\n  name: x\ndata: [1, 2\ntrain: {}\n")
+    with pytest.raises(UserError, match=r"broken\.yaml: not valid YAML at line \d+; fix the syntax"):
+        config.load(path)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(UserError, match=r"nope\.yaml: config file not found"):
+        config.load(tmp_path / "nope.yaml")
+
+
+def test_config_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(UserError, match=r"list\.yaml: the config must be a mapping"):
+        config.load(path)
+
+
+def test_segment_ends_and_snapshot_steps(write_config):
+    cfg = config.load(write_config({"train": {"total_steps": 10, "segment_steps": 4, "snapshot_every": 2}}))
+    assert config.segment_ends(cfg) == [4, 8, 10]
+    assert config.snapshot_steps(cfg, 4, 8) == [6, 8]
+    assert config.snapshot_steps(cfg, 8, 10) == [10]
+
+
+def test_section_hash_follows_only_its_sections(write_config):
+    a = config.load(write_config({"train": {"lr": 0.01}}))
+    b = config.load(write_config({"train": {"lr": 0.02}}))
+    assert config.section_hash(a, "data") == config.section_hash(b, "data")
+    assert config.section_hash(a, "train") != config.section_hash(b, "train")

@@ -1,0 +1,225 @@
+"""Faults: killed jobs, preemption signals, dead or stalled ranks, failed writes, concurrent runs.
+
+Every case must end in a correct result or a clear error: never a hang, never lost work.
+"""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, run_cli
+from diffrelay import checkpoint, io, logs
+from diffrelay.errors import UserError
+
+LONG = {"train": {"total_steps": 400, "segment_steps": 400, "log_every": 1, "warmup_steps": 5}}
+
+
+def start(cmd, log_path):
+    """Start a job in its own process group (so a test can signal the whole tree), logging to a file."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        recs = logs.read_jsonl(run_dir / "metrics" / "train.jsonl")
+        if any(r.get("step", 0) >= step and "loss" in r for r in recs):
+            return
+        assert proc.poll() is None, "job ended before the fault could be injected"
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def final_state(run_dir, step=400):
+    return torch.load(run_dir / "checkpoints" / checkpoint.step_name(step) / "state.pt", weights_only=True)
+
+
+def worker_pids(parent_pid):
+    """torchrun's worker processes, by RANK read from their environment."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent_pid:
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    out[int(kv[5:])] = int(p.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted single-process run of 400 steps, and its dataset for the other runs."""
+    import yaml
+
+    from conftest import TINY, deep_merge
+
+    root = tmp_path_factory.mktemp("ref")
+    d = deep_merge(TINY, {"run": {"results": str(root), "resources": str(root / "res")}, **LONG})
+    cfg = root / "c.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    run_cli("prepare", "--config", cfg)
+    run_cli("train", "--config", cfg)
+    return root / "tiny"
+
+
+def copy_dataset(reference, tmp_path):
+    import shutil
+
+    shutil.copytree(reference / "dataset", tmp_path / "results" / "tiny" / "dataset")
+    return tmp_path / "results" / "tiny"
+
+
+def test_sigkill_mid_segment_resumes_from_recovery_checkpoint_bitwise(reference, write_config, tmp_path):
+    cfg = write_config({**LONG, "train": {**LONG["train"], "recovery_every": 50, "keep_recovery": 2}})
+    rd = copy_dataset(reference, tmp_path)
+    job = start([BIN / "diffrelay", "train", "--config", cfg], tmp_path / "1.log")
+    wait_for_step(rd, 170, job)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    kept = checkpoint.list_checkpoints(rd / "recovery")
+    assert [s for s, _ in kept] and len(kept) <= 2 and kept[-1][0] >= 150
+    assert not (rd / "checkpoints" / "step_0000400").exists()
+    # What a kill during a checkpoint write leaves behind: a temp folder and a folder with no manifest.
+    (rd / "checkpoints" / ".step_0000400.abcd.tmp").mkdir(parents=True)
+    (rd / "recovery" / "step_0000390").mkdir()
+    (rd / "recovery" / "step_0000390" / "state.pt").write_bytes(b"torn")
+    p = run_cli("train", "--config", cfg)
+    assert f"resumed from {kept[-1][1]}" in p.stderr
+    a, b = final_state(reference), final_state(rd)
+    for k in a["net"]:
+        assert torch.equal(a["net"][k], b["net"][k]), k
+    for ea, eb in zip(a["ema"], b["ema"]):
+        assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert a["order"] == b["order"]
+
+
+def test_sigterm_under_torchrun_saves_recovery_and_exits_nonzero_then_retry_resumes(reference, write_config,
+                                                                                    tmp_path):
+    cfg = write_config({**LONG, "train": {**LONG["train"], "nproc_per_node": 2}})
+    rd = copy_dataset(reference, tmp_path)
+    cmd = [BIN / "torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "train", "--config", cfg]
+    job = start(cmd, tmp_path / "1.log")
+    wait_for_step(rd, 40, job)
+    t0 = time.time()
+    os.kill(job.pid, signal.SIGTERM)  # what SLURM/Snakemake send to the job's main process
+    assert job.wait(timeout=60) != 0
+    assert time.time() - t0 < 60
+    log = (tmp_path / "1.log").read_text()
+    assert "stop requested (signal); saved recovery checkpoint" in log
+    saved = checkpoint.list_checkpoints(rd / "recovery")
+    assert saved and 40 <= saved[-1][0] < 400
+    p = run_cli("torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "train", "--config", cfg)
+    assert f"resumed from {saved[-1][1]}" in p.stderr
+    a, b = final_state(reference), final_state(rd)
+    for k in a["net"]:  # 2 processes vs the 1-process reference: same data and noise, float rounding only
+        torch.testing.assert_close(a["net"][k], b["net"][k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("fault", ["stall", "die"])
+def test_a_stalled_or_dead_rank_ends_the_job_with_an_error_not_a_hang(reference, write_config, tmp_path, fault):
+    cfg = write_config({**LONG, "train": {**LONG["train"], "nproc_per_node": 2, "timeout_minutes": 0.15}})
+    rd = copy_dataset(reference, tmp_path)
+    cmd = [BIN / "torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "train", "--config", cfg]
+    job = start(cmd, tmp_path / "1.log")
+    wait_for_step(rd, 10, job)
+    victim = worker_pids(job.pid)[1]
+    os.kill(victim, signal.SIGSTOP if fault == "stall" else signal.SIGKILL)
+    try:
+        code = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    log = (tmp_path / "1.log").read_text()
+    assert code != 0
+    assert "rank 0 of 2: all-reduce failed" in log, log[-3000:]
+    if fault == "die":
+        assert "rank" in log and ("-9" in log or "SIGKILL" in log)
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    good = checkpoint.save_checkpoint(tmp_path / "step_0000001", {"w": torch.ones(3)}, {"step": 1})
+    before = {f.name: f.read_bytes() for f in good.iterdir()}
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(UserError, match="No space left on device"):
+        checkpoint.save_checkpoint(tmp_path / "step_0000001", {"w": torch.zeros(3)}, {"step": 1})
+    assert {f.name: f.read_bytes() for f in good.iterdir()} == before
+    checkpoint.verify_checkpoint(good)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001"]  # no temp leftovers
+
+
+def test_failed_rename_keeps_the_previous_json(tmp_path, monkeypatch):
+    target = tmp_path / "best.json"
+    io.write_json(target, {"v": 1})
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(os, "replace", denied)
+    with pytest.raises(UserError, match="Permission denied"):
+        io.write_json(target, {"v": 2})
+    assert json.loads(target.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a tiny tmpfs")
+def test_full_disk_during_training_reports_and_keeps_last_checkpoint(reference, write_config, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        import shutil
+
+        cfg = write_config({"run": {"results": str(mnt)}, **LONG,
+                            "train": {**LONG["train"], "total_steps": 40, "segment_steps": 10}})
+        (mnt / "tiny" / "dataset").mkdir(parents=True)
+        for name in ("images.npy", "labels.npy", "dataset.json"):
+            shutil.copy(reference / "dataset" / name, mnt / "tiny" / "dataset" / name)
+        ok, steps = [], [10, 20, 30, 40]
+        for s in steps:
+            p = run_cli("train", "--config", cfg, "--until-step", s, check=False)
+            if p.returncode:
+                break
+            ok.append(s)
+        assert p.returncode == 2, "expected the small disk to fill up"
+        assert "No space left on device" in p.stderr and p.stderr.strip().count("\n") < 3
+        assert ok, "the first segment should fit"
+        checkpoint.verify_checkpoint(mnt / "tiny" / "checkpoints" / checkpoint.step_name(ok[-1]))
+        assert logs.read_jsonl(mnt / "tiny" / "metrics" / "train.jsonl")
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_two_training_jobs_at_once_do_not_collide(reference, write_config, tmp_path):
+    jobs = []
+    for name in ("a", "b"):
+        cfg = write_config({"run": {"name": name}, "train": {"nproc_per_node": 2, "total_steps": 20,
+                                                               "segment_steps": 20}}, name=f"{name}.yaml")
+        import shutil
+
+        shutil.copytree(reference / "dataset", tmp_path / "results" / name / "dataset")
+        cmd = [BIN / "torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "train", "--config", cfg]
+        jobs.append(start(cmd, tmp_path / f"{name}.log"))
+    codes = [j.wait(timeout=300) for j in jobs]
+    assert codes == [0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in "ab"]
+    for name in ("a", "b"):
+        checkpoint.verify_checkpoint(tmp_path / "results" / name / "checkpoints" / "step_0000020")

@@ -1,0 +1,208 @@
+"""Training segments: K segments equal one run, resume on another process count, refuse bad checkpoints."""
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import run_cli
+from diffrelay import checkpoint, io
+
+TRAIN = ["-m", "diffrelay", "train"]
+
+
+def torchrun(nproc, *args):
+    return run_cli("torchrun", "--standalone", f"--nproc-per-node={nproc}", *TRAIN, *args)
+
+
+def fresh_copy(run, tmp_path, **train):
+    """The run's config with results in tmp_path (dataset copied over), train keys overridden."""
+    cfg, rd = run
+    d = json.loads(cfg.read_text())
+    d["run"]["results"] = str(tmp_path)
+    d["train"].update(train)
+    new = tmp_path / "config.yaml"
+    io.write_json(new, d)
+    shutil.copytree(rd / "dataset", tmp_path / "r" / "dataset")
+    return new
+
+
+def load_state(ckpt):
+    return torch.load(ckpt / "state.pt", weights_only=True)
+
+
+def assert_tensors_equal(a, b, path="state"):
+    """Walk two nested state dicts and compare every tensor bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_tensors_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tensors_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a} != {b}"
+
+
+def read_trace(prefix, world):
+    """Rebuild each step's global batch from the per-rank traces (rank r took positions r::world)."""
+    per_rank = [[json.loads(l) for l in open(f"{prefix}.rank{r}")] for r in range(world)]
+    steps = []
+    for records in zip(*per_rank):
+        total = sum(len(r["indices"]) for r in records)
+        batch = [None] * total
+        for r, rec in enumerate(records):
+            batch[r::world] = rec["indices"]
+        steps.append((records[0]["step"], batch))
+    return steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted 2-process run of 6 steps, and the same run as two 2-process segments of 3."""
+    root = tmp_path_factory.mktemp("train")
+    base = {
+        "run": {"name": "r", "device": "cpu"},
+        "data": {"kind": "shapes", "resolution": 16, "count": 20, "seed": 0},  # 20 images: epochs end mid-batch
+        "model": {"channels": 8, "channel_mult": [1, 2], "num_blocks": 1, "class_conditional": True},
+        "train": {"total_steps": 6, "segment_steps": 3, "batch_size": 8, "nproc_per_node": 2, "lr": 0.002,
+                  "warmup_steps": 2, "log_every": 1, "ema_decays": [0.9, 0.99]},
+    }
+    out = {}
+    for name in ("one", "two"):
+        d = json.loads(json.dumps(base))
+        d["run"].update(results=str(root / name), resources=str(root / "resources"))
+        cfg = root / f"{name}.yaml"
+        io.write_json(cfg, d)  # JSON is valid YAML
+        run_cli("prepare", "--config", cfg)
+        out[name] = (cfg, root / name / "r")
+    cfg, rd = out["one"]
+    torchrun(2, "--config", cfg, "--until-step", 6, "--trace", root / "one.trace")
+    cfg, rd = out["two"]
+    torchrun(2, "--config", cfg, "--until-step", 3, "--trace", root / "two.trace")
+    torchrun(2, "--config", cfg, "--until-step", 6, "--init", rd / "checkpoints/step_0000003",
+             "--trace", root / "two.trace")
+    return root, out
+
+
+def test_two_segments_match_one_run_bitwise(runs):
+    root, out = runs
+    one = load_state(out["one"][1] / "checkpoints/step_0000006")
+    two = load_state(out["two"][1] / "checkpoints/step_0000006")
+    for key in ("net", "ema", "optimizer", "schedule", "scaler", "order", "step"):
+        assert_tensors_equal(one[key], two[key], key)
+    assert read_trace(root / "one.trace", 2) == read_trace(root / "two.trace", 2)
+
+
+def test_resume_on_fewer_processes_keeps_global_order(runs, tmp_path):
+    root, out = runs
+    cfg, rd = out["two"]
+    d = json.loads(cfg.read_text())
+    d["run"]["results"] = str(tmp_path)
+    d["train"]["nproc_per_node"] = 1
+    cfg1 = tmp_path / "one-proc.yaml"
+    io.write_json(cfg1, d)
+    shutil.copytree(rd / "dataset", tmp_path / "r" / "dataset")
+    run_cli(sys.executable, *TRAIN, "--config", cfg1, "--until-step", 6,
+            "--init", rd / "checkpoints/step_0000003", "--trace", tmp_path / "mixed.trace")
+    mixed = read_trace(tmp_path / "mixed.trace", 1)
+    straight = read_trace(root / "one.trace", 2)
+    assert mixed == straight[3:]
+    a = load_state(out["one"][1] / "checkpoints/step_0000006")
+    b = load_state(tmp_path / "r" / "checkpoints/step_0000006")
+    for k in a["net"]:
+        torch.testing.assert_close(a["net"][k], b["net"][k], rtol=1e-4, atol=1e-5)
+    assert a["order"] == b["order"]
+
+
+@pytest.mark.parametrize("boundary", [1, 3])
+def test_boundary_at_step_one_and_mid_epoch_resume_exactly(runs, tmp_path, boundary):
+    # 20 images, batch 8: step 3 starts in the middle of the second epoch.
+    root, out = runs
+    cfg, rd = out["one"]
+    d = json.loads(cfg.read_text())
+    d["run"]["results"] = str(tmp_path)
+    d["train"].update(nproc_per_node=1, segment_steps=boundary)
+    d["model"]["dropout"] = 0.2  # dropout draws must resume exactly too
+    c = tmp_path / "c.yaml"
+    io.write_json(c, d)
+    shutil.copytree(rd / "dataset", tmp_path / "r" / "dataset")
+    run_cli(sys.executable, *TRAIN, "--config", c, "--until-step", boundary)
+    run_cli(sys.executable, *TRAIN, "--config", c, "--until-step", 5)
+    d["run"]["results"] = str(tmp_path / "straight")
+    io.write_json(c, d)
+    shutil.copytree(rd / "dataset", tmp_path / "straight" / "r" / "dataset")
+    run_cli(sys.executable, *TRAIN, "--config", c, "--until-step", 5)
+    assert_tensors_equal(load_state(tmp_path / "r/checkpoints/step_0000005"),
+                         load_state(tmp_path / "straight/r/checkpoints/step_0000005"))
+
+
+def test_snapshot_loads_and_runs_in_a_fresh_process_without_dataset(runs, tmp_path):
+    _, out = runs
+    snap = tmp_path / "s.safetensors"
+    shutil.copy(out["two"][1] / "snapshots/step_0000003.safetensors", snap)
+    code = (
+        "import sys, torch; from diffrelay import checkpoint\n"
+        "net, meta = checkpoint.load_snapshot(sys.argv[1])\n"
+        "c, h, w = meta['image_shape']\n"
+        "y = net(torch.randn(2, c, h, w), torch.ones(2), torch.zeros(2, dtype=torch.long))\n"
+        "assert y.shape == (2, c, h, w) and torch.isfinite(y).all(); print(meta['step'])\n")
+    p = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "3"
+
+
+def test_changed_checkpoint_byte_is_refused(runs, tmp_path):
+    _, out = runs
+    _, rd = out["two"]
+    cfg = fresh_copy(out["two"], tmp_path)
+    bad = tmp_path / "step_0000003"
+    shutil.copytree(rd / "checkpoints/step_0000003", bad)
+    blob = bytearray((bad / "state.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    (bad / "state.pt").write_bytes(bytes(blob))
+    with pytest.raises(Exception, match="state.pt: sha256 does not match"):
+        checkpoint.load_checkpoint(bad)
+    p = run_cli("train", "--config", cfg, "--until-step", 6, "--init", bad, check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "state.pt: sha256 does not match" in p.stderr
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_checkpoint_with_code_running_pickle_is_refused(tmp_path):
+    ck = tmp_path / "step_0000001"
+    ck.mkdir()
+    (ck / "state.pt").write_bytes(pickle.dumps({"net": _RunsCode()}))
+    io.write_json(ck / "meta.json", {"step": 1})
+    files = {n: io.sha256_file(ck / n) for n in ("state.pt", "meta.json")}
+    io.write_json(ck / "manifest.json", {"format": checkpoint.CHECKPOINT_FORMAT, "step": 1, "files": files})
+    with pytest.raises(Exception, match="refused by the weights-only loader"):
+        checkpoint.load_checkpoint(ck)
+
+
+def test_half_written_checkpoint_is_not_taken_as_complete(tmp_path):
+    ck = tmp_path / "checkpoints" / "step_0000002"
+    ck.mkdir(parents=True)
+    (ck / "state.pt").write_bytes(b"partial")
+    assert not checkpoint.is_complete(ck)
+    assert checkpoint.list_checkpoints(tmp_path / "checkpoints") == []
+
+
+def test_non_finite_steps_save_and_stop_with_an_error(write_config, tmp_path):
+    cfg = write_config({"train": {"p_mean": 800.0, "max_skipped_steps": 2, "total_steps": 6}})
+    run_cli("prepare", "--config", cfg)
+    p = run_cli("train", "--config", cfg, "--until-step", 3, check=False)
+    assert p.returncode == 2, p.stderr
+    assert "2 consecutive non-finite steps up to step 2" in p.stderr
+    assert checkpoint.is_complete(tmp_path / "results/tiny/recovery/step_0000002")
