@@ -9,6 +9,7 @@ own tensors and metadata, so it verifies itself and loads without a dataset or a
 import hashlib
 import json
 import re
+from io import BytesIO
 from pathlib import Path
 
 import torch
@@ -34,8 +35,10 @@ def step_name(step: int) -> str:
 def save_checkpoint(path, state: dict, meta: dict) -> Path:
     """`state`: tensors and plain containers (loadable with weights_only=True); `meta`: JSON-able."""
     path = Path(path)
+    buf = BytesIO()
+    torch.save(state, buf)  # serialise in memory: torch's own file writer hides ENOSPC behind a RuntimeError
     with io.atomic_dir(path) as tmp:
-        torch.save(state, tmp / "state.pt")
+        (tmp / "state.pt").write_bytes(buf.getbuffer())
         io.write_json(tmp / "meta.json", meta)
         files = {name: io.sha256_file(tmp / name) for name in ("state.pt", "meta.json")}
         io.write_json(tmp / "manifest.json", {"format": CHECKPOINT_FORMAT, "step": meta["step"], "files": files})

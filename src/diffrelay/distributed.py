@@ -70,12 +70,20 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def _is_group_error(e: BaseException) -> bool:
+    # DDP's gradient all-reduce surfaces backend failures as plain RuntimeErrors from inside backward().
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Timed out", "Connection"))
+
+
 @contextlib.contextmanager
-def _peers(what: str):
+def peers(what: str):
     """Turn a failed or timed-out collective into one line that says which rank saw it."""
     try:
         yield
     except (dist.DistError, RuntimeError) as e:
+        if not _is_group_error(e):
+            raise
         from diffrelay.errors import GroupFailure
 
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -85,7 +93,7 @@ def _peers(what: str):
 
 def barrier() -> None:
     if dist.is_initialized():
-        with _peers("barrier"):
+        with peers("barrier"):
             dist.barrier()
 
 
@@ -93,7 +101,7 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks. Every rank must call it."""
     y = x.detach().clone()
     if dist.is_initialized():
-        with _peers("all-reduce"):
+        with peers("all-reduce"):
             dist.all_reduce(y, op=dist.ReduceOp.SUM)
     return y
 

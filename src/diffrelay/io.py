@@ -11,6 +11,12 @@ from pathlib import Path
 from diffrelay.errors import UserError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     # The rename is only durable once the folder entry itself reaches the disk.
     fd = os.open(path, os.O_RDONLY)
@@ -27,6 +33,7 @@ def atomic_write(path, mode="wb"):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results should be readable like any file
     except OSError as e:
         raise UserError(f"{path}: cannot write ({e.strerror}); check the folder's permissions and free space") from e
     try:
@@ -67,9 +74,7 @@ def atomic_dir(path):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any other folder
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the result should look like any other folder
     except OSError as e:
         raise UserError(f"{path}: cannot write ({e.strerror}); check the folder's permissions and free space") from e
     try:

@@ -179,7 +179,8 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
             rnd, noise = (x.to(device) for x in edm.draw_noise([sample_seed(cfg.run.seed, p) for p in pos],
                                                                images.shape[1:]))
             sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
-            with sync, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            with sync, distributed.peers("gradient all-reduce"), \
+                    torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = edm.loss(ddp, images, labels if data.num_classes else None, rnd, noise,
                                 t.p_mean, t.p_std, cfg.model.sigma_data)
                 scaler.scale(loss / t.grad_accum).backward()

@@ -1,0 +1,152 @@
+"""`diffrelay report` on a hand-made run folder: the CSV, the plots, best.json and the errors."""
+
+import csv
+import json
+
+import pytest
+from conftest import run_cli
+from PIL import Image
+
+from diffrelay import cli
+from diffrelay.report import COLUMNS
+
+# Evaluated steps and their FD; step 4 is the best (neither the first nor the last).
+FD = {2: 80.0, 4: 30.0, 6: 45.0, 8: 35.0}
+KID = {2: 0.08, 4: 0.03, 6: 0.05, 8: 0.04}
+LOSS = {1: 1.0, 2: 0.8, 3: 0.6, 4: 0.5, 5: 0.45, 6: 0.35, 7: 0.3, 8: 0.25}
+COLOURS = {2: (255, 0, 0), 4: (0, 255, 0), 6: (0, 0, 255), 8: (255, 255, 0)}
+
+
+def _train_record(step, loss):
+    return {"step": step, "loss": loss, "lr": 0.001, "grad_norm": 0.5, "skipped": 0,
+            "steps_per_s": 2.0, "images_per_s": 16.0 * step, "elapsed": step / 2, "time": 1000.0 + step}
+
+
+def make_run(root):
+    """A run of 8 steps in two segments, evaluated every 2 steps, with one crashed attempt in between."""
+    run = root / "results" / "toy"
+    lines = [{"event": "segment_start", "step": 0, "time": 1000.0}]
+    lines += [_train_record(s, LOSS[s]) for s in (1, 2, 3, 4)]
+    lines += [{"event": "segment_end", "step": 4, "seconds": 12.5, "time": 1013.0}]
+    # A killed attempt at the second segment: its step 5 is trained again and must not count.
+    lines += [{"event": "segment_start", "step": 4, "time": 1020.0}, _train_record(5, 9.0)]
+    lines += [{"event": "segment_start", "step": 4, "time": 1030.0}]
+    lines += [_train_record(s, LOSS[s]) for s in (5, 6, 7, 8)]
+    lines += [{"event": "segment_end", "step": 8, "time": 1040.0}]  # no "seconds": time difference is used
+    (run / "metrics" / "fid").mkdir(parents=True)
+    (run / "metrics" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for step, fd in FD.items():
+        name = f"step_{step:07d}"
+        (run / "metrics" / "fid" / f"{name}.json").write_text(json.dumps({
+            "metric": "FD (random features)", "fid": fd, "kid": KID[step], "num_images": 8, "num_ref": 96,
+            "seconds": 3.0 + step, "started": 0.0, "finished": 3.0 + step}))
+        samples = run / "samples" / name
+        samples.mkdir(parents=True)
+        (samples / "manifest.json").write_text(json.dumps({
+            "num_images": 8, "seconds": 2.0, "started": 50.0, "finished": 52.0, "some_new_key": [1]}))
+        Image.new("RGB", (34, 34), COLOURS[step]).save(samples / "grid.png")
+    return run
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return make_run(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def good_report(tmp_path_factory):
+    """One report through the real `diffrelay` executable, shared by the read-only checks."""
+    run = make_run(tmp_path_factory.mktemp("good"))
+    run_cli("report", "--run-dir", run, "--out", run / "report")
+    return run, run / "report"
+
+
+def _report_in_process(run_dir, capsys):
+    """The same CLI entry point, without paying for a new interpreter: (out, exit code, stderr)."""
+    out = run_dir / "report"
+    rc = cli.main(["report", "--run-dir", str(run_dir), "--out", str(out)])
+    return out, rc, capsys.readouterr().err
+
+
+def _rows(out):
+    with open(out / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_metrics_csv_has_one_row_per_evaluated_step_with_input_values(good_report):
+    _, out = good_report
+    fields, rows = _rows(out)
+    assert fields == COLUMNS
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    for r in rows:
+        step = int(r["step"])
+        assert r["metric"] == "FD (random features)"
+        assert float(r["fid"]) == FD[step] and float(r["kid"]) == pytest.approx(KID[step])
+        assert float(r["fid_s"]) == 3.0 + step
+        assert float(r["sample_s"]) == 2.0 and float(r["sample_images_per_s"]) == 4.0
+        # Mean of the records after the previous evaluated step, up to this one.
+        assert float(r["train_loss_mean"]) == pytest.approx((LOSS[step - 1] + LOSS[step]) / 2)
+        assert float(r["train_images_per_s"]) == pytest.approx(16.0 * (step - 0.5))
+    # First segment reports its own seconds; the second is timed from its (retried) start to its end.
+    assert [float(r["train_segment_s"]) for r in rows] == [12.5, 12.5, 10.0, 10.0]
+
+
+def test_best_json_picks_the_lowest_fd_and_copies_its_grid(good_report):
+    run_dir, out = good_report
+    best = json.loads((out / "best.json").read_text())
+    assert best["step"] == 4 and best["fid"] == 30.0 and best["metric"] == "FD (random features)"
+    assert best["snapshot"].endswith("toy/snapshots/step_0000004.safetensors")
+    assert best["samples"].endswith("toy/samples/step_0000004")
+    grid = out / "best_grid.png"
+    assert not grid.is_symlink()
+    assert grid.read_bytes() == (run_dir / "samples" / "step_0000004" / "grid.png").read_bytes()
+
+
+def test_plots_are_valid_png_images(good_report):
+    _, out = good_report
+    for name in ("fid.png", "loss.png"):
+        with Image.open(out / name) as im:
+            assert im.format == "PNG" and im.width > 300 and im.height > 200
+            im.verify()
+    assert not list(out.glob(".*.tmp"))  # atomic writes left no temp files behind
+
+
+def test_torn_last_line_of_train_log_is_ignored(run_dir, capsys):
+    with open(run_dir / "metrics" / "train.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 0.2, "images_per')  # writer killed mid-line
+    out, rc, err = _report_in_process(run_dir, capsys)
+    assert rc == 0, err
+    _, rows = _rows(out)
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+
+
+def test_missing_fid_folder_is_one_line_error(run_dir, capsys):
+    for f in (run_dir / "metrics" / "fid").iterdir():
+        f.unlink()
+    (run_dir / "metrics" / "fid").rmdir()
+    out, rc, err = _report_in_process(run_dir, capsys)
+    assert rc == 2
+    err = err.strip()
+    assert err.count("\n") == 0 and err.startswith("diffrelay: error: ")
+    assert "metrics/fid" in err and "no FID results yet" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, text, expect", [
+    ("metrics/fid/step_0000006.json", '{"metric": "FD", "fid": ', "not valid JSON"),
+    ("metrics/fid/step_0000006.json", '{"metric": "FD", "kid": 0.1}', "fid=None"),
+    ("samples/step_0000006/manifest.json", None, "not found"),
+    ("metrics/train.jsonl", "", "no training records"),
+])
+def test_bad_or_missing_input_file_is_named(run_dir, capsys, name, text, expect):
+    path = run_dir / name
+    if text is None:
+        path.unlink()
+    else:
+        path.write_text(text)
+    out, rc, err = _report_in_process(run_dir, capsys)
+    assert rc == 2, err
+    err = err.strip()
+    assert err.count("\n") == 0 and str(path) in err and expect in err
+    assert not out.exists()  # inputs are all checked before any output is written
