@@ -1,0 +1,270 @@
+"""FID/KID with clean-fid: reference statistics of a dataset, and scores of image folders in a clean subprocess.
+
+Examples:
+  diffrelay fid-ref --dataset results/demo/dataset --extractor resources/extractors/random-seed0.pt \\
+      --cache-dir resources/fid-ref --out results/demo/fid/reference.npz
+  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference.npz \\
+      --extractor resources/extractors/random-seed0.pt --out results/demo/metrics/fid/step_0000400.json
+
+`diffrelay fid` re-runs itself with --in-process as a fresh child through `run_clean`, whose environment
+has no torchrun variables: scoring can never join, or wait for, a training process group.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from diffrelay import distributed, io, logs
+from diffrelay.errors import UserError
+
+FORMAT = "diffrelay-fid-ref/1"
+# KID draws subsets of at most 1000 rows (clean-fid's max_subset_size), so 10k reference rows are plenty,
+# and they bound the file: 10k x 2048 float32 = 80 MB for Inception.
+MAX_FEATURES = 10_000
+# clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.
+NUMBERED = re.compile(r"^\d+\.(bmp|jpg|jpeg|pgm|png|ppm|tif|tiff|webp)$", re.IGNORECASE)
+ARRAYS = ("mu", "sigma", "features", "settings")
+log = logs.get()
+
+
+# ---------------------------------------------------------------------------- images and features
+
+def image_files(folder) -> list[Path]:
+    """The numbered images of a folder (000000.png ...), sorted; at least 2 or UserError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: image folder not found")
+    files = sorted(p for p in folder.iterdir() if NUMBERED.match(p.name) and p.is_file())
+    if len(files) < 2:
+        raise UserError(f"{folder}: {len(files)} numbered images (000000.png ...); FID/KID need at least 2")
+    return files
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def features(files, ext, mode: str, batch_size: int, device) -> np.ndarray:
+    """(N, D) float32 features of image files through clean-fid's resize + batching pipeline."""
+    from cleanfid.fid import get_files_features
+
+    # get_files_features is get_folder_features minus its recursive glob (we choose the files).
+    # num_workers=0: worker processes are a hang risk inside schedulers and buy nothing at this size.
+    return get_files_features([str(f) for f in files], model=ext.fn, num_workers=0, batch_size=batch_size,
+                              device=device, mode=mode, verbose=False)
+
+
+def statistics(feats: np.ndarray):
+    """mu, sigma exactly as clean-fid computes them."""
+    return np.mean(feats, axis=0), np.cov(feats, rowvar=False)
+
+
+def distances(feats, ref: dict) -> tuple[float, float]:
+    """(FD, KID) of features against reference statistics, with clean-fid's formulas."""
+    from cleanfid.fid import frechet_distance, kernel_distance
+    from scipy.linalg import LinAlgWarning
+
+    mu, sigma = statistics(feats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # clean-fid passes scipy's deprecated `disp`
+        # Too few images for the feature count make sigma singular; `score` logs that once, in plain words.
+        warnings.simplefilter("ignore", LinAlgWarning)
+        fd = float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
+    # kernel_distance draws subsets from numpy's global generator: seed it, then put the caller's state back.
+    state = np.random.get_state()
+    np.random.seed(0)
+    try:
+        kid = kernel_distance(ref["features"], feats)
+    finally:
+        np.random.set_state(state)
+    return fd, kid
+
+
+# ---------------------------------------------------------------------------- the statistics file
+
+def _digest(arrays: dict) -> str:
+    h = hashlib.sha256()
+    for k in ARRAYS:
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def save_ref(path, mu, sigma, feats, settings: dict) -> None:
+    """Write mu, sigma, features and settings atomically, with a sha256 of them all inside (`digest`)."""
+    arrays = {"mu": mu, "sigma": sigma, "features": feats, "settings": np.array(json.dumps(settings, sort_keys=True))}
+    with io.atomic_write(path) as f:
+        np.savez(f, digest=np.array(_digest(arrays)), **arrays)
+
+
+def load_ref(path) -> dict:
+    """Arrays and settings of a statistics file; UserError naming it if it is missing, damaged or altered."""
+    path = Path(path)
+    fix = "rerun `diffrelay fid-ref` to rebuild it"
+    if not path.is_file():
+        raise UserError(f"{path}: reference statistics not found; {fix}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in (*ARRAYS, "digest")}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path}: unreadable reference statistics ({type(e).__name__}: {e}); {fix}") from e
+    if str(arrays.pop("digest")) != _digest(arrays):
+        raise UserError(f"{path}: digest mismatch: the statistics were altered or damaged after writing; {fix}")
+    ref = {k: arrays[k] for k in ("mu", "sigma", "features")}
+    ref["settings"] = json.loads(str(arrays["settings"]))
+    if ref["settings"].get("format") != FORMAT:
+        raise UserError(f"{path}: format={ref['settings'].get('format')}: not {FORMAT}; {fix}")
+    return ref
+
+
+def extractor_sha256(path) -> str:
+    if not Path(path).is_file():
+        raise UserError(f"{path}: extractor file not found; run `diffrelay fetch-extractor --out {path}`")
+    return io.sha256_file(path)
+
+
+def check_ref(ref: dict, path, extractor_sha256: str, mode: str) -> None:
+    """The statistics must come from the same extractor file and mode as the images about to be scored."""
+    s = ref["settings"]
+    if s["extractor_sha256"] != extractor_sha256:
+        raise UserError(f"{path}: extractor_sha256={s['extractor_sha256'][:12]}... ({s['extractor']}): made with "
+                        f"another extractor than this one ({extractor_sha256[:12]}...); rerun fid-ref with it")
+    if s["mode"] != mode:
+        raise UserError(f"{path}: mode={s['mode']}: scoring asked for mode={mode}; use --mode {s['mode']} "
+                        "or rerun fid-ref with this mode")
+
+
+# ---------------------------------------------------------------------------- diffrelay fid-ref
+
+def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64, cache_dir=None) -> Path:
+    """Reference statistics of <dataset>/png, computed once per (fingerprint, extractor, mode, count) in cache_dir."""
+    from diffrelay import extractor
+
+    dataset, out = Path(dataset), Path(out)
+    info = io.read_json(dataset / "dataset.json")
+    fingerprint = info.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise UserError(f"{dataset / 'dataset.json'}: fingerprint={fingerprint!r}: missing; rerun `diffrelay prepare`")
+    files = image_files(dataset / "png")
+    if num > len(files):
+        raise UserError(f"--num={num}: {dataset / 'png'} has only {len(files)} images; use at most that or 0 (all)")
+    if num:
+        # A seeded subset, not the first `num`: a dataset stored class by class would bias the reference.
+        keep = np.sort(np.random.default_rng(0).choice(len(files), num, replace=False))
+        files = [files[i] for i in keep]
+    sha = extractor_sha256(extractor_path)
+
+    cached = None
+    if cache_dir:
+        cached = Path(cache_dir) / f"{fingerprint[:16]}-{sha[:16]}-{mode}-{len(files)}.npz"
+        if cached.is_file():
+            try:
+                check_ref(load_ref(cached), cached, sha, mode)
+            except UserError as e:
+                log.warning(f"ignoring cached statistics: {e}; recomputing")
+            else:
+                _copy(cached, out)
+                log.info(f"{out}: reused cached statistics {cached}")
+                return out
+
+    t0 = time.time()
+    ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
+    feats = features(files, ext, mode, batch_size, _device())
+    mu, sigma = statistics(feats)
+    if len(files) <= feats.shape[1]:
+        log.warning(f"{dataset}: {len(files)} reference images for {feats.shape[1]} features: sigma is singular; "
+                    "use more images than features")
+    if len(feats) > MAX_FEATURES:
+        feats = feats[np.sort(np.random.default_rng(0).choice(len(feats), MAX_FEATURES, replace=False))]
+    settings = {"format": FORMAT, "mode": mode, "metric": ext.label, "extractor": ext.path.name,
+                "extractor_sha256": sha, "dataset": str(dataset), "fingerprint": fingerprint,
+                "num_images": len(files), "num_features": len(feats), "feature_dim": int(feats.shape[1])}
+    save_ref(out, mu, sigma, feats, settings)
+    if cached:
+        _copy(out, cached)
+    log.info(f"{out}: statistics of {len(files)} images ({feats.shape[1]} features, {ext.label}) "
+             f"in {time.time() - t0:.1f}s")
+    return out
+
+
+def _copy(src: Path, dst: Path) -> None:
+    with io.atomic_write(dst) as f, open(src, "rb") as s:
+        shutil.copyfileobj(s, f, 1 << 20)
+
+
+def main_fid_ref(args) -> int:
+    logs.setup()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    make_ref(args.dataset, args.extractor, args.out, mode=args.mode, num=args.num, batch_size=args.batch_size,
+             cache_dir=args.cache_dir)
+    return 0
+
+
+# ---------------------------------------------------------------------------- diffrelay fid
+
+def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `cmd` without any process-group variables, stdout/stderr passed through; killed after timeout_s."""
+    cmd = [str(c) for c in cmd]
+    try:
+        # No stdin: a child waiting for input would only ever end at the timeout.
+        return subprocess.run(cmd, env=distributed.clean_env(), stdin=subprocess.DEVNULL, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise UserError(f"{' '.join([Path(cmd[0]).name, *cmd[1:4]])}: timed out after {timeout_s / 60:g} minutes "
+                        "and was killed; raise --timeout-minutes (fid.timeout_minutes) or score fewer images") from e
+
+
+def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict:
+    """FD/KID of an image folder against reference statistics, in this process. Returns the result record."""
+    from diffrelay import extractor
+
+    started = time.time()
+    files = image_files(images)  # cheap checks first: images, statistics, extractor hash, then the model
+    ref = load_ref(ref_path)
+    sha = extractor_sha256(extractor_path)
+    check_ref(ref, ref_path, sha, mode)
+    ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
+    feats = features(files, ext, mode, batch_size, _device())
+    if len(files) <= feats.shape[1]:
+        log.warning(f"{images}: {len(files)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
+                    f"so {ext.label} is biased upward; compare only scores with equal image counts")
+    fd, kid = distances(feats, ref)
+    finished = time.time()
+    return {"metric": ext.label, "fid": fd, "kid": kid, "num_images": len(files),
+            "num_ref": ref["settings"]["num_images"], "extractor": str(extractor_path), "extractor_sha256": sha,
+            "mode": mode, "seconds": round(finished - started, 3), "images": str(images), "ref": str(ref_path),
+            "started": started, "finished": finished}
+
+
+def main_fid(args) -> int:
+    logs.setup()
+    if not args.in_process:
+        # Cheap checks here too, so a bad path fails before a child process is paid for.
+        image_files(args.images)
+        check_ref(load_ref(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
+        cmd = [sys.executable, "-m", "diffrelay", "fid", "--images", args.images, "--ref", args.ref,
+               "--extractor", args.extractor, "--mode", args.mode, "--batch-size", args.batch_size,
+               "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", args.out,
+               "--in-process"]
+        return run_clean(cmd, args.timeout_minutes * 60).returncode
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result = score(args.images, args.ref, args.extractor, args.mode, args.batch_size)
+    io.write_json(args.out, result)
+    log.info(f"{args.out}: {result['metric']} {result['fid']:.4f}, KID {result['kid']:.5f} "
+             f"({result['num_images']} images vs {result['num_ref']}, {result['seconds']:.1f}s)")
+    return 0

@@ -1,0 +1,254 @@
+"""FID/KID: reference statistics, their cache and integrity, scores, and the clean subprocess around them."""
+
+import json
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from PIL import Image
+from torch import nn
+from torch.nn import functional as F
+
+from diffrelay import cli, distributed, extractor, fid, io
+from diffrelay.errors import UserError
+
+N = 128  # images per folder: enough for ordering, small enough for seconds
+
+
+def shapes(n, seed, size=16):
+    """Discs and squares of random colours on dark backgrounds."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:size, :size]
+    out = []
+    for _ in range(n):
+        img = np.empty((size, size, 3), np.uint8)
+        img[:] = rng.integers(0, 80, 3)
+        cx, cy = rng.integers(3, size - 3, 2)
+        r = rng.integers(2, 6)
+        disc = (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+        square = (abs(xx - cx) <= r) & (abs(yy - cy) <= r)
+        img[disc if rng.random() < 0.5 else square] = rng.integers(120, 256, 3)
+        out.append(img)
+    return out
+
+
+def write_pngs(folder, imgs):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, img in enumerate(imgs):
+        Image.fromarray(img).save(folder / f"{i:06d}.png")
+    return folder
+
+
+def write_dataset(folder, imgs, fingerprint):
+    write_pngs(folder / "png", imgs)
+    io.write_json(folder / "dataset.json", {"format": "diffrelay-dataset/1", "count": len(imgs),
+                                            "fingerprint": fingerprint})
+    return folder
+
+
+class TinyFeatures(nn.Module):
+    """A user's extractor: colour means on a 4x4 grid (48 features)."""
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(x / 255, 4).flatten(1)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fid")
+    imgs = shapes(2 * N, seed=0)
+    rng = np.random.default_rng(1)
+    d = {"root": root,
+         "dataset": write_dataset(root / "dataset", imgs[:N], "f" * 64),
+         "half": write_pngs(root / "half", imgs[N:]),
+         "noise": write_pngs(root / "noise", [rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(N)]),
+         "ext": extractor.build_random(root / "random-seed0.pt", seed=0)}
+    d["ref"] = fid.make_ref(d["dataset"], d["ext"], out=root / "reference.npz")
+    return d
+
+
+def test_folder_scored_against_its_own_statistics_is_zero(data):
+    r = fid.score(data["dataset"] / "png", data["ref"], data["ext"])
+    assert abs(r["fid"]) < 1e-3
+    assert r["metric"] == "FD (random features)"
+    assert r["num_images"] == r["num_ref"] == N
+
+
+def test_disjoint_halves_score_far_below_noise(data):
+    half = fid.score(data["half"], data["ref"], data["ext"])
+    noise = fid.score(data["noise"], data["ref"], data["ext"])
+    assert half["fid"] * 20 < noise["fid"]
+    assert half["kid"] * 20 < noise["kid"]
+
+
+@pytest.mark.filterwarnings("ignore::scipy.linalg.LinAlgWarning", "ignore::DeprecationWarning")
+def test_scores_equal_clean_fid_on_the_same_folders(data, tmp_path):
+    from cleanfid.fid import compute_fid
+
+    # legacy_tensorflow mode feeds native-size images, which keeps this comparison fast.
+    ref = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", out=tmp_path / "ref.npz")
+    ours = fid.score(data["half"], ref, data["ext"], mode="legacy_tensorflow")["fid"]
+    model = extractor.load(data["ext"], mode="legacy_tensorflow").fn
+    theirs = compute_fid(str(data["half"]), str(data["dataset"] / "png"), mode="legacy_tensorflow",
+                         custom_feat_extractor=model, device=torch.device("cpu"), num_workers=0, batch_size=64,
+                         use_dataparallel=False, verbose=False)
+    assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+def test_grid_and_other_files_in_a_sample_folder_are_not_scored(tmp_path):
+    write_pngs(tmp_path, shapes(3, seed=2))
+    Image.fromarray(shapes(1, seed=3, size=64)[0]).save(tmp_path / "grid.png")
+    (tmp_path / "manifest.json").write_text("{}")
+    assert [p.name for p in fid.image_files(tmp_path)] == ["000000.png", "000001.png", "000002.png"]
+
+
+def test_changed_byte_in_statistics_is_refused(data, tmp_path):
+    bad = tmp_path / "reference.npz"
+    raw = bytearray(data["ref"].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=str(bad)) as e:
+        fid.load_ref(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_truncated_statistics_are_refused(data, tmp_path):
+    bad = tmp_path / "reference.npz"
+    bad.write_bytes(data["ref"].read_bytes()[:-1000])
+    with pytest.raises(UserError, match=f"{bad}: unreadable"):
+        fid.load_ref(bad)
+
+
+def test_rewritten_statistics_with_a_stale_digest_are_refused(data, tmp_path):
+    # A valid .npz whose arrays were changed without recomputing the digest (e.g. edited by a script).
+    with np.load(data["ref"]) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["mu"] = arrays["mu"] + 1
+    bad = tmp_path / "reference.npz"
+    np.savez(bad, **arrays)
+    with pytest.raises(UserError, match=f"{bad}: digest mismatch"):
+        fid.load_ref(bad)
+
+
+def test_statistics_of_another_extractor_or_mode_are_refused(data, tmp_path):
+    other = extractor.build_random(tmp_path / "random-seed1.pt", seed=1)
+    with pytest.raises(UserError, match="extractor_sha256=.*another extractor"):
+        fid.score(data["half"], data["ref"], other)
+    with pytest.raises(UserError, match="mode=clean: scoring asked for mode=legacy_tensorflow"):
+        fid.score(data["half"], data["ref"], data["ext"], mode="legacy_tensorflow")
+
+
+def test_corrupt_statistics_fail_before_any_subprocess(data, tmp_path, capsys):
+    bad = tmp_path / "reference.npz"
+    bad.write_bytes(data["ref"].read_bytes()[:100])
+    out = tmp_path / "fid.json"
+    code = cli.main(["fid", "--images", str(data["half"]), "--ref", str(bad), "--extractor", str(data["ext"]),
+                     "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"diffrelay: error: {bad}:")
+    assert not out.exists()
+
+
+def test_cached_statistics_are_reused_without_recomputing(data, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", num=100, cache_dir=cache,
+                         out=tmp_path / "a.npz")
+    [cached] = cache.iterdir()
+    stamp = cached.stat().st_mtime_ns
+
+    def no_features(*args, **kwargs):
+        raise AssertionError("features recomputed although the cache holds them")
+
+    monkeypatch.setattr(fid, "features", no_features)
+    second = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", num=100, cache_dir=cache,
+                          out=tmp_path / "b.npz")
+    assert second.read_bytes() == first.read_bytes()
+    assert cached.stat().st_mtime_ns == stamp
+    ref = fid.load_ref(second)
+    assert ref["settings"]["num_images"] == 100 and ref["settings"]["mode"] == "legacy_tensorflow"
+    # Another image count is another cache entry, so it is computed.
+    with pytest.raises(AssertionError, match="features recomputed"):
+        fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", num=90, cache_dir=cache,
+                     out=tmp_path / "c.npz")
+
+
+def test_damaged_cache_entry_is_recomputed(data, tmp_path):
+    cache = tmp_path / "cache"
+    fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", cache_dir=cache, out=tmp_path / "a.npz")
+    [cached] = cache.iterdir()
+    cached.write_bytes(cached.read_bytes()[:-10])
+    out = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", cache_dir=cache,
+                       out=tmp_path / "b.npz")
+    fid.load_ref(out)
+    fid.load_ref(cached)  # rewritten whole
+
+
+def test_more_reference_images_than_the_dataset_has_is_refused(data, tmp_path):
+    with pytest.raises(UserError, match=f"--num={N + 1}: .* has only {N} images"):
+        fid.make_ref(data["dataset"], data["ext"], num=N + 1, out=tmp_path / "r.npz")
+
+
+def test_missing_image_folder_is_refused_before_the_extractor_loads(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(extractor, "load", lambda *a, **k: pytest.fail("extractor loaded before the cheap checks"))
+    with pytest.raises(UserError, match=f"{tmp_path / 'none'}: image folder not found"):
+        fid.score(tmp_path / "none", data["ref"], data["ext"])
+
+
+def test_custom_extractor_end_to_end_through_the_cli(data, tmp_path):
+    src = tmp_path / "tiny.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.save(torch.jit.script(TinyFeatures()), str(src))
+    ext = tmp_path / "resources" / "tiny.pt"
+    ref = tmp_path / "ref.npz"
+    # The first two stages run in this process to save two interpreter start-ups; fid runs as the workflow runs it.
+    assert cli.main(["fetch-extractor", "--extractor", str(src), "--out", str(ext)]) == 0
+    assert cli.main(["fid-ref", "--dataset", str(data["dataset"]), "--extractor", str(ext), "--out", str(ref),
+                     "--cache-dir", str(tmp_path / "c")]) == 0
+    out = tmp_path / "fid.json"
+    p = run_cli("fid", "--images", data["half"], "--ref", ref, "--extractor", ext, "--out", out)
+    r = json.loads(out.read_text())
+    assert r["metric"] == "FD (tiny.pt)"
+    assert r["num_images"] == N and r["num_ref"] == N and r["mode"] == "clean"
+    assert r["extractor_sha256"] == io.sha256_file(ext) and r["fid"] >= 0
+    assert r["started"] <= r["finished"] and r["seconds"] >= 0
+    assert "FD (tiny.pt)" in p.stderr  # the child's log line reached the parent's stderr
+
+
+def test_fid_child_started_inside_torchrun_sees_no_group_variables(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from diffrelay import fid\n"
+        "out = sys.argv[1]\n"
+        "json.dump(dict(os.environ), open(out + '.parent', 'w'))\n"
+        "child = 'import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], \"w\"))'\n"
+        "fid.run_clean([sys.executable, '-c', child, out + '.child'], 120)\n")
+    out = tmp_path / "env"
+    run_cli("torchrun", "--standalone", "--nproc-per-node", "1", script, out)
+    parent = json.loads((tmp_path / "env.parent").read_text())
+    child = json.loads((tmp_path / "env.child").read_text())
+    assert {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(parent)
+    assert any(k.startswith("TORCHELASTIC_") for k in parent)
+    leaked = [k for k in child if k in distributed.GROUP_VARS or k.startswith(distributed.GROUP_PREFIXES)]
+    assert leaked == []
+    assert child["PATH"] == parent["PATH"]
+
+
+def test_subprocess_timeout_is_one_line_error(data, tmp_path):
+    out = tmp_path / "fid.json"
+    p = run_cli("fid", "--images", data["half"], "--ref", data["ref"], "--extractor", data["ext"], "--out", out,
+                "--timeout-minutes", "0.0005", check=False)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith("diffrelay: error:") and "timed out after 0.0005 minutes" in lines[-1]
+    assert not any(line.startswith("Traceback") for line in lines)
+    assert not out.exists()
+
+
+def test_run_clean_kills_a_child_that_outlives_its_timeout(tmp_path):
+    with pytest.raises(UserError, match="timed out after 0.01 minutes"):
+        fid.run_clean([sys.executable, "-c", "import time; time.sleep(60)"], 0.6)
