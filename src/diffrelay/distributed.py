@@ -8,8 +8,9 @@ import contextlib
 import datetime
 import os
 
-import torch
-import torch.distributed as dist
+# torch is imported inside the functions that need it: the environment helpers (clean_env, env_rank)
+# are used by processes that never touch a GPU or a group, such as the parent of the FID subprocess,
+# and importing torch costs them seconds.
 
 # Variables torchrun and torch.distributed read; removed before starting a child that must not join.
 GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -29,8 +30,10 @@ def env_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def pick_device(want: str = "auto") -> torch.device:
+def pick_device(want: str = "auto"):
     """cuda:LOCAL_RANK when a GPU is wanted and present, else cpu."""
+    import torch
+
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             from diffrelay.errors import UserError
@@ -41,8 +44,10 @@ def pick_device(want: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def init(device: torch.device, timeout_minutes: float = 10) -> None:
+def init(device, timeout_minutes: float = 10) -> None:
     """Join (or, under plain python, create) the process group. The backend follows the device."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -59,10 +64,14 @@ def init(device: torch.device, timeout_minutes: float = 10) -> None:
 
 
 def rank() -> int:
+    import torch.distributed as dist
+
     return dist.get_rank() if dist.is_initialized() else env_rank()
 
 
 def world() -> int:
+    import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_initialized() else env_world()
 
 
@@ -71,6 +80,8 @@ def is_main() -> bool:
 
 
 def _is_group_error(e: BaseException) -> bool:
+    import torch.distributed as dist
+
     # DDP's gradient all-reduce surfaces backend failures as plain RuntimeErrors from inside backward().
     text = str(e)
     return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Timed out", "Connection"))
@@ -79,6 +90,8 @@ def _is_group_error(e: BaseException) -> bool:
 @contextlib.contextmanager
 def peers(what: str):
     """Turn a failed or timed-out collective into one line that says which rank saw it."""
+    import torch.distributed as dist
+
     try:
         yield
     except (dist.DistError, RuntimeError) as e:
@@ -92,13 +105,17 @@ def peers(what: str):
 
 
 def barrier() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         with peers("barrier"):
             dist.barrier()
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(x):
     """Sum over ranks. Every rank must call it."""
+    import torch.distributed as dist
+
     y = x.detach().clone()
     if dist.is_initialized():
         with peers("all-reduce"):
@@ -106,11 +123,13 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+def all_reduce_mean(x):
     return all_reduce_sum(x) / world()
 
 
 def teardown() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
