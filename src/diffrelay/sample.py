@@ -1,0 +1,401 @@
+"""`diffrelay sample`: PNGs from a snapshot, one seed per image, shared out over processes without communication.
+
+  diffrelay sample --snapshot results/demo/snapshots/step_0000400.safetensors --out results/demo/samples/step_0000400
+  torchrun --standalone --nproc-per-node 2 -m diffrelay sample --config config/config.yaml \\
+      --snapshot results/demo/snapshots/step_0000400.safetensors --out results/demo/samples/step_0000400
+
+Image i uses seed first_seed + i, and process r of W makes images r, r + W, r + 2W, ... (round robin), so the
+files do not depend on the process count. Work happens in `<parent>/.<out>.partial/`; images already there are
+kept, so a killed job continues. The process that finishes last (it sees every rank's done marker) writes
+grid.png and manifest.json and renames the folder to `out`.
+"""
+
+import collections
+import dataclasses
+import fcntl
+import io as bytes_io
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from diffrelay import checkpoint, config, distributed, edm, io, logs
+from diffrelay.errors import UserError
+
+MANIFEST_FORMAT = "diffrelay-samples/1"
+# CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
+# (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
+# rounding). So every forward batch has forward_rows(settings) rows, a multiple of this, padded where short:
+# the PNGs then do not depend on the batch size or the process count. On GPUs cuDNN may pick different kernels
+# for different batch sizes, so there only the process count and resuming are sure not to matter (the shape
+# of every forward batch depends on the settings alone).
+PAD_ROWS = 16
+# Settings that change the pixels: a finished folder with the same values is up to date.
+PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision")
+GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
+PNG_NAME = re.compile(r"^\d{6}\.png$")
+WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The schema's `sample` section, minus nproc (the process count comes from torchrun)."""
+
+    num_images: int
+    first_seed: int
+    steps: int
+    solver: str  # heun | euler
+    batch_size: int  # images per forward pass per process, before padding to PAD_ROWS
+    weights: str  # ema | raw
+    class_labels: str | int  # "balanced" or one class index
+    precision: str  # fp32 | bf16
+    threads: int
+
+    @classmethod
+    def from_section(cls, section: dict) -> "Settings":
+        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)})
+
+
+def default_settings(**overrides) -> "Settings":
+    """Schema defaults with some keys replaced, e.g. default_settings(num_images=64, steps=8)."""
+    return dataclasses.replace(Settings.from_section(config.validate({})["sample"]), **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: which images, which seeds, which classes
+
+
+def png_name(i: int) -> str:
+    return f"{i:06d}.png"
+
+
+def image_files(folder) -> list[Path]:
+    """The numbered sample PNGs of a folder (not grid.png), in index order."""
+    return sorted(p for p in Path(folder).iterdir() if PNG_NAME.match(p.name))
+
+
+def rank_share(num_images: int, rank: int, world: int) -> range:
+    """Indices made by process `rank` of `world`: round robin, so each process gets about the same work."""
+    return range(rank, num_images, world)
+
+
+def latents(seeds, shape) -> torch.Tensor:
+    """(len(seeds), C, H, W) float32 noise on the CPU; row k depends only on seeds[k], whatever the device."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def forward_rows(s: "Settings") -> int:
+    """Rows of every forward batch: batch_size (or num_images, if fewer) rounded up to a multiple of PAD_ROWS."""
+    return math.ceil(min(s.batch_size, s.num_images) / PAD_ROWS) * PAD_ROWS
+
+
+def is_conditional(meta: dict) -> bool:
+    return bool(meta["model"].get("class_conditional")) and meta.get("num_classes", 0) > 0
+
+
+def class_labels(indices, meta: dict, spec) -> list[int] | None:
+    """Class of each image (None for an unconditional model): balanced = i mod classes, or one fixed index."""
+    n = meta.get("num_classes", 0)
+    if not is_conditional(meta):
+        if spec != "balanced":
+            raise UserError(f"sample.class_labels={spec} (--class-labels): the model is unconditional; use balanced")
+        return None
+    if spec == "balanced":
+        return [i % n for i in indices]
+    if not 0 <= spec < n:
+        raise UserError(f"sample.class_labels={spec} (--class-labels): no such class; "
+                        f"the model has {n} classes, use 0..{n - 1} or balanced")
+    return [spec for _ in indices]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def generate(net, meta: dict, indices, s: Settings, device=None):
+    """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep."""
+    device = torch.device(device or next(net.parameters()).device)
+    shape = tuple(meta["image_shape"])
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
+
+    def denoise(x, sigma, labels):
+        with autocast:
+            return net(x, sigma, labels)
+
+    indices, rows = list(indices), forward_rows(s)
+    for start in range(0, len(indices), s.batch_size):
+        batch = indices[start:start + s.batch_size]
+        padded = batch + [batch[0]] * (rows - len(batch))  # padding rows repeat the first and are discarded
+        x = latents([s.first_seed + i for i in padded], shape).to(device)
+        labels = class_labels(padded, meta, s.class_labels)
+        labels = None if labels is None else torch.tensor(labels, device=device)
+        with torch.inference_mode():
+            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver)
+            pixels = (images[:len(batch)] * 127.5 + 128).clamp(0, 255).to(torch.uint8)
+        yield from zip(batch, pixels.permute(0, 2, 3, 1).cpu().numpy())
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    buf = bytes_io.BytesIO()
+    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _read_png(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im)
+
+
+def is_valid_png(path: Path, shape) -> bool:
+    """The file exists, decodes completely and has the snapshot's size and channel count."""
+    c, h, w = shape
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.size == (w, h) and len(im.getbands()) == c
+    except (OSError, ValueError, SyntaxError):  # missing, or PIL's ways of saying "truncated or not a PNG"
+        return False
+
+
+def make_grid(images: list[np.ndarray], names: list[str] | None) -> Image.Image:
+    """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath."""
+    h, w = images[0].shape[:2]
+    scale = max(1, math.ceil(GRID_TILE_PX / max(h, w)))
+    th, tw = h * scale, w * scale
+    label_h = LABEL_PX if names else 0
+    cols = min(GRID_COLUMNS, len(images))
+    rows = math.ceil(len(images) / cols)
+    grid = Image.new("RGB", (cols * tw, rows * (th + label_h)), "white")
+    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
+    for k, pixels in enumerate(images):
+        x, y = (k % cols) * tw, (k // cols) * (th + label_h)
+        tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert("RGB")
+        grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
+        if names:
+            text = names[k]
+            while text and draw.textlength(text, font=font) > tw - 2:
+                text = text[:-1]
+            draw.text((x + 1, y + th), text, fill="black", font=font)
+    return grid
+
+
+# ---------------------------------------------------------------------------------------------
+# The work folder: shared by the processes of one job, and by a killed job and its restart
+
+
+def work_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def _read_json_or_none(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def up_to_date(out: Path, key: dict) -> dict | None:
+    """The manifest of `out` when it was made with the same pixel settings and snapshot bytes."""
+    m = _read_json_or_none(out / "manifest.json")
+    if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT and {k: m.get(k) for k in key} == key:
+        return m
+    return None
+
+
+def _open_work(work: Path, out: Path, key: dict, rank: int) -> bool:
+    """Rank 0 makes the folder (clearing one left by other settings); the others wait until it matches.
+
+    False when `out` turned up to date meanwhile (another process finalized with markers of an earlier launch).
+    """
+    settings_file = work / "settings.json"
+    if rank == 0:
+        if work.exists() and _read_json_or_none(settings_file) != key:
+            stale = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".stale"))
+            os.replace(work, stale / "x")
+            shutil.rmtree(stale, ignore_errors=True)
+        if not work.exists():
+            io.write_json(settings_file, key)
+        return True
+    deadline = time.monotonic() + WAIT_SECONDS
+    while _read_json_or_none(settings_file) != key:
+        if up_to_date(out, key):
+            return False
+        if time.monotonic() > deadline:
+            raise UserError(f"{work}: process 0 did not set up the work folder in {WAIT_SECONDS} s; "
+                            "check its log, delete the folder and rerun")
+        time.sleep(0.05)
+    return True
+
+
+def _marker(work: Path, rank: int, world: int) -> Path:
+    # A marker says "all of this rank's images are in the folder"; that stays true, so a marker left by an
+    # earlier launch with the same process count counts too. Other process counts split differently.
+    return work / f"done-{rank}-of-{world}.json"
+
+
+def _lock(work: Path):
+    """An exclusive non-blocking lock on the work folder itself, or None if another process holds it or
+    has already renamed it. The lock dies with its process, so a killed finalizer blocks nobody."""
+    try:
+        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(work)):
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    os.close(fd)
+    return None
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename src to dst; an existing dst (an older run) is moved aside first, then deleted."""
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".old"))
+        os.replace(dst, old / "x")
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
+    """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
+    fd = _lock(work)
+    if fd is None:
+        return None
+    try:
+        shape = meta["image_shape"]
+        missing = [i for i in range(s.num_images) if not (work / png_name(i)).is_file()]
+        if missing:
+            raise RuntimeError(f"{work}: all done markers present but image {missing[0]} is missing")
+        first = list(range(min(GRID_IMAGES, s.num_images)))
+        tiles = [_read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
+        labels, known = class_labels(first, meta, s.class_labels), meta.get("class_names") or []
+        names = None if labels is None else [str(known[c]) if c < len(known) else str(c) for c in labels]
+        buf = bytes_io.BytesIO()
+        make_grid(tiles, names).save(buf, format="PNG")
+        io.write_bytes(work / "grid.png", buf.getvalue())
+        # Rate of this launch: images made (not skipped) by all ranks over this process's wall time.
+        generated = sum((_read_json_or_none(_marker(work, r, world)) or {}).get("generated", 0) for r in range(world))
+        finished = time.time()
+        seconds = finished - manifest["started"]
+        manifest |= {"finished": finished, "seconds": round(seconds, 3), "generated": generated,
+                     "images_per_s": round(generated / max(seconds, 1e-9), 3)}
+        io.write_json(work / "manifest.json", manifest)
+        # Bookkeeping and temp files of writes a kill interrupted do not belong in the result.
+        for p in [work / "settings.json", *work.glob("done-*.json"), *work.glob(".*.tmp")]:
+            p.unlink(missing_ok=True)
+        _replace_dir(work, out)
+        return manifest
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1) -> dict | None:
+    """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
+
+    Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
+    """
+    started = time.time()
+    snapshot, out, device = Path(snapshot), Path(out), torch.device(device)
+    log = logs.get()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder; pass a folder path as --out")
+    torch.set_num_threads(s.threads)
+
+    # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device)
+    shape = tuple(meta["image_shape"])
+    class_labels([0], meta, s.class_labels)
+    key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
+                                                     "image_shape": list(shape)}
+    done = up_to_date(out, key)
+    if done:
+        log.info("%s: up to date (%d images from step %s)", out, done["num_images"], done["step"])
+        return done
+
+    # This process's share, minus images a killed run already wrote.
+    work = work_dir(out)
+    if not _open_work(work, out, key, rank):
+        return up_to_date(out, key)
+    mine = rank_share(s.num_images, rank, world)
+    todo = [i for i in mine if not is_valid_png(work / png_name(i), shape)]
+    if not work.is_dir():  # finalized and renamed by another process since _open_work
+        return up_to_date(out, key)
+    if len(todo) < len(mine):
+        log.info("resuming: %d of %d images of this process already in %s; skipping them",
+                 len(mine) - len(todo), len(mine), work)
+    log.info("sampling %d images (%d here) from %s, step %s, %s weights, %d %s steps, %d process(es), device %s",
+             s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.solver, world, device)
+
+    t0, last = time.time(), time.time()
+    # One writer thread: the fsyncs of each atomic write (about 8% of the time on a local disk) then overlap
+    # the next batch's compute. Errors surface at the next image and at the end.
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending = collections.deque()
+        for n, (i, pixels) in enumerate(generate(net, meta, todo, s, device), start=1):
+            pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i), pixels))
+            while pending and pending[0].done():
+                pending.popleft().result()
+            now = time.time()
+            if now - last > 10 or n == len(todo):
+                rate = n / max(now - t0, 1e-9)
+                log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
+                         logs.fmt_duration((len(todo) - n) / rate))
+                last = now
+        for f in pending:
+            f.result()
+
+    # Done marker, then the last process to finish writes grid and manifest and renames the folder.
+    io.write_json(_marker(work, rank, world), {"rank": rank, "world": world, "generated": len(todo),
+                                               "started": started, "finished": time.time()})
+    if not all(_marker(work, r, world).exists() for r in range(world)):
+        return None
+    manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
+                "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
+                "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started}
+    result = finalize(work, out, meta, s, manifest, world)
+    if result:
+        log.info("%s: %d images, grid.png, manifest.json (%.1f img/s)", out, s.num_images, result["images_per_s"])
+    return result
+
+
+def _settings_from_args(args) -> tuple[Settings, str]:
+    """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
+    over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
+                                          "weights", "precision") if getattr(args, k) is not None}
+    for name, v in over.items():
+        low = 0 if name == "first_seed" else 1
+        if isinstance(v, int) and v < low:
+            raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
+    if args.class_labels is not None:
+        cl = args.class_labels.strip()
+        if cl != "balanced" and not cl.isdigit():
+            raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
+        over["class_labels"] = cl if cl == "balanced" else int(cl)
+    cfg = config.load(args.config).to_dict() if args.config else config.validate({})
+    return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]["device"]
+
+
+def main(args) -> int:
+    rank, world = distributed.env_rank(), distributed.env_world()
+    logs.setup(main=rank == 0)
+    s, device = _settings_from_args(args)
+    run(args.snapshot, args.out, s, distributed.pick_device(device), rank, world)
+    return 0

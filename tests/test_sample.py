@@ -1,0 +1,279 @@
+"""`diffrelay sample`: seeds, byte-identical PNGs across process counts and batch sizes, resume, finalizing."""
+
+import json
+import logging
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import BIN, run_cli
+from diffrelay import checkpoint, cli, config, edm, io, logs, sample
+from diffrelay.errors import UserError
+
+CLASS_NAMES = ["circle", "square", "triangle"]
+
+
+def make_snapshot(path, conditional=True, num_classes=3, seed=0):
+    """A tiny model whose weights are seeded noise, so its images depend on every input bit."""
+    model = config.validate({"model": {"channels": 8, "channel_mult": [1, 2], "class_conditional": conditional}})
+    net = edm.build(model["model"], 16, num_classes)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    meta = {"step": 40, "model": model["model"], "image_shape": [3, 16, 16], "num_classes": num_classes,
+            "class_names": CLASS_NAMES[:num_classes]}
+    return checkpoint.save_snapshot(path, net.state_dict(), net.state_dict(), meta)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logger():
+    """cli.main and logs.setup bind a handler to the stream of the moment; drop it after each test."""
+    yield
+    logging.getLogger(logs.LOGGER).handlers.clear()
+
+
+@pytest.fixture(scope="module")
+def snap(tmp_path_factory):
+    return make_snapshot(tmp_path_factory.mktemp("snap") / "step_0000040.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uncond_snap(tmp_path_factory):
+    return make_snapshot(tmp_path_factory.mktemp("snap") / "uncond.safetensors", conditional=False, num_classes=0)
+
+
+def settings(**over):
+    return sample.default_settings(**{"num_images": 40, "steps": 3, "batch_size": 8} | over)
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.png"))}
+
+
+def sample_args(snapshot, out, *extra):
+    return ["sample", "--snapshot", str(snapshot), "--out", str(out), *map(str, extra)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_rank_shares_cover_every_image_once():
+    for world in range(1, 6):
+        shares = [list(sample.rank_share(37, r, world)) for r in range(world)]
+        assert sorted(sum(shares, [])) == list(range(37))
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_latents_depend_only_on_their_own_seed():
+    a = sample.latents([5, 6, 7], (3, 16, 16))
+    b = sample.latents([7, 5], (3, 16, 16))
+    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0])
+    assert not torch.equal(a[0], a[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte identity
+
+
+def test_pngs_are_byte_identical_for_any_process_count_and_batch_size(snap, tmp_path):
+    one = tmp_path / "one"
+    run_cli(*sample_args(snap, one, "--num-images", 40, "--steps", 3, "--batch-size", 8))
+    two = tmp_path / "two"
+    run_cli("torchrun", "--standalone", "--nproc-per-node", 2, "-m", "diffrelay",
+            *sample_args(snap, two, "--num-images", 40, "--steps", 3, "--batch-size", 32))
+    for batch in (32, 3):  # 3 images a batch still run as 16-row forwards
+        sample.run(snap, tmp_path / f"b{batch}", settings(batch_size=batch))
+
+    ref = folder_bytes(one)
+    assert set(ref) == {f"{i:06d}.png" for i in range(40)} | {"grid.png"}
+    assert folder_bytes(two) == ref
+    assert folder_bytes(tmp_path / "b32") == ref
+    assert folder_bytes(tmp_path / "b3") == ref
+    assert json.loads((two / "manifest.json").read_text())["nproc"] == 2
+    assert sorted(p.name for p in two.iterdir()) == sorted(ref) + ["manifest.json"]  # no markers or temp files
+    assert not sample.work_dir(two).exists()
+
+
+def test_images_match_generate_and_differ_between_seeds(snap, tmp_path):
+    net, meta = checkpoint.load_snapshot(snap)
+    out = tmp_path / "out"
+    sample.run(snap, out, settings(num_images=6, first_seed=100))
+    made = dict(sample.generate(net, meta, [3, 5], settings(first_seed=100)))
+    for i in (3, 5):
+        assert np.array_equal(np.asarray(Image.open(out / f"{i:06d}.png")), made[i])
+    made = dict(sample.generate(net, meta, [3, 5], settings(first_seed=100, class_labels=0)))
+    shifted = dict(sample.generate(net, meta, [2], settings(first_seed=101, class_labels=0)))
+    assert np.array_equal(shifted[2], made[3])  # image i uses seed first_seed + i
+    assert not np.array_equal(made[3], made[5])
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume, up to date, replace
+
+
+def test_killed_run_resumes_with_same_files_and_skips_done_images(snap, tmp_path):
+    # 4 forward batches of 59 network calls each: slow enough to kill between two of them
+    args = ["--num-images", 8, "--steps", 30, "--batch-size", 2]
+    out = tmp_path / "out"
+    work = sample.work_dir(out)
+    proc = subprocess.Popen([str(BIN / "diffrelay"), *map(str, sample_args(snap, out, *args))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "000000.png").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no image appeared"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    early = (work / "000000.png").stat()
+    kept = len(sample.image_files(work))
+    assert 0 < kept < 8, "the kill came too late to test resuming"
+    assert not out.exists()
+
+    p = run_cli(*sample_args(snap, out, *args))
+    assert f"resuming: {kept} of 8 images" in p.stderr
+    after = (out / "000000.png").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (early.st_ino, early.st_mtime_ns)
+
+    ref = tmp_path / "ref"
+    sample.run(snap, ref, settings(num_images=8, steps=30, batch_size=2))
+    assert folder_bytes(out) == folder_bytes(ref)
+    assert not list(out.glob(".*"))
+
+
+def test_second_run_with_same_settings_is_up_to_date_and_writes_nothing(snap, tmp_path, capsys):
+    out = tmp_path / "out"
+    first = sample.run(snap, out, settings(num_images=4))
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    logs.setup(main=True)
+    # batch size and threads do not change the pixels, so they do not make the folder stale
+    again = sample.run(snap, out, settings(num_images=4, batch_size=2, threads=2))
+    assert "up to date" in capsys.readouterr().err
+    assert again == first
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    assert not sample.work_dir(out).exists()
+
+
+def test_changed_settings_replace_an_older_folder(snap, tmp_path):
+    out = tmp_path / "out"
+    sample.run(snap, out, settings(num_images=6))
+    old = folder_bytes(out)
+    m = sample.run(snap, out, settings(num_images=3, steps=2))
+    assert (m["num_images"], m["steps"]) == (3, 2)
+    assert json.loads((out / "manifest.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in sample.image_files(out)) == ["000000.png", "000001.png", "000002.png"]
+    assert folder_bytes(out)["000000.png"] != old["000000.png"]
+    assert not [p for p in tmp_path.iterdir() if p.name != "out"]  # nothing left beside it
+
+
+def test_partial_folder_of_other_settings_is_not_reused(snap, tmp_path):
+    out = tmp_path / "out"
+    work = sample.work_dir(out)
+    work.mkdir()
+    (work / "settings.json").write_text(json.dumps({"steps": 99}))
+    bogus = np.zeros((16, 16, 3), np.uint8)
+    Image.fromarray(bogus).save(work / "000000.png")
+    sample.run(snap, out, settings(num_images=2))
+    ref = tmp_path / "ref"
+    sample.run(snap, ref, settings(num_images=2))
+    assert folder_bytes(out) == folder_bytes(ref)
+
+
+def test_corrupt_image_in_partial_folder_is_made_again(snap, tmp_path):
+    out = tmp_path / "out"
+    s = settings(num_images=3)
+    ref = tmp_path / "ref"
+    sample.run(snap, ref, s)
+    # a work folder as a killed run leaves it: settings written, one good image, one truncated
+    work = sample.work_dir(out)
+    key = {k: getattr(s, k) for k in sample.PIXEL_KEYS} | {
+        "snapshot_sha256": json.loads((ref / "manifest.json").read_text())["snapshot_sha256"],
+        "image_shape": [3, 16, 16]}
+    work.mkdir()
+    (work / "settings.json").write_text(json.dumps(key))
+    (work / "000000.png").write_bytes((ref / "000000.png").read_bytes())
+    (work / "000001.png").write_bytes((ref / "000001.png").read_bytes()[:40])
+    sample.run(snap, out, s)
+    assert folder_bytes(out) == folder_bytes(ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Classes and grid
+
+
+def test_balanced_labels_cycle_through_classes(snap):
+    net, meta = checkpoint.load_snapshot(snap)
+    assert sample.class_labels(range(7), meta, "balanced") == [0, 1, 2, 0, 1, 2, 0]
+    balanced = dict(sample.generate(net, meta, range(6), settings()))
+    fixed1 = dict(sample.generate(net, meta, range(6), settings(class_labels=1)))
+    for i in range(6):
+        assert np.array_equal(balanced[i], fixed1[i]) == (i % 3 == 1)
+
+
+def test_class_label_out_of_range_is_one_line_error(snap, tmp_path, capsys):
+    assert cli.main(sample_args(snap, tmp_path / "out", "--class-labels", 3)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--class-labels" in err and "0..2" in err
+    assert cli.main(sample_args(snap, tmp_path / "out", "--class-labels", "many")) == 2
+    assert "--class-labels=many" in capsys.readouterr().err
+    assert cli.main(sample_args(snap, tmp_path / "out", "--num-images", 0)) == 2
+    assert "--num-images=0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not sample.work_dir(tmp_path / "out").exists()
+
+
+def test_fixed_label_on_unconditional_model_is_refused(uncond_snap, tmp_path):
+    with pytest.raises(UserError, match="unconditional"):
+        sample.run(uncond_snap, tmp_path / "out", settings(class_labels=0))
+
+
+def test_grid_has_eight_columns_with_class_names_under_enlarged_tiles(snap, uncond_snap, tmp_path):
+    sample.run(snap, tmp_path / "cond", settings(num_images=20))
+    with Image.open(tmp_path / "cond" / "grid.png") as im:  # 3 rows of 64 px tiles + 12 px names
+        assert im.size == (8 * 64, 3 * (64 + sample.LABEL_PX))
+        grid = np.asarray(im.convert("RGB"))
+    first = np.asarray(Image.open(tmp_path / "cond" / "000009.png"))  # row 1, column 1
+    assert np.array_equal(grid[76:140:4, 64:128:4], first)
+    assert (grid[64:76, 0:64] < 128).any()  # a name is written under the first tile
+
+    m = sample.run(uncond_snap, tmp_path / "uncond", settings(num_images=5))
+    assert m["num_classes"] == 0
+    with Image.open(tmp_path / "uncond" / "grid.png") as im:
+        assert im.size == (5 * 64, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh process, config, errors
+
+
+def test_snapshot_samples_in_fresh_process_without_dataset(snap, write_config, tmp_path):
+    cfg = write_config({"sample": {"num_images": 5, "steps": 2, "class_labels": 2, "precision": "bf16"}})
+    empty = tmp_path / "cwd"
+    empty.mkdir()
+    out = tmp_path / "samples"
+    run_cli(*sample_args(snap, out, "--config", cfg, "--first-seed", 7), cwd=empty)
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["num_images"], m["steps"], m["class_labels"], m["precision"], m["first_seed"]) == (5, 2, 2, "bf16", 7)
+    assert m["snapshot_sha256"] == io.sha256_file(snap) and m["step"] == 40
+    assert set(m) >= {"weights", "solver", "batch_size", "nproc", "image_shape", "seconds", "images_per_s",
+                      "started", "finished", "snapshot"}
+    assert len(sample.image_files(out)) == 5
+    assert not (tmp_path / "results").exists() and not list(empty.iterdir())
+
+
+def test_corrupt_snapshot_exits_2_with_one_line_naming_the_file(snap, tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    blob = bytearray(snap.read_bytes())
+    blob[-100] ^= 0xFF
+    bad.write_bytes(bytes(blob))
+    assert cli.main(sample_args(bad, tmp_path / "out")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"diffrelay: error: {bad}:")
+    assert not (tmp_path / "out").exists()
