@@ -131,6 +131,54 @@ CASES = [
 ]
 
 
+def altered_checkpoint(tmp_path, write_config):
+    """A prepared tiny run plus a checkpoint folder whose state.pt no longer matches its manifest."""
+    import torch
+
+    from diffrelay import checkpoint
+
+    cfg = write_config()
+    run_cli("prepare", "--config", cfg)
+    ck = checkpoint.save_checkpoint(tmp_path / "step_0000003", {"w": torch.ones(4)}, {"step": 3})
+    blob = bytearray((ck / "state.pt").read_bytes())
+    blob[-3] ^= 0xFF
+    (ck / "state.pt").write_bytes(bytes(blob))
+    return cfg, ck
+
+
+def garbage(name):
+    def setup(tmp_path, write_config):
+        (tmp_path / name).write_bytes(b"\x00garbage" * 10)
+        return tmp_path / name
+    return setup
+
+
+def samples_and_garbage_ref(tmp_path, write_config):
+    with_files("000000.png", "000001.png")(tmp_path / "samples")
+    (tmp_path / "samples" / "ref.npz").write_bytes(b"\x00garbage" * 10)
+    return tmp_path / "samples" / "ref.npz"
+
+
+CASES += [
+    # ---- checkpoints, snapshots, extractors, statistics
+    Case("until-step-beyond-run", config_with({}), lambda cfg: ["train", "--config", cfg, "--until-step", 999],
+         ("--until-step 999", "train.total_steps=6")),
+    Case("checkpoint-altered", altered_checkpoint,
+         lambda ctx: ["train", "--config", ctx[0], "--until-step", 6, "--init", ctx[1]],
+         ("step_0000003/state.pt", "sha256 does not match", "delete")),
+    Case("snapshot-corrupt", garbage("s.safetensors"),
+         lambda snap: ["sample", "--snapshot", snap, "--out", snap.parent / "out"],
+         ("s.safetensors", "unreadable snapshot", "rerun training")),
+    Case("extractor-missing", lambda tmp_path, wc: tmp_path,
+         lambda d: ["fetch-extractor", "--extractor", d / "nope.pt", "--out", d / "x.pt"],
+         ("nope.pt",)),
+    Case("reference-stats-corrupt", samples_and_garbage_ref,
+         lambda ref: ["fid", "--images", ref.parent, "--ref", ref, "--extractor", ref.parent / "x.pt",
+                      "--out", ref.parent / "fid.json"],
+         ("ref.npz",)),
+]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_gives_exit_2_and_one_error_line(case, tmp_path, write_config):
     ctx = case.setup(tmp_path, write_config)

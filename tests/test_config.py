@@ -137,3 +137,18 @@ def test_section_hash_follows_only_its_sections(write_config):
     b = config.load(write_config({"train": {"lr": 0.02}}))
     assert config.section_hash(a, "data") == config.section_hash(b, "data")
     assert config.section_hash(a, "train") != config.section_hash(b, "train")
+
+
+def test_trajectory_hash_ignores_launch_settings_and_run_length_unless_cosine():
+    from diffrelay import config
+
+    base = {"train": {"total_steps": 100, "segment_steps": 50}}
+    h = config.trajectory_hash(config.Config(config.validate(base)))
+    relaunched = {"train": {"total_steps": 200, "segment_steps": 20, "nproc_per_node": 4, "batch_size": 64,
+                            "log_every": 7, "threads": 2}}
+    assert config.trajectory_hash(config.Config(config.validate(relaunched))) == h
+    assert config.trajectory_hash(config.Config(config.validate({"train": {"lr": 0.5}}))) != h
+    cos = {"train": {"lr_schedule": "cosine", "total_steps": 100, "segment_steps": 50}}
+    longer = {"train": {"lr_schedule": "cosine", "total_steps": 200, "segment_steps": 50}}
+    assert config.trajectory_hash(config.Config(config.validate(cos))) != config.trajectory_hash(
+        config.Config(config.validate(longer)))

@@ -231,6 +231,9 @@ def trajectory_hash(cfg: Config) -> str:
     import hashlib
 
     d = cfg.to_dict()
-    blob = {"seed": d["run"]["seed"], "data": d["data"], "model": d["model"],
-            "train": {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}}
+    train = {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}
+    if train["lr_schedule"] != "cosine":
+        # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
+        del train["total_steps"]
+    blob = {"seed": d["run"]["seed"], "data": d["data"], "model": d["model"], "train": train}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,40 @@
+# diffrelay: train a diffusion model in resumable torchrun segments, sample and score every
+# checkpoint outside the training process group, and write a report.
+#   snakemake --cores 2                                   # the demo run (config/config.yaml)
+#   snakemake --cores 8 --configfile config/examples/real-data.yaml
+#   snakemake --workflow-profile profiles/slurm --configfile config/examples/slurm-multinode.yaml
+# Stages get the config FILES, so change settings in YAML, not with --config (see common.smk).
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/extractor.smk"
+include: "workflow/rules/reference.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/sample.smk"
+include: "workflow/rules/fid.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        get_final_output(),
+
+
+onstart:
+    print(f"diffrelay: run {RUN} -> {RUN_DIR_NAME}; {CONFIG_ARGS}")
+
+
+onsuccess:
+    print(f"diffrelay: run {RUN} done; report in {RUN_DIR_NAME}/report")
+
+
+onerror:
+    print(f"diffrelay: run {RUN} failed; see the failed job's log above (logs/{RUN}/)")

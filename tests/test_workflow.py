@@ -1,0 +1,232 @@
+"""The Snakemake workflow: formatting, lint, the DAG it plans, config errors, and real tiny runs."""
+
+import collections
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, TINY, deep_merge, run_cli
+
+from diffrelay import config as drconfig
+
+SNAKEFILE = REPO / "Snakefile"
+
+
+def snakemake(workdir, *args, check=True, cores=2, timeout=900):
+    """Run the repo's workflow with `workdir` as working directory (logs, .snakemake live there)."""
+    return run_cli("snakemake", "--snakefile", SNAKEFILE, "--directory", workdir, "--cores", cores,
+                   *args, check=check, timeout=timeout)
+
+
+def job_counts(output: str) -> dict:
+    """The first `Job stats` table Snakemake prints: {rule: count}."""
+    table = output.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+
+
+def finished_rules(output: str) -> collections.Counter:
+    """Rules of the jobs that actually ran in a real (not dry) run."""
+    return collections.Counter(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", output))
+
+
+# --- fast: quality gates ------------------------------------------------------------------------
+def test_workflow_files_are_snakefmt_formatted():
+    p = subprocess.run([BIN / "snakefmt", "--check", SNAKEFILE, REPO / "workflow/rules"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_snakemake_lint_reports_nothing(tmp_path, write_config):
+    p = snakemake(tmp_path, "--lint", "--configfile", write_config(), check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Congratulations, your workflow is in a good condition" in out, out
+
+
+# --- fast: the planned DAG ----------------------------------------------------------------------
+def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
+    cfg = write_config({"train": {"total_steps": 9, "segment_steps": 3}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg)
+    # Sampling and FID jobs appear only once a segment has run and its snapshots are known.
+    assert job_counts(p.stdout) == {"fetch_extractor": 1, "prepare_dataset": 1, "compute_reference": 1,
+                                    "train_segment": 3, "collect_segment": 3, "build_report": 1, "all": 1}
+    commands = re.findall(r"torchrun --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
+    assert sorted(re.search(r"--until-step (\d+)", c).group(1) for c in commands) == ["3", "6", "9"]
+    assert sum("--init" in c for c in commands) == 2
+
+
+@pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
+                                  "config/examples/slurm-multinode.yaml"])
+def test_shipped_configs_plan_their_segments(tmp_path, name):
+    files = [REPO / "config/config.yaml", REPO / name]
+    cfg = drconfig.load(files)
+    p = snakemake(tmp_path, "-n", "--configfile", *files)
+    assert job_counts(p.stdout)["train_segment"] == len(drconfig.segment_ends(cfg))
+
+
+def test_demo_runs_on_the_cpu_with_overlapping_one_core_jobs():
+    cfg = drconfig.load(REPO / "config/config.yaml")
+    assert cfg.run.device == "cpu" and cfg.fid.extractor == "random" and cfg.data.kind == "shapes"
+    assert cfg.train.nproc_per_node * cfg.train.threads == 1 and cfg.sample.nproc * cfg.sample.threads == 1
+    assert len(drconfig.segment_ends(cfg)) >= 3
+
+
+# --- fast: config errors stop the run before any job ------------------------------------------
+def test_bad_config_fails_the_dry_run_with_one_line_naming_the_key(tmp_path, write_config):
+    cfg = write_config({"train": {"batch_size": 30, "nproc_per_node": 4}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("diffrelay: error:")]
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(errors) == 1 and "train.batch_size=30" in errors[0] and str(cfg) in errors[0]
+    assert "Traceback" not in p.stderr and "Building DAG" not in p.stdout + p.stderr
+
+
+def test_command_line_config_override_is_refused(tmp_path, write_config):
+    p = snakemake(tmp_path, "-n", "--configfile", write_config(), "--config", "sample={num_images: 4}",
+                  check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout + p.stderr
+    assert "sample.num_images" in errors[0] and "--configfile" in errors[0]
+
+
+def test_missing_extractor_file_is_refused_before_any_job(tmp_path, write_config):
+    cfg = write_config({"fid": {"extractor": str(tmp_path / "nope.pt")}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg, check=False)
+    assert p.returncode == 2 and "fid.extractor=" in p.stderr and "nope.pt" in p.stderr, p.stderr
+
+
+def test_multi_node_training_is_refused_without_slurm(tmp_path, write_config):
+    cfg = write_config({"train": {"nnodes": 2}})
+    p = snakemake(tmp_path, "--configfile", cfg, check=False)
+    assert p.returncode == 2 and "train.nnodes=2" in p.stderr and "profiles/slurm" in p.stderr, p.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_multi_node_training_runs_srun_torchrun_with_rendezvous(tmp_path, write_config):
+    cfg = write_config({"train": {"nnodes": 2, "nproc_per_node": 2}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg)
+    cmd = re.search(r"srun .*-m diffrelay train .*", p.stdout).group(0)
+    assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
+    assert '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in cmd
+    assert "--standalone" not in cmd and "--master-port" not in cmd
+
+
+# --- slow: one real tiny run, then reruns of parts of it -----------------------------------------
+# Sampling must take longer than torchrun's extra start-up, so that sampling of checkpoint 1
+# overlaps the training of segment 2 even when measured inside the processes.
+SLOW = {"train": {"total_steps": 80, "segment_steps": 40, "batch_size": 16, "log_every": 10},
+        "sample": {"num_images": 256, "steps": 20, "batch_size": 64}}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Run the whole workflow once on a tiny config with --cores 2; returns (folder, config, output)."""
+    work = tmp_path_factory.mktemp("workflow")
+    d = deep_merge(deep_merge(TINY, SLOW), {"run": {"results": str(work / "results"),
+                                                    "resources": str(work / "resources")}})
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+    p = snakemake(work, "--configfile", cfg)
+    return work, cfg, p.stdout + p.stderr
+
+
+def run_folder(work):
+    return work / "results" / "tiny"
+
+
+def mtimes(folder: Path, pattern: str) -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.glob(pattern))}
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_the_report(tiny_run):
+    work, _, out = tiny_run
+    report = run_folder(work) / "report"
+    for name in ("metrics.csv", "fid.png", "loss.png", "best.json", "best_grid.png"):
+        assert (report / name).stat().st_size > 0, name
+    assert finished_rules(out)["sample_snapshot"] == 2 and finished_rules(out)["compute_fid"] == 2
+    segments = [json.loads(p.read_text())["scores"] for p in sorted((run_folder(work) / "metrics/segments").glob("*.json"))]
+    assert [[Path(s).name for s in seg] for seg in segments] == [["step_0000040.json"], ["step_0000080.json"]]
+
+
+@pytest.mark.slow
+def test_every_job_log_starts_with_the_exact_command(tiny_run):
+    work, _, out = tiny_run
+    # Snakemake prints each shell command; the part after `set -x; ` is what the job ran.
+    printed = {c.strip() for c in re.findall(r"Shell command: .*?set -x; (.*)", out)}
+    logs = [p for p in (work / "logs").rglob("*.log") if "collect_segment" not in p.parts]
+    assert len(logs) == 10  # fetch, prepare, reference, 2 train, 2 sample, 2 fid, report
+    for log in logs:
+        first = log.read_text().splitlines()[0]
+        assert first.startswith(("diffrelay ", "torchrun ")), (log, first)
+        assert first in printed, (log, first)
+
+
+@pytest.mark.slow
+def test_sampling_of_a_checkpoint_overlaps_training_of_the_next_segment(tiny_run):
+    work, _, _ = tiny_run
+    events = [json.loads(line) for line in (run_folder(work) / "metrics/train.jsonl").read_text().splitlines()]
+    starts = {e["step"]: e["time"] for e in events if e.get("event") == "segment_start"}
+    ends = {e["step"]: e["time"] for e in events if e.get("event") == "segment_end"}
+    manifest = json.loads((run_folder(work) / "samples/step_0000040/manifest.json").read_text())
+    # Segment 2 trains (40, 80]; sampling of checkpoint 40 must share some of that time.
+    assert manifest["started"] < ends[80] and manifest["finished"] > starts[40], (manifest, starts, ends)
+
+
+@pytest.mark.slow
+def test_forced_fid_rescores_without_retraining_or_resampling(tiny_run):
+    work, cfg, _ = tiny_run
+    run = run_folder(work)
+    before = mtimes(run, "checkpoints/*") | mtimes(run, "samples/*") | mtimes(run, "snapshots/*")
+    fid_before = mtimes(run, "metrics/fid/*.json")
+    p = snakemake(work, "--configfile", cfg, "--forcerun", "compute_fid")
+    ran = finished_rules(p.stdout + p.stderr)
+    assert ran["compute_fid"] == 2 and not ran["train_segment"] and not ran["sample_snapshot"], ran
+    assert mtimes(run, "checkpoints/*") | mtimes(run, "samples/*") | mtimes(run, "snapshots/*") == before
+    assert all(mtimes(run, "metrics/fid/*.json")[k] > v for k, v in fid_before.items())
+
+
+@pytest.mark.slow
+def test_deleted_sample_folder_is_regenerated_alone(tiny_run):
+    work, cfg, _ = tiny_run
+    run = run_folder(work)
+    shutil.rmtree(run / "samples/step_0000040")
+    kept = mtimes(run, "samples/step_0000080")
+    p = snakemake(work, "--configfile", cfg)
+    ran = finished_rules(p.stdout + p.stderr)
+    assert ran["sample_snapshot"] == 1 and ran["compute_fid"] == 1 and not ran["train_segment"], ran
+    assert (run / "samples/step_0000040/grid.png").is_file()
+    assert mtimes(run, "samples/step_0000080") == kept
+
+
+@pytest.mark.slow
+def test_changed_sample_count_resamples_and_rescores_but_does_not_retrain(tiny_run):
+    work, cfg, _ = tiny_run
+    run = run_folder(work)
+    checkpoints = mtimes(run, "checkpoints/*")
+    extra = work / "fewer-images.yaml"
+    extra.write_text("sample:\n  num_images: 24\n")  # an extra --configfile, as the override error advises
+    p = snakemake(work, "--configfile", cfg, extra)
+    ran = finished_rules(p.stdout + p.stderr)
+    assert ran["sample_snapshot"] == 2 and ran["compute_fid"] == 2 and not ran["train_segment"], ran
+    assert mtimes(run, "checkpoints/*") == checkpoints
+    for step in ("0000040", "0000080"):
+        assert json.loads((run / f"metrics/fid/step_{step}.json").read_text())["num_images"] == 24
+
+
+@pytest.mark.slow
+def test_changed_model_setting_plans_retraining_but_changed_thread_count_does_not(tiny_run):
+    work, cfg, _ = tiny_run
+    wider = work / "wider.yaml"
+    wider.write_text("model:\n  channels: 12\n")
+    p = snakemake(work, "-n", "--configfile", cfg, wider)
+    assert job_counts(p.stdout)["train_segment"] == 2
+    threads = work / "threads.yaml"
+    threads.write_text("train:\n  threads: 2\nsample:\n  threads: 2\n")
+    p = snakemake(work, "-n", "--configfile", cfg, threads)
+    out = p.stdout + p.stderr
+    assert "Nothing to be done" in out or "train_segment" not in job_counts(out), out

@@ -1,0 +1,288 @@
+# Config loading and validation, wildcard constraints, and every input function (get_*).
+# The rule files only build paths; all decisions about the run are made here, once, at parse time.
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import update_config
+
+# One schema and one validator for the Snakefile and the CLI: the package's own config module.
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from diffrelay import config as drconfig  # noqa: E402
+from diffrelay.errors import UserError  # noqa: E402
+
+# envs/diffrelay.yaml installs this checkout into the conda env through this variable.
+os.environ.setdefault("DIFFRELAY_HOME", str(workflow.basedir))
+
+
+def fail(message):
+    """Stop before any job starts, with one line (the same shape as the CLI's errors, exit 2)."""
+    print(f"diffrelay: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def get_config_files():
+    """The YAML files in the order Snakemake merged them: the `configfile:` default, then --configfile."""
+    cli = [Path(p).absolute() for p in workflow.config_settings.configfiles]
+    default = [Path(p).absolute() for p in workflow.configfiles]
+    if workflow.config_settings.replace_workflow_config:
+        default = []
+    files = [p for p in default if p not in cli] + cli
+    return list(dict.fromkeys(files))
+
+
+def first_difference(a, b, prefix=""):
+    """The first key path where two nested dicts differ, e.g. 'train.total_steps'."""
+    for key in sorted(set(a) | set(b), key=str):
+        path = f"{prefix}{key}"
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            inner = first_difference(a[key], b[key], f"{path}.")
+            if inner:
+                return inner
+        elif a.get(key) != b.get(key):
+            return path
+    return None
+
+
+def load_run_config():
+    """Validate the merged config files; refuse settings the stages would never see."""
+    files = get_config_files()
+    source = ", ".join(map(str, files)) or "config"
+    merged = {}
+    try:
+        for f in files:
+            update_config(merged, drconfig.read_yaml(f))
+    except UserError as e:
+        fail(str(e))
+    # The stages read the config files, not Snakemake's `config` dict, so a --config key=value
+    # (or a profile's `config:`) would change the DAG but not what training does.
+    key = first_difference(config, merged)
+    if key:
+        fail(
+            f"{key}: set on the command line (--config) or in a profile; the diffrelay stages read "
+            f"only the config files, so put the change in a YAML file and pass it with --configfile"
+        )
+    try:
+        return files, drconfig.Config(drconfig.validate(config, source=source))
+    except UserError as e:
+        fail(str(e))
+
+
+CONFIG_FILES, CFG = load_run_config()
+CONFIG_ARGS = " ".join(f"--config {shlex.quote(str(f))}" for f in CONFIG_FILES)
+
+RUN = CFG.run.name
+RESULTS = CFG.run.results.replace("{", "{{").replace("}", "}}")
+RESOURCES = CFG.run.resources.replace("{", "{{").replace("}", "}}")
+RUN_DIR_NAME = f"{CFG.run.results}/{RUN}"
+# Path patterns of one run; {run} is always the configured run name.
+RUN_DIR = f"{RESULTS}/{{run}}"
+SEGMENT_ENDS = drconfig.segment_ends(CFG)
+STEP = "{step}"
+# auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
+USE_GPU = CFG.run.device in ("auto", "cuda")
+MULTI_NODE = CFG.train.nnodes > 1
+
+
+def step_name(step):
+    return f"{int(step):07d}"
+
+
+wildcard_constraints:
+    run=re.escape(RUN),
+    # Steps are zero-padded to 7 digits; no output pattern reaches snapshots/, which training
+    # writes without Snakemake knowing each file.
+    step=r"\d{7}",
+
+
+# --- checks that need more than the schema -------------------------------------------------
+if CFG.fid.extractor in ("inception", "random"):
+    EXTRACTOR_NAME = (
+        "inception-2015-12-05"
+        if CFG.fid.extractor == "inception"
+        else f"random-seed{CFG.run.seed}"
+    )
+    EXTRACTOR = f"{RESOURCES}/extractors/{EXTRACTOR_NAME}.pt"
+else:
+    EXTRACTOR = CFG.fid.extractor
+    if not Path(EXTRACTOR).is_file():
+        fail(
+            f"{', '.join(map(str, CONFIG_FILES))}: fid.extractor={EXTRACTOR}: file not found; give an existing "
+            f"TorchScript file, or inception or random"
+        )
+
+
+def get_extractor(wildcards):
+    return EXTRACTOR
+
+
+# --- targets ---------------------------------------------------------------------------------
+def get_final_output():
+    """The report, plus the samples and scores of segments already trained: Snakemake does not
+    remake a deleted intermediate file by itself, only a missing target."""
+    done = [
+        end
+        for end in SEGMENT_ENDS
+        if (
+            Path(RUN_DIR_NAME) / "checkpoints" / f"step_{step_name(end)}/manifest.json"
+        ).is_file()
+    ]
+    steps = [step_name(s) for end in done for s in segment_snapshots(RUN, end)]
+    return (
+        expand(rules.build_report.output, run=RUN)
+        + expand(rules.sample_snapshot.output.samples, run=RUN, step=steps)
+        + expand(rules.compute_fid.output.score, run=RUN, step=steps)
+    )
+
+
+def get_segment_outputs(wildcards):
+    """One aggregate per training segment: the report waits for all of them."""
+    return expand(
+        rules.collect_segment.output.segment,
+        run=wildcards.run,
+        step=[step_name(s) for s in SEGMENT_ENDS],
+    )
+
+
+# --- training --------------------------------------------------------------------------------
+def previous_end(step):
+    i = SEGMENT_ENDS.index(int(step))
+    return SEGMENT_ENDS[i - 1] if i else 0
+
+
+def check_executor():
+    """Several nodes need SLURM. The executor is known only once the DAG is built, not at parse time."""
+    name = workflow.executor_plugin.name
+    if MULTI_NODE and name not in ("slurm", "slurm-jobstep", "dryrun"):
+        fail(
+            f"{', '.join(map(str, CONFIG_FILES))}: train.nnodes={CFG.train.nnodes}: several nodes need the SLURM profile "
+            f"(snakemake --workflow-profile profiles/slurm ...); use train.nnodes: 1 on one machine"
+        )
+
+
+def get_previous_checkpoint(wildcards):
+    """Segment k starts from the checkpoint of segment k-1; the first one from scratch."""
+    check_executor()
+    prev = previous_end(wildcards.step)
+    if not prev:
+        return []
+    return expand(
+        rules.train_segment.output.checkpoint, run=wildcards.run, step=step_name(prev)
+    )
+
+
+def get_init_arg(wildcards, input):
+    paths = [input.init] if isinstance(input.init, str) else list(input.init)
+    return " ".join(f"--init {shlex.quote(p)}" for p in paths)
+
+
+# Params functions that take `threads` or `input` count as derived for Snakemake, so they are not
+# rerun triggers: process counts, thread counts and config file names do not change the
+# weights or the pixels, and adding a --configfile must not retrain.
+def get_config_args(wildcards, threads):
+    return CONFIG_ARGS
+
+
+def get_train_launcher(wildcards, threads):
+    t = CFG.train
+    if not MULTI_NODE:
+        # --standalone picks a free port per job, so jobs on one machine never collide.
+        return f"torchrun --standalone --nproc-per-node {t.nproc_per_node}"
+    # One srun task per node, each a torchrun agent; they meet at the allocation's first node.
+    # --nnodes is train.nnodes (= the srun tasks requested) rather than $SLURM_NNODES, so the
+    # local stand-in cluster (two tasks on one host) forms the same group as two real nodes.
+    return (
+        f"srun --kill-on-bad-exit=1 torchrun --nnodes {t.nnodes} "
+        f"--nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
+        f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
+    )
+
+
+def get_train_setup(wildcards, threads):
+    """Shell lines run before the traced command (multi-node only: find the rendezvous host)."""
+    if not MULTI_NODE:
+        return ":"
+    return (
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+        "port=$((29400 + SLURM_JOB_ID % 1000))"
+    )
+
+
+def train_resources():
+    t = CFG.train
+    if not MULTI_NODE:
+        return {"gpu": t.nproc_per_node if USE_GPU else 0}
+    # `mpi` makes the SLURM plugin run the job's shell directly (not under `srun -n1`), so the
+    # rule's own srun can start one task per node; gres asks for GPUs per node, not per job.
+    extra = {"gres": f"gpu:{t.nproc_per_node}", "tasks_per_gpu": 0} if USE_GPU else {}
+    return {"nodes": t.nnodes, "tasks": t.nnodes, "mpi": "srun", **extra}
+
+
+# --- evaluation ------------------------------------------------------------------------------
+def get_snapshot_checkpoint(wildcards):
+    """The checkpoint of the segment that wrote this snapshot (done before its snapshots count)."""
+    step = int(wildcards.step)
+    end = next((e for e in SEGMENT_ENDS if e >= step), None)
+    if end is None:
+        raise WorkflowError(
+            f"step {step} is past train.total_steps={CFG.train.total_steps}"
+        )
+    return expand(
+        rules.train_segment.output.checkpoint, run=wildcards.run, step=step_name(end)
+    )
+
+
+def segment_snapshots(run, end):
+    """Snapshot steps that training actually wrote in (previous end, end]. Only the steps the
+    current config asks for count: a file left by an earlier snapshot_every is not evaluated.
+    """
+    start = previous_end(end)
+    wanted = set(drconfig.snapshot_steps(CFG, start, int(end)))
+    folder = Path(CFG.run.results) / run / "snapshots"
+    steps = sorted(
+        int(m.group(1))
+        for p in folder.glob("step_*.safetensors")
+        if (m := re.fullmatch(r"step_(\d{7})\.safetensors", p.name))
+    )
+    return [s for s in steps if s in wanted]
+
+
+def get_segment_scores(wildcards):
+    """FID of every snapshot of this segment. Asks for this segment's checkpoint only, so the
+    evaluation of segment k runs while segment k+1 trains."""
+    checkpoints.train_segment.get(run=wildcards.run, step=wildcards.step)
+    steps = segment_snapshots(wildcards.run, wildcards.step)
+    if not steps:
+        raise WorkflowError(
+            f"{RUN_DIR_NAME}/snapshots: no snapshot in steps ({previous_end(wildcards.step)}, "
+            f"{int(wildcards.step)}]; the train stage should have written one; rerun it with "
+            f"--forcerun train_segment"
+        )
+    return expand(
+        rules.compute_fid.output.score,
+        run=wildcards.run,
+        step=[step_name(s) for s in steps],
+    )
+
+
+def get_sample_launcher(wildcards, threads):
+    n = CFG.sample.nproc
+    if n == 1:
+        return "diffrelay"
+    return f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+
+
+def get_sample_threads(wildcards, threads):
+    # Per process; Snakemake may lower `threads` to --cores, never the process count.
+    return max(1, threads // CFG.sample.nproc)
+
+
+def write_segment(scores, segment, log):
+    """collect_segment: list this segment's FID result files."""
+    from diffrelay import io
+
+    io.write_json(segment, {"scores": sorted(map(str, scores))})
+    Path(log).write_text("".join(f"{s}\n" for s in scores))

@@ -1,0 +1,51 @@
+# compute_fid: FID (or FD with random features) of one sample folder against the reference.
+# `diffrelay fid` scores in a fresh subprocess with a clean environment, outside any process group.
+rule compute_fid:
+    input:
+        images=rules.sample_snapshot.output.samples,
+        ref=rules.compute_reference.output.ref,
+        extractor=get_extractor,
+    output:
+        score=f"{RUN_DIR}/metrics/fid/step_{STEP}.json",
+    log:
+        "logs/{run}/compute_fid/step_{step}.log",
+    benchmark:
+        "logs/{run}/benchmarks/compute_fid/step_{step}.tsv"
+    conda:
+        "../../envs/diffrelay.yaml"
+    threads: CFG.fid.threads
+    resources:
+        gpu=1 if USE_GPU else 0,
+    params:
+        mode=CFG.fid.mode,
+        batch_size=CFG.fid.batch_size,
+        timeout=CFG.fid.timeout_minutes,
+    message:
+        "Scoring the step {wildcards.step} samples of {wildcards.run}"
+    shell:
+        "exec >{log:q} 2>&1; PS4=; set -x; "
+        "diffrelay fid --images {input.images:q} --ref {input.ref:q} "
+        "--extractor {input.extractor:q} --mode {params.mode:q} "
+        "--batch-size {params.batch_size:q} --threads {threads} "
+        "--timeout-minutes {params.timeout:q} --out {output.score:q}"
+
+
+# collect_segment: the FID files of one training segment. Its input function waits for this
+# segment's checkpoint only, which keeps evaluation of segment k beside training of k+1.
+localrules:
+    collect_segment,
+
+
+rule collect_segment:
+    input:
+        scores=get_segment_scores,
+    output:
+        segment=f"{RUN_DIR}/metrics/segments/step_{STEP}.json",
+    log:
+        "logs/{run}/collect_segment/step_{step}.log",
+    wildcard_constraints:
+        step="|".join(step_name(s) for s in SEGMENT_ENDS),
+    message:
+        "Collecting the scores of the {wildcards.run} segment ending at step {wildcards.step}"
+    run:
+        write_segment(input.scores, output.segment, log[0])

@@ -1,0 +1,29 @@
+# compute_reference: feature statistics of the dataset, the reference every FID is measured
+# against. Cached under resources/fid-ref/ by (dataset fingerprint, extractor, mode, count).
+rule compute_reference:
+    input:
+        dataset=rules.prepare_dataset.output.dataset,
+        extractor=get_extractor,
+    output:
+        ref=f"{RUN_DIR}/fid/reference.npz",
+    log:
+        "logs/{run}/compute_reference/compute_reference.log",
+    benchmark:
+        "logs/{run}/benchmarks/compute_reference/compute_reference.tsv"
+    conda:
+        "../../envs/diffrelay.yaml"
+    threads: CFG.fid.threads
+    resources:
+        gpu=1 if USE_GPU else 0,
+    params:
+        mode=CFG.fid.mode,
+        num=CFG.fid.ref_images,
+        batch_size=CFG.fid.batch_size,
+        cache_dir=f"{CFG.run.resources}/fid-ref",
+    message:
+        "Computing reference statistics of the {wildcards.run} dataset"
+    shell:
+        "exec >{log:q} 2>&1; PS4=; set -x; "
+        "diffrelay fid-ref --dataset {input.dataset:q} --extractor {input.extractor:q} "
+        "--mode {params.mode:q} --num {params.num:q} --batch-size {params.batch_size:q} "
+        "--threads {threads} --cache-dir {params.cache_dir:q} --out {output.ref:q}"

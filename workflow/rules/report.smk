@@ -1,0 +1,44 @@
+# build_report: metrics.csv, FID and loss curves, and the best checkpoint, from the run folder.
+# Flagged outputs go into `snakemake --report report.html`.
+rule build_report:
+    input:
+        segments=get_segment_outputs,
+        # Known before any checkpoint exists, so it is computed while the first segment trains.
+        reference=rules.compute_reference.output.ref,
+    output:
+        metrics=report(
+            f"{RUN_DIR}/report/metrics.csv",
+            caption="../report/metrics.rst",
+            category="Metrics",
+        ),
+        fid_plot=report(
+            f"{RUN_DIR}/report/fid.png",
+            caption="../report/fid.rst",
+            category="Metrics",
+        ),
+        loss_plot=report(
+            f"{RUN_DIR}/report/loss.png",
+            caption="../report/loss.rst",
+            category="Metrics",
+        ),
+        best=f"{RUN_DIR}/report/best.json",
+        best_grid=report(
+            f"{RUN_DIR}/report/best_grid.png",
+            caption="../report/best_grid.rst",
+            category="Samples",
+        ),
+    log:
+        "logs/{run}/build_report/build_report.log",
+    benchmark:
+        "logs/{run}/benchmarks/build_report/build_report.tsv"
+    conda:
+        "../../envs/diffrelay.yaml"
+    threads: 1
+    params:
+        run_dir=lambda wildcards: f"{CFG.run.results}/{wildcards.run}",
+        out=lambda wildcards, output: str(Path(output.metrics).parent),
+    message:
+        "Writing the {wildcards.run} report"
+    shell:
+        "exec >{log:q} 2>&1; PS4=; set -x; "
+        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}"
