@@ -1,6 +1,6 @@
 """Training throughput of `diffrelay train` against a bare PyTorch loop, and the cost of a segment boundary.
 
-  python benchmarks/bench_train.py [--steps 60] [--resolution 16] [--batch 64] [--threads 1]
+  python benchmarks/bench_train.py [--steps 120] [--resolution 16] [--batch 32] [--channels 24] [--threads 1]
 
 Both loops train the same model on the same prepared data with the same batch and thread count,
 in one run of this script. The bare loop does the same math (EDM loss, Adam, grad clipping, EMA)
@@ -72,10 +72,10 @@ def diffrelay_run(cfg_path, until, init=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--resolution", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--channels", type=int, default=24)  # the demo model
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(HERE / "results" / "train.json"))
     args = ap.parse_args()

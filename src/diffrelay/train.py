@@ -157,6 +157,8 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     stop = StopRequest()
+    # Every rank checks, so a missing package stops all of them, not rank 0 alone.
+    board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
     if distributed.is_main():
         logs.append_jsonl(metrics_path, {"event": "segment_start", "step": step, "until": until, "world": world})
     log.info(f"segment: steps {step} -> {until} of {t.total_steps} | {world} process(es) x {micro} images"
@@ -211,7 +213,11 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
         window["steps"] += 1
 
         if distributed.is_main() and (step % t.log_every == 0 or step == until):
-            _report(log, metrics_path, step, until, t, window, sched, skipped_total, seg_t0, segment_start)
+            record = _report(log, metrics_path, step, until, t, window, sched, skipped_total, seg_t0, segment_start)
+            if board:
+                for key in ("loss", "lr", "grad_norm", "images_per_s"):
+                    board.add_scalar(f"train/{key}", record[key], step)
+                board.flush()
             window = {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
         if consecutive >= t.max_skipped_steps:
             path = run_dir / "recovery" / checkpoint.step_name(step)
@@ -242,6 +248,8 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
         log.info(f"wrote {final_ckpt}")
     if trace_file:
         trace_file.close()
+    if board:
+        board.close()
     distributed.barrier()
     distributed.teardown()
     return 0
@@ -252,18 +260,28 @@ def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:
     checkpoint.save_snapshot(path, ema.nets[0].state_dict(), net.state_dict(), _meta(cfg, step, data, traj))
 
 
-def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> None:
+def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:
     dt = max(time.perf_counter() - window["t0"], 1e-9)
     rate = window["steps"] / dt
     loss = window["loss"] / max(window["n"], 1)
     eta = (until - step) / max((step - segment_start) / (time.perf_counter() - seg_t0), 1e-9)
     log.info(f"step {step:>7d}/{t.total_steps} | loss {loss:.4f} | {rate:5.2f} step/s | "
              f"{rate * t.batch_size:7.1f} img/s | skipped {skipped} | segment eta {logs.fmt_duration(eta)}")
-    logs.append_jsonl(metrics_path, {"step": step, "loss": round(loss, 6), "lr": sched.get_last_lr()[0],
-                                     "grad_norm": round(window["gnorm"] / max(window["n"], 1), 6),
-                                     "skipped": skipped, "steps_per_s": round(rate, 4),
-                                     "images_per_s": round(rate * t.batch_size, 2),
-                                     "elapsed": round(time.perf_counter() - seg_t0, 3)})
+    record = {"step": step, "loss": round(loss, 6), "lr": sched.get_last_lr()[0],
+              "grad_norm": round(window["gnorm"] / max(window["n"], 1), 6), "skipped": skipped,
+              "steps_per_s": round(rate, 4), "images_per_s": round(rate * t.batch_size, 2),
+              "elapsed": round(time.perf_counter() - seg_t0, 3)}
+    logs.append_jsonl(metrics_path, record)
+    return record
+
+
+def _tensorboard(run_dir, main: bool):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise UserError("train.tensorboard=true but the tensorboard package is not installed; "
+                        "pip install tensorboard, or set train.tensorboard: false") from e
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard")) if main else None
 
 
 def main(args) -> int:
