@@ -83,21 +83,27 @@ def atomic_dir(path):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        if path.exists():
-            # Move the old one aside first so there is never a moment with neither.
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
-            os.replace(path, old / "x")
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        replace_dir(tmp, path)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"{path}: write failed ({e.strerror}); the previous copy, if any, is unchanged") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(src, dst) -> None:
+    """Rename folder src to dst. An existing dst is moved aside first, so a reader sees the old or
+    the new folder and never neither; then the old one is deleted."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".old"))
+        os.replace(dst, old / "x")
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
 
 
 def sha256_file(path, chunk=1 << 20) -> str:

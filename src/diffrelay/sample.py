@@ -259,17 +259,6 @@ def _lock(work: Path):
     return None
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename src to dst; an existing dst (an older run) is moved aside first, then deleted."""
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".old"))
-        os.replace(dst, old / "x")
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
 def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
     """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
     fd = _lock(work)
@@ -297,7 +286,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         # Bookkeeping and temp files of writes a kill interrupted do not belong in the result.
         for p in [work / "settings.json", *work.glob("done-*.json"), *work.glob(".*.tmp")]:
             p.unlink(missing_ok=True)
-        _replace_dir(work, out)
+        io.replace_dir(work, out)
         return manifest
     finally:
         os.close(fd)
