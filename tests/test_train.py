@@ -206,3 +206,16 @@ def test_non_finite_steps_save_and_stop_with_an_error(write_config, tmp_path):
     assert p.returncode == 2, p.stderr
     assert "2 consecutive non-finite steps up to step 2" in p.stderr
     assert checkpoint.is_complete(tmp_path / "results/tiny/recovery/step_0000002")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_resumes_its_grad_scaler(write_config, tmp_path, precision):
+    cfg = write_config({"train": {"precision": precision, "total_steps": 4, "segment_steps": 2}})
+    run_cli("prepare", "--config", cfg)
+    run_cli("train", "--config", cfg, "--until-step", 2)
+    p = run_cli("train", "--config", cfg, "--until-step", 4)
+    assert "| fp32" not in p.stderr and f"| {precision}" in p.stderr
+    state = load_state(tmp_path / "results/tiny/checkpoints/step_0000004")
+    assert state["step"] == 4
+    # fp16 keeps a live loss scale in the checkpoint; bf16 needs none
+    assert bool(state["scaler"]) == (precision == "fp16")

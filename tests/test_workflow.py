@@ -99,6 +99,15 @@ def test_missing_extractor_file_is_refused_before_any_job(tmp_path, write_config
     assert p.returncode == 2 and "fid.extractor=" in p.stderr and "nope.pt" in p.stderr, p.stderr
 
 
+def test_results_path_with_spaces_and_shell_characters_is_quoted_not_executed(tmp_path, write_config):
+    nasty = tmp_path / "my results $(touch PWNED) ; touch PWNED2"
+    cfg = write_config({"run": {"results": str(nasty)}})
+    target = f"{nasty}/tiny/dataset"
+    p = snakemake(tmp_path, target, "--configfile", cfg, cores=1)
+    assert (nasty / "tiny" / "dataset" / "dataset.json").is_file(), p.stderr[-2000:]
+    assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+
+
 def test_multi_node_training_is_refused_without_slurm(tmp_path, write_config):
     cfg = write_config({"train": {"nnodes": 2}})
     p = snakemake(tmp_path, "--configfile", cfg, check=False)
