@@ -1,0 +1,30 @@
+"""The conda env for `--sdm conda` mirrors pyproject.toml's dependency ranges."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# conda-forge names of the pip packages that are spelled differently there
+CONDA_NAME = {"torch": "pytorch", "matplotlib": "matplotlib-base"}
+# Snakemake and its plugin run outside the job env; clean-fid comes through pip
+NOT_IN_ENV = {"snakemake", "snakemake-executor-plugin-slurm"}
+
+
+def split(req: str) -> tuple[str, str]:
+    name, spec = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*(.*)$", req.split("#")[0]).groups()
+    return name.lower(), spec.replace(" ", "")
+
+
+def test_conda_env_mirrors_pyproject_ranges():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = yaml.safe_load((REPO / "envs" / "diffrelay.yaml").read_text())["dependencies"]
+    conda = dict(split(d) for d in env if isinstance(d, str) and d != "pip")
+    pip = dict(split(d) for d in next(d["pip"] for d in env if isinstance(d, dict)) if not d.startswith("-e"))
+    for name, spec in map(split, deps):
+        if name in NOT_IN_ENV:
+            continue
+        have = conda.get(CONDA_NAME.get(name, name), pip.get(name))
+        assert have == spec, f"{name}: pyproject {spec!r}, envs/diffrelay.yaml {have!r}"
