@@ -161,7 +161,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(torch, "save", no_space)
+    monkeypatch.setattr(Path, "write_bytes", no_space)  # where the checkpoint's bytes reach the disk
     with pytest.raises(UserError, match="No space left on device"):
         checkpoint.save_checkpoint(tmp_path / "step_0000001", {"w": torch.zeros(3)}, {"step": 1})
     assert {f.name: f.read_bytes() for f in good.iterdir()} == before
