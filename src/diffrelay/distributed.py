@@ -123,10 +123,6 @@ def all_reduce_sum(x):
     return y
 
 
-def all_reduce_mean(x):
-    return all_reduce_sum(x) / world()
-
-
 def teardown() -> None:
     import torch.distributed as dist
 
