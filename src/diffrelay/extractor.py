@@ -11,7 +11,6 @@ the result is (B, D) features.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -220,20 +219,12 @@ def fetch_inception(out) -> Path:
             raise UserError(f"{out}: cannot download {INCEPTION_URL} ({reason}); offline? fetch that URL elsewhere "
                             f"and place the file at {out.resolve()}") from e
         # Check the temp file before the rename, so a bad download never appears under the final name.
-        sha256 = _sha256_fileobj(f)
+        sha256 = io.sha256_fileobj(f)
         f.seek(0)
         _check_inception(out, sha256=sha256, fileobj=f)
         f.seek(0, os.SEEK_END)
     log.info(f"{out}: Inception verified (loads, {INCEPTION_DIM} features per image)")
     return out
-
-
-def _sha256_fileobj(f) -> str:
-    f.seek(0)
-    h = hashlib.sha256()
-    while block := f.read(1 << 20):
-        h.update(block)
-    return h.hexdigest()
 
 
 def copy_custom(src, out) -> Path:

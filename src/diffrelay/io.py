@@ -106,12 +106,18 @@ def replace_dir(src, dst) -> None:
     _fsync_dir(dst.parent)
 
 
-def sha256_file(path, chunk=1 << 20) -> str:
+def sha256_fileobj(f, chunk=1 << 20) -> str:
+    """sha256 of an open binary file from its start (e.g. a download before it is renamed)."""
+    f.seek(0)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    while block := f.read(chunk):
+        h.update(block)
     return h.hexdigest()
+
+
+def sha256_file(path) -> str:
+    with open(path, "rb") as f:
+        return sha256_fileobj(f)
 
 
 def read_json(path):
