@@ -250,8 +250,13 @@ def test_prepare_cli_builds_once_then_is_up_to_date(write_config, tmp_path):
     assert "up to date" in second.stderr
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == stamp
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folders left behind
-    run_cli("prepare", "--config", write_config({"data": {"count": 12}}))
-    assert datasets.open_prepared(out).count == 12
+    # Another dataset under the same run name is refused (the run folder records what it was made from);
+    # a new run name builds it.
+    refused = run_cli("prepare", "--config", write_config({"data": {"count": 12}}), check=False)
+    assert refused.returncode == 2 and "data.count=12" in refused.stderr and "new run.name" in refused.stderr
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == stamp
+    run_cli("prepare", "--config", write_config({"run": {"name": "other"}, "data": {"count": 12}}))
+    assert datasets.open_prepared(out.parent.parent / "other" / "dataset").count == 12
 
 
 def test_prepare_cli_writes_to_out(write_config, tmp_path):

@@ -63,6 +63,11 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
                                   "config/examples/slurm-multinode.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
+    # The templates point data.path at data/my-images (relative to the working folder): give it two classes.
+    for cls in ("cats", "dogs"):
+        (tmp_path / "data" / "my-images" / cls).mkdir(parents=True)
+        for i in range(2):
+            (tmp_path / "data" / "my-images" / cls / f"{i}.png").write_bytes(b"")
     cfg = drconfig.load(files)
     p = snakemake(tmp_path, "-n", "--configfile", *files)
     assert job_counts(p.stdout)["train_segment"] == len(drconfig.segment_ends(cfg))
@@ -228,11 +233,19 @@ def test_changed_sample_count_resamples_and_rescores_but_does_not_retrain(tiny_r
 
 
 @pytest.mark.slow
-def test_changed_model_setting_plans_retraining_but_changed_thread_count_does_not(tiny_run):
+def test_changed_model_setting_is_refused_for_the_run_but_changed_thread_count_plans_nothing(tiny_run):
     work, cfg, _ = tiny_run
     wider = work / "wider.yaml"
     wider.write_text("model:\n  channels: 12\n")
-    p = snakemake(work, "-n", "--configfile", cfg, wider)
+    before = mtimes(run_folder(work), "checkpoints/*")
+    p = snakemake(work, "-n", "--configfile", cfg, wider, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout + p.stderr
+    assert "model.channels=12" in errors[0] and str(run_folder(work)) in errors[0] and "new run.name" in errors[0]
+    assert mtimes(run_folder(work), "checkpoints/*") == before
+    # With a new run name the same settings plan a fresh run beside the old one.
+    (work / "wider-run.yaml").write_text("run:\n  name: wider\nmodel:\n  channels: 12\n")
+    p = snakemake(work, "-n", "--configfile", cfg, work / "wider-run.yaml")
     assert job_counts(p.stdout)["train_segment"] == 2
     threads = work / "threads.yaml"
     threads.write_text("train:\n  threads: 2\nsample:\n  threads: 2\n")

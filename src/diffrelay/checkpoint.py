@@ -8,6 +8,7 @@ own tensors and metadata, so it verifies itself and loads without a dataset or a
 
 import hashlib
 import json
+import os
 import re
 from io import BytesIO
 from pathlib import Path
@@ -22,6 +23,7 @@ from diffrelay.errors import UserError
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
 SNAPSHOT_FORMAT = "diffrelay-snapshot/1"
 STEP_DIR = re.compile(r"^step_(\d{7})$")
+FILES = ("state.pt", "meta.json", "manifest.json")
 
 
 def step_name(step: int) -> str:
@@ -37,12 +39,17 @@ def save_checkpoint(path, state: dict, meta: dict) -> Path:
     path = Path(path)
     buf = BytesIO()
     torch.save(state, buf)  # serialise in memory: torch's own file writer hides ENOSPC behind a RuntimeError
-    with io.atomic_dir(path) as tmp:
+    with io.atomic_dir(path, owned=is_checkpoint_folder) as tmp:
         (tmp / "state.pt").write_bytes(buf.getbuffer())
         io.write_json(tmp / "meta.json", meta)
         files = {name: io.sha256_file(tmp / name) for name in ("state.pt", "meta.json")}
         io.write_json(tmp / "manifest.json", {"format": CHECKPOINT_FORMAT, "step": meta["step"], "files": files})
     return path
+
+
+def is_checkpoint_folder(path) -> bool:
+    """A folder holding only checkpoint files (complete or not): replacing it loses nothing of the user's."""
+    return set(os.listdir(path)) <= set(FILES)
 
 
 def is_complete(path) -> bool:

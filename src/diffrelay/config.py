@@ -2,6 +2,8 @@
 
 import copy
 import json
+import math
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -11,6 +13,10 @@ import yaml
 from diffrelay.errors import UserError
 
 SCHEMA_FILE = "config.schema.yaml"
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything bigger is a wrong path
+MAX_WIDTH = 16384  # channels at a UNet's widest level; more is a typo, not a model
+MAX_SEED = 2**63 - 1  # seeds go through numpy's SeedSequence and torch.manual_seed
+MAX_CONFIG_VALUES = 100_000  # values after YAML aliases are expanded (a "billion laughs" file stops here)
 
 
 def load_schema() -> dict:
@@ -131,6 +137,14 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
                         f"no UNet level has that resolution; choose from {level_res}"))
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
+    width = m["channels"] * max(m["channel_mult"])
+    if width > MAX_WIDTH:
+        bad.append((f"model.channels={m['channels']}",
+                    f"x max(model.channel_mult)={max(m['channel_mult'])} gives {width} channels at the widest level; "
+                    f"keep it at most {MAX_WIDTH}"))
+    if s["first_seed"] + s["num_images"] > MAX_SEED:
+        bad.append((f"sample.first_seed={s['first_seed']}",
+                    f"plus sample.num_images={s['num_images']} passes the largest seed {MAX_SEED}; use a smaller one"))
     if m["class_conditional"] and data["labels"] == "none":
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
     cl = s["class_labels"]
@@ -141,10 +155,26 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     return bad
 
 
+def non_finite(d, prefix="") -> str | None:
+    """The first key holding NaN or an infinity (YAML's .nan, .inf), which every schema bound lets through."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        path = f"{prefix}.{k}" if prefix and isinstance(k, str) else f"{prefix}[{k}]" if prefix else str(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{path}={v}"
+        found = non_finite(v, path)
+        if found:
+            return found
+    return None
+
+
 def validate(raw: dict, source: str = "config") -> dict:
     """Return a new dict with defaults filled, or raise UserError naming the source, key, value and fix."""
     if not isinstance(raw, dict):
         raise UserError(f"{source}: the config must be a mapping of sections (run, data, model, train, sample, fid)")
+    bad_number = non_finite(raw)
+    if bad_number:
+        raise UserError(f"{source}: {bad_number}: not a finite number; write a real number")
     d = copy.deepcopy(raw)
     errors = sorted(_filling_validator()(load_schema()).iter_errors(d), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
@@ -164,20 +194,69 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with two YAML 1.2 habits: 1e-3 is a number, and a repeated key is an error.
+
+    PyYAML follows YAML 1.1, which reads `lr: 1e-3` as a string and lets a repeated key silently replace
+    the first one (a whole section can vanish that way)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+
+
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line):
+        super().__init__(f"key {key!r} appears twice (again at line {line})")
+        self.key, self.line = key, line
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *defaults` may be overridden by the keys beside it
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise DuplicateKey(key, key_node.start_mark.line + 1)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _expanded_size(obj, memo=None) -> int:
+    """How many values `obj` holds once shared (aliased) parts are counted every time they are used."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
+    memo[id(obj)] = 1  # a self-referencing alias counts once instead of recursing forever
+    memo[id(obj)] = 1 + sum(_expanded_size(v, memo) for v in items)
+    return memo[id(obj)]
+
+
 def read_yaml(path) -> dict:
     path = Path(path)
+    from diffrelay import io  # io imports errors only; kept local so the Snakefile's import stays light
+
+    io.check_regular_file(path, MAX_CONFIG_BYTES, what="config file", missing="pass an existing YAML file")
     try:
         text = path.read_text()
-    except FileNotFoundError as e:
-        raise UserError(f"{path}: config file not found; pass an existing YAML file") from e
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read config ({e})") from e
     try:
-        d = yaml.safe_load(text)
+        d = yaml.load(text, Loader=_Loader)  # noqa: S506 -- _Loader is a SafeLoader
+    except DuplicateKey as e:
+        raise UserError(f"{path}: {e}; YAML keeps only the last one, so delete or merge the duplicate") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise UserError(f"{path}: not valid YAML{where}; fix the syntax") from e
+    if _expanded_size(d) > MAX_CONFIG_VALUES:
+        raise UserError(f"{path}: YAML aliases expand to more than {MAX_CONFIG_VALUES} values; "
+                        "write the settings out instead of nesting aliases")
     return {} if d is None else d
 
 
@@ -226,14 +305,39 @@ _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "threads", "log_
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard"}
 
 
-def trajectory_hash(cfg: Config) -> str:
-    """Hash of everything that changes the weights: reruns training in Snakemake, guards resumes."""
-    import hashlib
-
-    d = cfg.to_dict()
+def trajectory(cfg) -> dict:
+    """Everything that changes the weights, by section: what a run folder is made from."""
+    d = cfg.to_dict() if isinstance(cfg, Config) else cfg
     train = {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}
     if train["lr_schedule"] != "cosine":
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]
-    blob = {"seed": d["run"]["seed"], "data": d["data"], "model": d["model"], "train": train}
+    return {"run": {"seed": d["run"]["seed"]}, "data": d["data"], "model": d["model"], "train": train}
+
+
+def trajectory_hash(cfg: Config) -> str:
+    """Hash of trajectory(cfg): reruns training in Snakemake, guards resumes."""
+    import hashlib
+
+    t = trajectory(cfg)
+    blob = {"seed": t["run"]["seed"], "data": t["data"], "model": t["model"], "train": t["train"]}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def first_difference(a, b, prefix: str = "") -> str | None:
+    """The first key path where two nested dicts differ, e.g. 'train.lr'; None when they are equal."""
+    for key in sorted(set(a) | set(b), key=str):
+        path = f"{prefix}{key}"
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            inner = first_difference(a[key], b[key], f"{path}.")
+            if inner:
+                return inner
+        elif a.get(key) != b.get(key):
+            return path
+    return None
+
+
+def lookup(d: dict, path: str):
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d

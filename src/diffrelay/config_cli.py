@@ -2,10 +2,11 @@
 
 import yaml
 
-from diffrelay import config
+from diffrelay import config, preflight
 
 
 def main(args) -> int:
     cfg = config.load(args.config)
+    preflight.check(cfg, ", ".join(args.config))
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0

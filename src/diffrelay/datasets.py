@@ -21,6 +21,7 @@ FOLDER_VERSION = 1  # bump when loading/cropping/resizing changes the pixels
 SHAPE_NAMES = ("circle", "square", "triangle")
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 SUPERSAMPLE = 4
+MAX_IMAGE_BYTES = 1 << 30  # one image file; a bigger one is a video, an archive or a wrong path
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,19 @@ def _unopenable(path: Path, e: OSError) -> str:
 
 
 def hash_files(root, on_corrupt: str = "error") -> tuple:
-    """(relative path, sha256 of bytes) per image; sha is None for an unopenable file when skipping."""
+    """(relative path, sha256 of bytes) per image; sha is None for an unreadable file when skipping.
+
+    Only regular files are opened: a FIFO or a link to a device named like an image would block forever."""
     out = []
     for rel, path in list_images(root):
         try:
+            io.check_regular_file(path, MAX_IMAGE_BYTES, "image file",
+                                  "fix or remove it, or set data.on_corrupt: skip")
             out.append((rel, io.sha256_file(path)))
+        except UserError:
+            if on_corrupt != "skip":
+                raise
+            out.append((rel, None))
         except OSError as e:
             if on_corrupt != "skip":
                 raise UserError(_unopenable(path, e)) from e
@@ -325,6 +334,14 @@ def open_prepared(path) -> Prepared:
         raise UserError(f"{path / 'labels.npy'}: shape {labels.shape} {labels.dtype} does not match dataset.json "
                         f"(count={n}, int64); rerun `diffrelay prepare --config <your config>`")
     return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"])
+
+
+def is_dataset_folder(path) -> bool:
+    """`path` was written by `diffrelay prepare` (its dataset.json names our format), complete or not."""
+    try:
+        return json.loads((Path(path) / "dataset.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_current(path, p: Plan) -> bool:

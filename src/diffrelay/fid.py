@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 import zipfile
@@ -63,6 +64,23 @@ def features(files, ext, mode: str, batch_size: int, device) -> np.ndarray:
     # num_workers=0: worker processes are a hang risk inside schedulers and buy nothing at this size.
     return get_files_features([str(f) for f in files], model=ext.fn, num_workers=0, batch_size=batch_size,
                               device=device, mode=mode, verbose=False)
+
+
+def features_or_name_bad_file(files, ext, mode: str, batch_size: int, device) -> np.ndarray:
+    """features(), but an image that cannot be decoded is named in one line instead of a deep traceback."""
+    try:
+        return features(files, ext, mode, batch_size, device)
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "truncated or not an image"
+        from PIL import Image
+
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    im.load()
+            except (OSError, SyntaxError, ValueError) as bad:
+                raise UserError(f"{f}: damaged or not an image ({bad}); remake the folder "
+                                "(`diffrelay sample` remakes damaged files) and score again") from e
+        raise
 
 
 def statistics(feats: np.ndarray):
@@ -181,7 +199,7 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
 
     t0 = time.time()
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
-    feats = features(files, ext, mode, batch_size, _device())
+    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device())
     mu, sigma = statistics(feats)
     if len(files) <= feats.shape[1]:
         log.warning(f"{dataset}: {len(files)} reference images for {feats.shape[1]} features: sigma is singular; "
@@ -216,15 +234,46 @@ def main_fid_ref(args) -> int:
 
 # ---------------------------------------------------------------------------- diffrelay fid
 
-def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run `cmd` without any process-group variables, stdout/stderr passed through; killed after timeout_s."""
-    cmd = [str(c) for c in cmd]
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGKILL when the parent dies (Linux prctl), so a
+    killed `diffrelay fid` leaves no scorer running on without its timeout."""
+    import ctypes
+    import signal
+
     try:
-        # No stdin: a child waiting for input would only ever end at the timeout.
-        return subprocess.run(cmd, env=distributed.clean_env(), stdin=subprocess.DEVNULL, timeout=timeout_s)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's own handler below still ends the child on SIGTERM
+
+
+def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `cmd` without any process-group variables, stdout/stderr passed through; killed after timeout_s,
+    or when this process is killed or told to stop."""
+    import signal
+
+    cmd = [str(c) for c in cmd]
+    # No stdin: a child waiting for input would only ever end at the timeout.
+    child = subprocess.Popen(cmd, env=distributed.clean_env(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def stop(signum, frame):
+        child.kill()
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return subprocess.CompletedProcess(cmd, child.wait(timeout=timeout_s))
     except subprocess.TimeoutExpired as e:
+        child.kill()
+        child.wait()
         raise UserError(f"{' '.join([Path(cmd[0]).name, *cmd[1:4]])}: timed out after {timeout_s / 60:g} minutes "
                         "and was killed; raise --timeout-minutes (fid.timeout_minutes) or score fewer images") from e
+    except BaseException:  # Ctrl-C, or the handler above
+        child.kill()
+        child.wait()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict:
@@ -237,7 +286,7 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict
     sha = extractor_sha256(extractor_path)
     check_ref(ref, ref_path, sha, mode)
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
-    feats = features(files, ext, mode, batch_size, _device())
+    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device())
     if len(files) <= feats.shape[1]:
         log.warning(f"{images}: {len(files)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
                     f"so {ext.label} is biased upward; compare only scores with equal image counts")
@@ -255,11 +304,18 @@ def main_fid(args) -> int:
         # Cheap checks here too, so a bad path fails before a child process is paid for.
         image_files(args.images)
         check_ref(load_ref(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
-        cmd = [sys.executable, "-m", "diffrelay", "fid", "--images", args.images, "--ref", args.ref,
-               "--extractor", args.extractor, "--mode", args.mode, "--batch-size", args.batch_size,
-               "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", args.out,
-               "--in-process"]
-        return run_clean(cmd, args.timeout_minutes * 60).returncode
+        # The child writes a private file that this process publishes only if the child succeeded in time:
+        # a scorer outliving a failed job can never leave a result behind.
+        with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
+            private = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "diffrelay", "fid", "--images", args.images, "--ref", args.ref,
+                   "--extractor", args.extractor, "--mode", args.mode, "--batch-size", args.batch_size,
+                   "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", private,
+                   "--in-process"]
+            code = run_clean(cmd, args.timeout_minutes * 60).returncode
+            if code == 0:
+                io.write_bytes(args.out, private.read_bytes())
+        return code
     import torch
 
     torch.set_num_threads(args.threads)

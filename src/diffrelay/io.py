@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -67,10 +68,59 @@ def write_json(path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-@contextlib.contextmanager
-def atomic_dir(path):
-    """Yield a temp folder beside `path`; on success it is renamed to `path` (replacing an old one)."""
+def check_regular_file(path, max_bytes: int, what: str = "file", missing: str = "check the path") -> int:
+    """Size of `path` if it is a regular file (symlinks followed) of at most max_bytes; else UserError.
+
+    Reading a FIFO, a socket or a device such as /dev/zero blocks or never ends, so every file a user
+    names is checked with this before it is opened."""
     path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        if path.is_symlink():
+            raise UserError(f"{path}: cannot open {what} (dangling symlink); {missing}") from e
+        raise UserError(f"{path}: {what} not found; {missing}") from e
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what} ({e.strerror}); fix its permissions") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
+        raise UserError(f"{path}: {what} is {kind}; {missing}")
+    if st.st_size > max_bytes:
+        raise UserError(f"{path}: {what} is {st.st_size} bytes, more than the {max_bytes} allowed; "
+                        f"check the path")
+    return st.st_size
+
+
+def is_empty_dir(path) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except NotADirectoryError:
+        return False
+
+
+def check_replaceable(path, owned, what: str, fix: str) -> None:
+    """Refuse to replace `path` unless it is absent, an empty folder, or `owned(path)` says this stage made it.
+
+    Replacing a folder deletes it, and nothing may delete a folder it did not create: one wrong --out
+    would otherwise wipe a run's checkpoints."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise UserError(f"{path}: exists and is not a folder; nothing was changed; {fix}")
+    if not is_empty_dir(path) and not owned(path):
+        raise UserError(f"{path}: exists and is not {what}; nothing was deleted; {fix}")
+
+
+@contextlib.contextmanager
+def atomic_dir(path, owned):
+    """Yield a temp folder beside `path`; on success it is renamed to `path`.
+
+    An existing `path` is replaced only if check_replaceable(path, owned) allows it, checked before the
+    work and again just before the rename."""
+    path = Path(path)
+    check_replaceable(path, owned, "a folder this stage wrote", "choose another path or move it aside")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -83,7 +133,7 @@ def atomic_dir(path):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        replace_dir(tmp, path)
+        replace_dir(tmp, path, owned)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"{path}: write failed ({e.strerror}); the previous copy, if any, is unchanged") from e
@@ -92,10 +142,11 @@ def atomic_dir(path):
         raise
 
 
-def replace_dir(src, dst) -> None:
-    """Rename folder src to dst. An existing dst is moved aside first, so a reader sees the old or
-    the new folder and never neither; then the old one is deleted."""
+def replace_dir(src, dst, owned) -> None:
+    """Rename folder src to dst. An existing dst (which check_replaceable must allow) is moved aside
+    first, so a reader sees the old or the new folder and never neither; then the old one is deleted."""
     src, dst = Path(src), Path(dst)
+    check_replaceable(dst, owned, "a folder this stage wrote", "choose another path or move it aside")
     if dst.exists():
         old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".old"))
         os.replace(dst, old / "x")

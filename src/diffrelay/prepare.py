@@ -7,13 +7,17 @@ Example:
 import time
 from pathlib import Path
 
-from diffrelay import config, datasets, io, logs
+from diffrelay import config, datasets, io, logs, preflight
 
 
 def main(args) -> int:
     log = logs.setup()
     cfg = config.load(args.config)
+    preflight.check_run_folder(cfg, ", ".join(args.config))
     out = Path(args.out) if args.out else config.run_dir(cfg) / "dataset"
+    # Before any work: a wrong --out must fail at once, not after an hour of decoding, and delete nothing.
+    io.check_replaceable(out, datasets.is_dataset_folder, f"a dataset folder (no {datasets.FORMAT} dataset.json)",
+                         "give --out a new or empty folder, or a dataset folder made by `diffrelay prepare`")
     t0 = time.time()
 
     # Fingerprint first (cheap checks, then hashing a folder's files): an unchanged source means no work.
@@ -24,8 +28,10 @@ def main(args) -> int:
 
     # No "building..." line here: a bad file found while building must stay the only line on stderr.
     # atomic_dir: a killed prepare leaves only a hidden temp folder, never a dataset that looks complete.
-    with io.atomic_dir(out) as tmp:
+    with io.atomic_dir(out, owned=datasets.is_dataset_folder) as tmp:
         info = datasets.build(plan, tmp)
+    if out.resolve().parent == config.run_dir(cfg).resolve():
+        preflight.write_run_record(cfg)
     log.info(f"prepare: wrote {info['count']} images from {plan.source}, {info['num_classes']} classes, "
              f"{len(info['skipped'])} skipped, in {logs.fmt_duration(time.time() - t0)} -> {out}")
     return 0

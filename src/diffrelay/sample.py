@@ -12,14 +12,9 @@ grid.png and manifest.json and renames the folder to `out`.
 
 import collections
 import dataclasses
-import fcntl
 import io as bytes_io
-import json
 import math
 import os
-import re
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,8 +25,10 @@ from PIL import Image, ImageDraw, ImageFont
 
 from diffrelay import checkpoint, config, distributed, edm, io, logs
 from diffrelay.errors import UserError
+from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
+                                     check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
+                                     up_to_date, work_dir)
 
-MANIFEST_FORMAT = "diffrelay-samples/1"
 # CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
 # (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
 # rounding). So every forward batch has forward_rows(settings) rows, a multiple of this, padded where short:
@@ -42,8 +39,6 @@ PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision")
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
-PNG_NAME = re.compile(r"^\d{6}\.png$")
-WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +67,6 @@ def default_settings(**overrides) -> "Settings":
 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: which images, which seeds, which classes
-
-
-def png_name(i: int) -> str:
-    return f"{i:06d}.png"
-
-
-def image_files(folder) -> list[Path]:
-    """The numbered sample PNGs of a folder (not grid.png), in index order."""
-    return sorted(p for p in Path(folder).iterdir() if PNG_NAME.match(p.name))
 
 
 def rank_share(num_images: int, rank: int, world: int) -> range:
@@ -188,77 +174,6 @@ def make_grid(images: list[np.ndarray], names: list[str] | None) -> Image.Image:
     return grid
 
 
-# ---------------------------------------------------------------------------------------------
-# The work folder: shared by the processes of one job, and by a killed job and its restart
-
-
-def work_dir(out: Path) -> Path:
-    return out.parent / f".{out.name}.partial"
-
-
-def _read_json_or_none(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def up_to_date(out: Path, key: dict) -> dict | None:
-    """The manifest of `out` when it was made with the same pixel settings and snapshot bytes."""
-    m = _read_json_or_none(out / "manifest.json")
-    if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT and {k: m.get(k) for k in key} == key:
-        return m
-    return None
-
-
-def _open_work(work: Path, out: Path, key: dict, rank: int) -> bool:
-    """Rank 0 makes the folder (clearing one left by other settings); the others wait until it matches.
-
-    False when `out` turned up to date meanwhile (another process finalized with markers of an earlier launch).
-    """
-    settings_file = work / "settings.json"
-    if rank == 0:
-        if work.exists() and _read_json_or_none(settings_file) != key:
-            stale = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".stale"))
-            os.replace(work, stale / "x")
-            shutil.rmtree(stale, ignore_errors=True)
-        if not work.exists():
-            io.write_json(settings_file, key)
-        return True
-    deadline = time.monotonic() + WAIT_SECONDS
-    while _read_json_or_none(settings_file) != key:
-        if up_to_date(out, key):
-            return False
-        if time.monotonic() > deadline:
-            raise UserError(f"{work}: process 0 did not set up the work folder in {WAIT_SECONDS} s; "
-                            "check its log, delete the folder and rerun")
-        time.sleep(0.05)
-    return True
-
-
-def _marker(work: Path, rank: int, world: int) -> Path:
-    # A marker says "all of this rank's images are in the folder"; that stays true, so a marker left by an
-    # earlier launch with the same process count counts too. Other process counts split differently.
-    return work / f"done-{rank}-of-{world}.json"
-
-
-def _lock(work: Path):
-    """An exclusive non-blocking lock on the work folder itself, or None if another process holds it or
-    has already renamed it. The lock dies with its process, so a killed finalizer blocks nobody."""
-    try:
-        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.path.samestat(os.fstat(fd), os.stat(work)):
-            return fd
-    except (BlockingIOError, FileNotFoundError):
-        pass
-    os.close(fd)
-    return None
-
-
 def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
     """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
     fd = _lock(work)
@@ -281,12 +196,13 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         finished = time.time()
         seconds = finished - manifest["started"]
         manifest |= {"finished": finished, "seconds": round(seconds, 3), "generated": generated,
-                     "images_per_s": round(generated / max(seconds, 1e-9), 3)}
+                     "images_per_s": round(generated / max(seconds, 1e-9), 3),
+                     "files": {p.name: file_record(p) for p in [*image_files(work), work / "grid.png"]}}
         io.write_json(work / "manifest.json", manifest)
         # Bookkeeping and temp files of writes a kill interrupted do not belong in the result.
         for p in [work / "settings.json", *work.glob("done-*.json"), *work.glob(".*.tmp")]:
             p.unlink(missing_ok=True)
-        io.replace_dir(work, out)
+        io.replace_dir(work, out, owned=is_sample_folder)
         return manifest
     finally:
         os.close(fd)
@@ -304,8 +220,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
     started = time.time()
     snapshot, out, device = Path(snapshot), Path(out), torch.device(device)
     log = logs.get()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is not a folder; pass a folder path as --out")
+    check_out(out)
     torch.set_num_threads(s.threads)
 
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
@@ -315,15 +230,21 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
     done = up_to_date(out, key)
-    if done:
+    damaged = damaged_files(out, done) if done else []
+    if done and not damaged:
         log.info("%s: up to date (%d images from step %s)", out, done["num_images"], done["step"])
         return done
+    if damaged:
+        log.warning("%s: %d file(s) differ from manifest.json (e.g. %s); making them again", out, len(damaged),
+                    damaged[0])
 
     # This process's share, minus images a killed run already wrote.
     work = work_dir(out)
     if not _open_work(work, out, key, rank):
         return up_to_date(out, key)
     mine = rank_share(s.num_images, rank, world)
+    if damaged:
+        _reuse_intact(out, work, mine, set(damaged))
     todo = [i for i in mine if not is_valid_png(work / png_name(i), shape)]
     if not work.is_dir():  # finalized and renamed by another process since _open_work
         return up_to_date(out, key)

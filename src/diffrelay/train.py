@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import checkpoint, config, datasets, distributed, edm, logs, optim
+from diffrelay import checkpoint, config, datasets, distributed, edm, io, logs, optim, preflight
 from diffrelay.errors import UserError
 from diffrelay.sampler import DataOrder, rank_slice, sample_seed, step_seed
 
@@ -60,6 +60,9 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
         if not checkpoint.is_complete(init):
             raise UserError(f"{init}: not a complete checkpoint (no manifest.json); rerun the segment that makes it")
         floor = int(json.loads((init / "manifest.json").read_text())["step"])
+        if floor >= until:
+            raise UserError(f"--init {init}: that checkpoint is at step {floor}, not before --until-step {until}; "
+                            f"give a later --until-step or an earlier checkpoint")
     for folder in ("checkpoints", "recovery"):
         for step, path in checkpoint.list_checkpoints(run_dir / folder):
             try:
@@ -70,12 +73,44 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
                 found.append((step, path))
     for step, path in sorted(set(found), reverse=True):
         try:
-            return (step, path, *checkpoint.load_checkpoint(path))
+            state, meta = checkpoint.load_checkpoint(path)
         except UserError as e:
             log.warning(f"skipping unusable checkpoint: {e}")
+            continue
+        if meta.get("diverged"):
+            # The guard's verdict outlives the job: a retry or the next segment must not train on.
+            raise UserError(f"{path}: the run diverged ({meta['diverged']}); lower train.lr, raise train.grad_clip or "
+                            "use train.precision=fp32, and start a new run.name (optionally --init an earlier checkpoint)")
+        return step, path, state, meta
     if init:
         return (floor, init, *checkpoint.load_checkpoint(init))
     return 0, None, None, None
+
+
+def _check_resume(cfg, path, meta, data, traj) -> None:
+    """One line instead of a silent wrong run or a state-dict traceback."""
+    model = cfg.to_dict()["model"]
+    key = config.first_difference(meta.get("model") or {}, model)
+    if key:
+        raise UserError(f"{path}: made with model.{key}={config.lookup(meta.get('model') or {}, key)!r}; this config "
+                        f"has model.{key}={config.lookup(model, key)!r}; use the same model settings to resume from it")
+    if meta.get("trajectory") == traj and meta.get("dataset_fingerprint") != data.fingerprint:
+        raise UserError(f"{path}: trained on a dataset with fingerprint {str(meta.get('dataset_fingerprint'))[:12]}, "
+                        f"but {data.path} now has {data.fingerprint[:12]} (images added, removed or changed); "
+                        f"restore the images, or start a new run.name to train on the new set")
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Fail at once, on every rank alike, when the run folder cannot take checkpoints."""
+    import tempfile
+
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir / "checkpoints"):
+            pass
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write checkpoints there ({e.strerror}); fix the folder's permissions "
+                        "or set run.results to a writable folder") from e
 
 
 def _meta(cfg, step, data, traj) -> dict:
@@ -114,9 +149,18 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
         raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
     final_ckpt = run_dir / "checkpoints" / checkpoint.step_name(until)
     if checkpoint.is_complete(final_ckpt):
+        checkpoint.verify_checkpoint(final_ckpt)
+        made = io.read_json(final_ckpt / "meta.json")
+        if made.get("trajectory") != traj:
+            key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
+            raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
+                            "use a new run.name for these settings (nothing was deleted)")
         log.info(f"{final_ckpt} already exists; nothing to do")
         distributed.teardown()
         return 0
+    _check_writable(run_dir)
+    if distributed.is_main():
+        preflight.write_run_record(cfg)
 
     torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
     net = edm.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
@@ -130,6 +174,7 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
     # ---- Resume ---------------------------------------------------------------------------------
     step, start_path, state, meta = _find_start(run_dir, until, init, traj, log)
     if start_path is not None:
+        _check_resume(cfg, start_path, meta, data, traj)
         if meta.get("trajectory") != traj:
             log.warning(f"{start_path}: made with different training settings; continuing from it as asked")
         net.load_state_dict(state["net"])
@@ -139,17 +184,19 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
         scaler.load_state_dict(state["scaler"])
         order.load_state_dict(state["order"])
         skipped_total = int(state["skipped"])
+        # The divergence guard counts across segments and retries, or a short segment would reset it.
+        consecutive = int(state.get("consecutive_skipped", 0))
         log.info(f"resumed from {start_path} at step {step}")
     else:
-        skipped_total = 0
+        skipped_total = consecutive = 0
         log.info("starting from scratch")
     ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # forward/backward only
 
-    def save(path, at_step):
+    def save(path, at_step, **extra_meta):
         state = {"net": net.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                  "schedule": sched.state_dict(), "scaler": scaler.state_dict(), "order": order.state_dict(),
-                 "skipped": skipped_total, "step": at_step}
-        checkpoint.save_checkpoint(path, state, _meta(cfg, at_step, data, traj))
+                 "skipped": skipped_total, "consecutive_skipped": consecutive, "step": at_step}
+        checkpoint.save_checkpoint(path, state, _meta(cfg, at_step, data, traj) | extra_meta)
 
     # ---- Where this call stops, and what it writes on the way -----------------------------------
     segment_start = step
@@ -165,7 +212,6 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
              f" x {t.grad_accum} accumulation = batch {t.batch_size} | {device.type} | {t.precision}")
 
     # ---- Loop -----------------------------------------------------------------------------------
-    consecutive = 0
     window = {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
     seg_t0 = time.perf_counter()
     while step < until:
@@ -216,16 +262,21 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
             record = _report(log, metrics_path, step, until, t, window, sched, skipped_total, seg_t0, segment_start)
             if board:
                 for key in ("loss", "lr", "grad_norm", "images_per_s"):
-                    board.add_scalar(f"train/{key}", record[key], step)
+                    if record[key] is not None:
+                        board.add_scalar(f"train/{key}", record[key], step)
                 board.flush()
             window = {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
         if consecutive >= t.max_skipped_steps:
             path = run_dir / "recovery" / checkpoint.step_name(step)
+            verdict = f"{consecutive} consecutive non-finite steps up to step {step}"
             if distributed.is_main():
-                save(path, step)
+                # Marked, so retries and later segments refuse to go on from it (see _find_start).
+                save(path, step, diverged=verdict)
+                logs.append_jsonl(metrics_path, {"event": "diverged", "step": step, "skipped": skipped_total,
+                                                 "consecutive_skipped": consecutive})
             distributed.barrier()
-            raise UserError(f"{consecutive} consecutive non-finite steps up to step {step} (saved {path}); "
-                            "lower train.lr, raise train.grad_clip or use train.precision=fp32")
+            raise UserError(f"{verdict} (saved {path}, marked diverged); "
+                            "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
         if distributed.is_main() and step in snapshots:
             _snapshot(run_dir, step, net, ema, cfg, data, traj)
         recover = t.recovery_every and step % t.recovery_every == 0 and step < until
@@ -263,12 +314,16 @@ def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:
 def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:
     dt = max(time.perf_counter() - window["t0"], 1e-9)
     rate = window["steps"] / dt
-    loss = window["loss"] / max(window["n"], 1)
+    # A window where every step was skipped has no loss: None in the record, never a made-up 0.
+    n = window["n"]
+    loss = round(window["loss"] / n, 6) if n else None
+    gnorm = round(window["gnorm"] / n, 6) if n else None
     eta = (until - step) / max((step - segment_start) / (time.perf_counter() - seg_t0), 1e-9)
-    log.info(f"step {step:>7d}/{t.total_steps} | loss {loss:.4f} | {rate:5.2f} step/s | "
-             f"{rate * t.batch_size:7.1f} img/s | skipped {skipped} | segment eta {logs.fmt_duration(eta)}")
-    record = {"step": step, "loss": round(loss, 6), "lr": sched.get_last_lr()[0],
-              "grad_norm": round(window["gnorm"] / max(window["n"], 1), 6), "skipped": skipped,
+    log.info(f"step {step:>7d}/{t.total_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
+             f"{rate:5.2f} step/s | {rate * t.batch_size:7.1f} img/s | skipped {skipped} ({window['steps'] - n} here) | "
+             f"segment eta {logs.fmt_duration(eta)}")
+    record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0],
+              "grad_norm": gnorm, "skipped": skipped, "skipped_in_window": window["steps"] - n,
               "steps_per_s": round(rate, 4), "images_per_s": round(rate * t.batch_size, 2),
               "elapsed": round(time.perf_counter() - seg_t0, 3)}
     logs.append_jsonl(metrics_path, record)
@@ -286,6 +341,7 @@ def _tensorboard(run_dir, main: bool):
 
 def main(args) -> int:
     cfg = config.load(args.config)
+    preflight.check_run_folder(cfg, ", ".join(args.config))
     try:
         return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace)
     finally:

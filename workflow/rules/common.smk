@@ -12,6 +12,7 @@ from snakemake.utils import update_config
 # One schema and one validator for the Snakefile and the CLI: the package's own config module.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
+from diffrelay import preflight  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.
@@ -34,17 +35,20 @@ def get_config_files():
     return list(dict.fromkeys(files))
 
 
-def first_difference(a, b, prefix=""):
-    """The first key path where two nested dicts differ, e.g. 'train.total_steps'."""
-    for key in sorted(set(a) | set(b), key=str):
-        path = f"{prefix}{key}"
-        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
-            inner = first_difference(a[key], b[key], f"{path}.")
-            if inner:
-                return inner
-        elif a.get(key) != b.get(key):
-            return path
-    return None
+def same_value(ours, theirs):
+    """Our YAML reader reads `1e-3` as a number where Snakemake's (YAML 1.1) reads a string."""
+    if isinstance(ours, float) and isinstance(theirs, str):
+        try:
+            return float(theirs) == ours
+        except ValueError:
+            return False
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(
+            same_value(ours[k], theirs[k]) for k in ours
+        )
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return len(ours) == len(theirs) and all(map(same_value, ours, theirs))
+    return ours == theirs
 
 
 def load_run_config():
@@ -55,20 +59,26 @@ def load_run_config():
     try:
         for f in files:
             update_config(merged, drconfig.read_yaml(f))
+        # Validate what the stages will read first: a bad value in a file is blamed on the file.
+        cfg = drconfig.Config(drconfig.validate(merged, source=source))
     except UserError as e:
         fail(str(e))
     # The stages read the config files, not Snakemake's `config` dict, so a --config key=value
     # (or a profile's `config:`) would change the DAG but not what training does.
-    key = first_difference(config, merged)
-    if key:
-        fail(
-            f"{key}: set on the command line (--config) or in a profile; the diffrelay stages read "
-            f"only the config files, so put the change in a YAML file and pass it with --configfile"
-        )
+    for key in sorted(set(config) | set(merged)):
+        if not same_value(merged.get(key), config.get(key)):
+            inner = drconfig.first_difference(
+                {key: merged.get(key)}, {key: config.get(key)}
+            )
+            fail(
+                f"{inner or key}: set on the command line (--config) or in a profile; the diffrelay stages "
+                f"read only the config files, so put the change in a YAML file and pass it with --configfile"
+            )
     try:
-        return files, drconfig.Config(drconfig.validate(config, source=source))
+        preflight.check(cfg, source)
     except UserError as e:
         fail(str(e))
+    return files, cfg
 
 
 CONFIG_FILES, CFG = load_run_config()
@@ -107,12 +117,7 @@ if CFG.fid.extractor in ("inception", "random"):
     )
     EXTRACTOR = f"{RESOURCES}/extractors/{EXTRACTOR_NAME}.pt"
 else:
-    EXTRACTOR = CFG.fid.extractor
-    if not Path(EXTRACTOR).is_file():
-        fail(
-            f"{', '.join(map(str, CONFIG_FILES))}: fid.extractor={EXTRACTOR}: file not found; give an existing "
-            f"TorchScript file, or inception or random"
-        )
+    EXTRACTOR = CFG.fid.extractor  # checked by preflight.check_inputs
 
 
 def get_extractor(wildcards):

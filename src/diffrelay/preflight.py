@@ -1,0 +1,147 @@
+"""Checks that need the file system, run before any job: at Snakemake's parse time and by every stage.
+
+The schema can say a path is a string; only a look at the disk can say that it is a folder of images,
+that a class index exists, or that a run folder was made from this very config. Found late, each of
+these costs a deleted dataset or hours of retraining; found here, it costs one line.
+"""
+
+import os
+import time
+from pathlib import Path
+
+from diffrelay import config, io
+from diffrelay.errors import UserError
+
+RUN_FORMAT = "diffrelay-run/1"
+RUN_FILE = "run.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def count_images(root: Path, enough: int) -> int:
+    """Images under `root` (the extensions prepare reads), counted up to `enough`: stays cheap on 1 M files."""
+    from diffrelay.datasets import EXTENSIONS
+
+    n = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        n += sum(1 for f in filenames if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
+        if n >= enough:
+            break
+    return n
+
+
+def num_classes(cfg) -> int:
+    """Classes the dataset will have: exact for shapes or a prepared dataset, else from the folder's top level."""
+    d = cfg.data
+    if d.labels == "none":
+        return 0
+    if d.kind == "shapes":
+        from diffrelay.datasets import SHAPE_NAMES
+
+        return len(SHAPE_NAMES)
+    prepared = config.run_dir(cfg) / "dataset" / "dataset.json"
+    try:
+        return int(io.read_json(prepared)["num_classes"])
+    except (UserError, KeyError, TypeError, ValueError):
+        pass
+    from diffrelay.datasets import EXTENSIONS
+
+    entries = [e for e in os.scandir(Path(d.path).expanduser()) if not e.name.startswith(".")]
+    if any(e.is_file() and e.name.lower().endswith(EXTENSIONS) for e in entries):
+        return 0  # images at the top level: prepare labels nothing (datasets.folder_labels)
+    tops = sum(1 for e in entries if e.is_dir())
+    return tops if tops >= 2 else 0
+
+
+def check_inputs(cfg, source: str) -> None:
+    d, s, f = cfg.data, cfg.sample, cfg.fid
+    if d.kind == "folder":
+        root = Path(d.path).expanduser()
+        if not root.is_dir():
+            what = "is not a folder" if root.exists() else "folder not found"
+            raise UserError(f"{source}: data.path={d.path}: {what}; set data.path to an existing image folder")
+        need = max(2, f.ref_images)
+        have = count_images(root, need)
+        if have < need:
+            raise UserError(f"{source}: data.path={d.path}: {have} images, but FID needs "
+                            f"{'at least 2' if need == 2 else f'fid.ref_images={need}'}; add images or lower fid.ref_images")
+    elif f.ref_images > d.count:
+        raise UserError(f"{source}: fid.ref_images={f.ref_images}: the dataset has data.count={d.count} images; "
+                        "use at most that, or 0 for all")
+    if s.num_images < 2:
+        raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
+    if f.extractor not in ("inception", "random"):
+        try:
+            io.check_regular_file(Path(f.extractor).expanduser(), 1 << 34, "file",
+                                  "give an existing TorchScript file, or inception or random")
+        except UserError as e:
+            raise UserError(f"{source}: fid.extractor={e}") from e
+    classes = num_classes(cfg)
+    if cfg.model.class_conditional and not classes:
+        raise UserError(f"{source}: model.class_conditional=true: the dataset has no classes (images must sit in "
+                        "two or more first-level subfolders); set it to false or sort the images into folders")
+    if isinstance(s.class_labels, int) and cfg.model.class_conditional and s.class_labels >= classes:
+        raise UserError(f"{source}: sample.class_labels={s.class_labels}: no such class; the dataset has {classes} "
+                        f"classes, use 0..{classes - 1} or balanced")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder's record of what it was made from
+
+
+def _recorded(run_dir: Path) -> tuple[dict, Path] | None:
+    """(trajectory, file) the run folder was made from: run.json, or for older folders the newest checkpoint."""
+    record = run_dir / RUN_FILE
+    if record.is_file():
+        d = io.read_json(record)
+        if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or not isinstance(d.get("trajectory"), dict):
+            raise UserError(f"{record}: not a {RUN_FORMAT} file; restore it, or use a new run.name")
+        return d["trajectory"], record
+    from diffrelay.checkpoint import list_checkpoints
+
+    for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
+        try:
+            return config.trajectory(io.read_json(path / "meta.json")["config"]), path / "meta.json"
+        except (UserError, KeyError, TypeError):
+            continue
+    return None
+
+
+def check_run_folder(cfg, source: str) -> None:
+    """Refuse a config whose weights-changing settings differ from those the run folder was made from."""
+    run_dir = config.run_dir(cfg)
+    found = _recorded(run_dir)
+    if found is None:
+        return
+    recorded, where = found
+    # A key the record lacks (added to diffrelay later) counts as its default.
+    defaults = config.trajectory(config.validate({}))
+    ours = config.trajectory(cfg)
+    key = config.first_difference(_with_defaults(recorded, defaults), ours)
+    if key:
+        was, now = config.lookup(_with_defaults(recorded, defaults), key), config.lookup(ours, key)
+        raise UserError(f"{source}: {key}={now!r}, but {run_dir} was made with {key}={was!r} ({where.name}); "
+                        f"to start a different run use a new run.name (nothing is deleted), or set {key} back")
+
+
+def _with_defaults(recorded: dict, defaults: dict) -> dict:
+    out = dict(defaults)
+    for k, v in recorded.items():
+        out[k] = _with_defaults(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+    return out
+
+
+def write_run_record(cfg) -> None:
+    """Record what the run folder is made from, once; later stages and parses compare against it."""
+    record = config.run_dir(cfg) / RUN_FILE
+    if not record.exists():
+        io.write_json(record, {"format": RUN_FORMAT, "trajectory": config.trajectory(cfg), "created": time.time()})
+
+
+def check(cfg, source: str) -> None:
+    """Everything that can be checked before any job starts."""
+    check_inputs(cfg, source)
+    check_run_folder(cfg, source)
