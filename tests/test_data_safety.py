@@ -320,6 +320,12 @@ def test_numbers_and_yaml_that_pass_the_schema_but_break_later_are_one_line(writ
     assert expect in line, line
 
 
+@pytest.mark.parametrize("name", ["-x", ".hidden", "_a", "a b", "a;b"])
+def test_run_name_message_states_the_rule_it_broke(name):
+    with pytest.raises(UserError, match=r"run.name=.*must start with a letter or digit, then only letters"):
+        config.validate({"run": {"name": name}})
+
+
 def test_exponent_without_a_dot_is_a_number(tmp_path):
     cfg = tmp_path / "lr.yaml"
     cfg.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-2\n")

@@ -150,3 +150,20 @@ def test_bad_or_missing_input_file_is_named(run_dir, capsys, name, text, expect)
     err = err.strip()
     assert err.count("\n") == 0 and str(path) in err and expect in err
     assert not out.exists()  # inputs are all checked before any output is written
+
+
+def test_skipped_windows_show_as_no_loss_and_skipped_steps_are_counted(run_dir, capsys):
+    path = run_dir / "metrics" / "train.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:
+        if r.get("step") in (3, 4) and "event" not in r:  # every step of these windows was skipped
+            r.update(loss=None, grad_norm=None, skipped=r["step"] - 2, skipped_in_window=1)
+        elif r.get("step", 0) > 4 and "event" not in r:
+            r.update(skipped=2, skipped_in_window=0)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out, rc, err = _report_in_process(run_dir, capsys)
+    assert rc == 0, err
+    rows = {int(r["step"]): r for r in csv.DictReader((out / "metrics.csv").open())}
+    assert rows[4]["train_loss_mean"] == ""  # both windows of (2, 4] were skipped: no loss, not 0
+    assert float(rows[2]["train_loss_mean"]) == pytest.approx((LOSS[1] + LOSS[2]) / 2)
+    assert [rows[s]["train_skipped_steps"] for s in (2, 4, 6, 8)] == ["0", "2", "2", "2"]

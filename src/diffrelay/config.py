@@ -102,7 +102,8 @@ def _explain(err) -> str:
         unit = "characters" if err.validator.endswith("Length") else "items"
         return f"{where}={value}: must have {words} {err.validator_value} {unit}"
     if err.validator == "pattern":
-        return f"{where}={value}: only letters, digits, '.', '_' and '-' are allowed (no spaces or shell characters)"
+        return (f"{where}={value}: must start with a letter or digit, then only letters, digits, '.', '_' and '-' "
+                "(no spaces or shell characters)")
     return f"{where}={value}: {err.message}"
 
 

@@ -23,7 +23,7 @@ from diffrelay import io, logs
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(r"^step_(\d{7})\.json$")
-COLUMNS = ["step", "metric", "fid", "kid", "train_loss_mean", "train_images_per_s",
+COLUMNS = ["step", "metric", "fid", "kid", "train_loss_mean", "train_skipped_steps", "train_images_per_s",
            "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
 
 
@@ -78,13 +78,16 @@ def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     if not path.is_file():
         raise UserError(f"{path}: not found; the report needs the training log of the run (train a segment first)")
     records = logs.read_jsonl(path)  # a torn last line from a killed writer is skipped
-    train = [r for r in records if "event" not in r and isinstance(r.get("loss"), (int, float))
-             and isinstance(r.get("step"), int)]
+    # A window whose every step was skipped (non-finite) logs loss null: kept as NaN, never as 0.
+    train = [r | {"loss": math.nan if r.get("loss") is None else r["loss"]} for r in records
+             if "event" not in r and isinstance(r.get("step"), int)
+             and (isinstance(r.get("loss"), (int, float)) or (r.get("loss") is None and "skipped" in r))]
     if not train:
         raise UserError(f"{path}: no training records (step, loss); the file is empty or corrupt")
     df = pd.DataFrame(train).drop_duplicates("step", keep="last").sort_values("step", ignore_index=True)
-    if "images_per_s" not in df:
-        df["images_per_s"] = math.nan
+    for col in ("images_per_s", "skipped", "skipped_in_window"):
+        if col not in df:
+            df[col] = math.nan
 
     # Pair each segment_end with the latest segment_start before it; a crashed segment has no end.
     def num(rec, key):
@@ -126,6 +129,9 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
         rows.append({
             "step": r.step, "metric": r.metric, "fid": r.fid, "kid": r.kid,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
+            # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
+            "train_skipped_steps": train[train.step <= r.step].skipped.iloc[-1] if (train.step <= r.step).any()
+            else math.nan,
             "train_images_per_s": window.images_per_s.mean() if len(window) else math.nan,
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
             "sample_s": sample["sample_s"],
@@ -178,7 +184,13 @@ def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: 
     ax.plot(train.step, smooth, color="tab:blue", linewidth=2, label=f"smoothed ({window}-record moving mean)")
     for i, end in enumerate(segments.end.iloc[:-1] if len(segments) else []):
         ax.axvline(end, color="gray", linestyle=":", linewidth=1, label="segment end" if i == 0 else None)
-    ax.set(xlabel="training step", ylabel="EDM training loss (weighted MSE)", title=f"{run_name}: training loss")
+    skipped = train[train.skipped_in_window.fillna(0) > 0]
+    for i, step in enumerate(skipped.step):
+        ax.axvline(step, color="tab:red", alpha=0.5, linewidth=1,
+                   label="window with skipped (non-finite) steps" if i == 0 else None)
+    total = train.skipped.dropna().iloc[-1] if train.skipped.notna().any() else 0
+    title = f"{run_name}: training loss" + (f" ({int(total)} steps skipped)" if total else "")
+    ax.set(xlabel="training step", ylabel="EDM training loss (weighted MSE)", title=title)
     ax.set_xlim(left=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     ax.grid(alpha=0.3)
