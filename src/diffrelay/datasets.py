@@ -321,6 +321,10 @@ def open_prepared(path) -> Prepared:
         raise UserError(f"{path / 'dataset.json'}: incomplete (needs {', '.join(keys)}); "
                         f"rerun `diffrelay prepare --config <your config>`")
     n, res = info["count"], info["resolution"]
+    fix = "rerun `diffrelay prepare --config <your config>`"
+    for name in ("images.npy", "labels.npy"):
+        if (path / name).exists():  # a FIFO here would block np.load; a missing file is reported below
+            io.check_regular_file(path / name, 1 << 44, "dataset array", fix)
     try:
         images = np.load(path / "images.npy", mmap_mode="r")
         labels = np.load(path / "labels.npy")

@@ -171,8 +171,9 @@ def sha256_file(path) -> str:
         return sha256_fileobj(f)
 
 
-def read_json(path):
+def read_json(path, max_bytes: int = 1 << 28):
     path = Path(path)
+    check_regular_file(path, max_bytes, "JSON file", "regenerate it")
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as e:
