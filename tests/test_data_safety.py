@@ -410,3 +410,19 @@ def test_killing_fid_kills_its_scoring_child_and_leaves_no_result(tmp_path):
     time.sleep(1)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_fid_names_an_undecodable_image_instead_of_a_traceback(tmp_path):
+    from diffrelay import extractor, fid
+    from test_fid import shapes, write_dataset, write_pngs
+
+    imgs = shapes(24, seed=0)
+    ext = extractor.build_random(tmp_path / "ext.pt", seed=0)
+    ref = fid.make_ref(write_dataset(tmp_path / "dataset", imgs[:12], "f" * 64), ext, out=tmp_path / "ref.npz")
+    images = write_pngs(tmp_path / "images", imgs[12:])
+    bad = sorted(images.glob("*.png"))[5]
+    bad.write_bytes(bad.read_bytes()[:40])
+    p = run_cli("fid", "--images", images, "--ref", ref, "--extractor", ext, "--out", tmp_path / "s.json", check=False)
+    line = error_line(p)
+    assert bad.name in line and "damaged or not an image" in line
+    assert not (tmp_path / "s.json").exists()
