@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.fid")
 
+    p = sub.add_parser("with-gpus", help="run a command on free GPU ids of a pool (one machine; flock slots)")
+    p.add_argument("--pool", required=True, help="GPU ids to share, e.g. 0,1,2,3, or auto (all visible)")
+    p.add_argument("--count", type=int, required=True, help="ids this command needs")
+    p.add_argument("--lock-dir", default="resources/gpu-locks", help="one lock file per id; shared by all jobs")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    p.set_defaults(module="diffrelay.gpus")
+
     p = sub.add_parser("report", help="metrics.csv, fid.png, loss.png and best.json of a run")
     p.add_argument("--run-dir", required=True, help="results/<run>")
     p.add_argument("--out", required=True, help="report folder")

@@ -101,6 +101,8 @@ def _explain(err) -> str:
         words = "at least" if err.validator.startswith("min") else "at most"
         unit = "characters" if err.validator.endswith("Length") else "items"
         return f"{where}={value}: must have {words} {err.validator_value} {unit}"
+    if err.validator == "oneOf":
+        return f"{where}={value}: not one of the allowed forms; see its description in config/config.yaml"
     if err.validator == "pattern":
         return (f"{where}={value}: must start with a letter or digit, then only letters, digits, '.', '_' and '-' "
                 "(no spaces or shell characters)")
@@ -136,6 +138,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         if r not in level_res:
             bad.append((f"model.attn_resolutions={r}",
                         f"no UNet level has that resolution; choose from {level_res}"))
+    bad += _check_gpu_pool(d)
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
     width = m["channels"] * max(m["channel_mult"])
@@ -167,6 +170,45 @@ def non_finite(d, prefix="") -> str | None:
         if found:
             return found
     return None
+
+
+def gpu_pools(d: dict, visible=None) -> tuple[list[int], list[int]]:
+    """(training ids, evaluation ids) of run.gpus; the same list twice when evaluation shares training's."""
+    r, t = d["run"], d["train"]
+    pool = r["gpus"]
+    if pool == "auto":
+        from diffrelay.gpus import visible_ids
+
+        pool = visible_ids() if visible is None else visible
+    if not pool:
+        return [], []
+    keep = r["eval_gpus"] if r["eval_gpus"] is not None else max(0, len(pool) - t["nproc_per_node"])
+    if keep == 0:
+        return list(pool), list(pool)
+    return list(pool[:len(pool) - keep]), list(pool[len(pool) - keep:])
+
+
+def _check_gpu_pool(d: dict) -> list[tuple[str, str]]:
+    r, t, s = d["run"], d["train"], d["sample"]
+    if r["gpus"] is None:
+        return []
+    if t["nnodes"] > 1:
+        return [("run.gpus", "is for one machine; with train.nnodes > 1 (SLURM) set it to null")]
+    pool = r["gpus"] if isinstance(r["gpus"], list) else None
+    if pool is None:
+        return []  # auto: the workflow checks it again with the machine's ids (check_gpu_pool)
+    if r["eval_gpus"] and r["eval_gpus"] >= len(pool):
+        return [(f"run.eval_gpus={r['eval_gpus']}", f"leaves none of the {len(pool)} ids of run.gpus for training; "
+                 f"use at most {len(pool) - 1} (0 = evaluation shares training's ids)")]
+    train_ids, eval_ids = gpu_pools(d)
+    if t["nproc_per_node"] > len(train_ids):
+        return [(f"train.nproc_per_node={t['nproc_per_node']}",
+                 f"needs more GPUs than run.gpus leaves for training ({len(train_ids)}); "
+                 f"lower it or run.eval_gpus, or add ids to run.gpus")]
+    if s["nproc"] > len(eval_ids):
+        return [(f"sample.nproc={s['nproc']}",
+                 f"needs more GPUs than run.gpus keeps for evaluation ({len(eval_ids)}); lower it or raise run.eval_gpus")]
+    return []
 
 
 def validate(raw: dict, source: str = "config") -> dict:

@@ -97,6 +97,64 @@ USE_GPU = CFG.run.device in ("auto", "cuda")
 MULTI_NODE = CFG.train.nnodes > 1
 
 
+# --- GPU slots on one machine (run.gpus) ------------------------------------------------------
+# Snakemake gives local jobs no GPU ids, so each GPU job runs under `diffrelay with-gpus`, which takes
+# free ids from a pool with flock and sets CUDA_VISIBLE_DEVICES. Training and evaluation draw from
+# their own parts of the pool; the resources below keep Snakemake from starting more jobs than ids.
+def resolve_gpu_pools():
+    if CFG.run.gpus is None:
+        return [], []
+    d = CFG.to_dict()
+    if CFG.run.gpus == "auto":
+        from diffrelay.gpus import visible_ids
+
+        d["run"]["gpus"] = visible_ids()
+        if not d["run"]["gpus"]:
+            fail(
+                "run.gpus=auto: no GPU is visible on this machine; give the ids (run.gpus: [0, 1]) or use null"
+            )
+        try:
+            drconfig.validate(d, source=", ".join(map(str, CONFIG_FILES)))
+        except UserError as e:
+            fail(f"{e} (run.gpus=auto found ids {d['run']['gpus']})")
+    return drconfig.gpu_pools(d)
+
+
+TRAIN_GPUS, EVAL_GPUS = resolve_gpu_pools()
+GPU_POOL = bool(TRAIN_GPUS)
+SHARED_POOL = GPU_POOL and TRAIN_GPUS == EVAL_GPUS
+GPU_LOCKS = f"{CFG.run.resources}/gpu-locks"
+if GPU_POOL:
+    for name, ids in {"gpu_train": TRAIN_GPUS, "gpu_eval": EVAL_GPUS}.items():
+        workflow.register_resource("gpu_pool" if SHARED_POOL else name, len(ids))
+
+
+def gpu_resources(kind, count):
+    """Resources of a GPU job: ids of its part of the pool, or plain `gpu` (SLURM, one-at-a-time)."""
+    if GPU_POOL:
+        return {"gpu_pool" if SHARED_POOL else f"gpu_{kind}": count, "gpu": 0}
+    return {"gpu": count if USE_GPU else 0}
+
+
+def with_gpus(kind, count):
+    """Command prefix that runs a job on `count` free ids of its pool; empty without a pool."""
+    if not GPU_POOL:
+        return ""
+    if workflow.executor_plugin and workflow.executor_plugin.name in (
+        "slurm",
+        "slurm-jobstep",
+    ):
+        fail(
+            f"{', '.join(map(str, CONFIG_FILES))}: run.gpus is for one machine; on SLURM the scheduler "
+            f"assigns GPUs, so set run.gpus: null"
+        )
+    ids = TRAIN_GPUS if kind == "train" else EVAL_GPUS
+    return (
+        f"diffrelay with-gpus --pool {','.join(map(str, ids))} --count {count} "
+        f"--lock-dir {shlex.quote(GPU_LOCKS)} -- "
+    )
+
+
 def step_name(step):
     return f"{int(step):07d}"
 
@@ -195,7 +253,10 @@ def get_train_launcher(wildcards, threads):
     t = CFG.train
     if not MULTI_NODE:
         # --standalone picks a free port per job, so jobs on one machine never collide.
-        return f"torchrun --standalone --nproc-per-node {t.nproc_per_node}"
+        return (
+            with_gpus("train", t.nproc_per_node)
+            + f"torchrun --standalone --nproc-per-node {t.nproc_per_node}"
+        )
     # One srun task per node, each a torchrun agent; they meet at the allocation's first node.
     # --nnodes is train.nnodes (= the srun tasks requested) rather than $SLURM_NNODES, so the
     # local stand-in cluster (two tasks on one host) forms the same group as two real nodes.
@@ -219,7 +280,7 @@ def get_train_setup(wildcards, threads):
 def train_resources():
     t = CFG.train
     if not MULTI_NODE:
-        return {"gpu": t.nproc_per_node if USE_GPU else 0}
+        return gpu_resources("train", t.nproc_per_node)
     # `mpi` makes the SLURM plugin run the job's shell directly (not under `srun -n1`), so the
     # rule's own srun can start one task per node; gres asks for GPUs per node, not per job.
     extra = {"gres": f"gpu:{t.nproc_per_node}", "tasks_per_gpu": 0} if USE_GPU else {}
@@ -276,8 +337,16 @@ def get_segment_scores(wildcards):
 def get_sample_launcher(wildcards, threads):
     n = CFG.sample.nproc
     if n == 1:
-        return "diffrelay"
-    return f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+        return with_gpus("eval", 1) + "diffrelay"
+    return (
+        with_gpus("eval", n)
+        + f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+    )
+
+
+def get_eval_launcher(wildcards, threads):
+    """`diffrelay` for one-GPU evaluation jobs (reference statistics, FID), on a free id of the pool."""
+    return with_gpus("eval", 1) + "diffrelay"
 
 
 def get_sample_threads(wildcards, threads):

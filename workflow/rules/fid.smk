@@ -15,8 +15,9 @@ rule compute_fid:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
     resources:
-        gpu=1 if USE_GPU else 0,
+        **gpu_resources("eval", 1),
     params:
+        launcher=get_eval_launcher,
         mode=CFG.fid.mode,
         batch_size=CFG.fid.batch_size,
         timeout=CFG.fid.timeout_minutes,
@@ -24,7 +25,7 @@ rule compute_fid:
         "Scoring the step {wildcards.step} samples of {wildcards.run}"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay fid --images {input.images:q} --ref {input.ref:q} "
+        "{params.launcher} fid --images {input.images:q} --ref {input.ref:q} "
         "--extractor {input.extractor:q} --mode {params.mode:q} "
         "--batch-size {params.batch_size:q} --threads {threads} "
         "--timeout-minutes {params.timeout:q} --out {output.score:q}"

@@ -14,8 +14,9 @@ rule compute_reference:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
     resources:
-        gpu=1 if USE_GPU else 0,
+        **gpu_resources("eval", 1),
     params:
+        launcher=get_eval_launcher,
         mode=CFG.fid.mode,
         num=CFG.fid.ref_images,
         batch_size=CFG.fid.batch_size,
@@ -24,6 +25,6 @@ rule compute_reference:
         "Computing reference statistics of the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay fid-ref --dataset {input.dataset:q} --extractor {input.extractor:q} "
+        "{params.launcher} fid-ref --dataset {input.dataset:q} --extractor {input.extractor:q} "
         "--mode {params.mode:q} --num {params.num:q} --batch-size {params.batch_size:q} "
         "--threads {threads} --cache-dir {params.cache_dir:q} --out {output.ref:q}"

@@ -22,7 +22,7 @@ rule sample_snapshot:
         "../../envs/diffrelay.yaml"
     threads: CFG.sample.nproc * CFG.sample.threads
     resources:
-        gpu=CFG.sample.nproc if USE_GPU else 0,
+        **gpu_resources("eval", CFG.sample.nproc),
     params:
         config=get_config_args,
         launcher=get_sample_launcher,

@@ -1,0 +1,120 @@
+"""`diffrelay with-gpus`: GPU slots on one machine. Take free GPU ids from a pool, run a command on them.
+
+  diffrelay with-gpus --pool 0,1,2,3 --count 2 --lock-dir resources/gpu-locks -- torchrun ... -m diffrelay train ...
+
+Snakemake assigns no GPU ids to local jobs, so without this every GPU job would use the first GPUs.
+Each id of the pool is one lock file (`gpu-<id>.lock`); a job holds `flock` on the files of the ids it
+uses. The command replaces this process (exec) and inherits the locked files, so the ids are held
+exactly as long as the command and its children run, and the kernel frees them when the last of them
+ends, even on SIGKILL. No daemon, no state to clean up.
+"""
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diffrelay import logs
+from diffrelay.errors import UserError
+
+POLL_SECONDS = 0.5
+WAIT_LOG_SECONDS = 60
+
+
+def visible_ids() -> list[int]:
+    """Physical GPU ids this machine offers: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip().isdigit()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def parse_pool(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; 'auto' -> every visible GPU."""
+    if text == "auto":
+        ids = visible_ids()
+        if not ids:
+            raise UserError("--pool auto: no GPU is visible (no CUDA_VISIBLE_DEVICES, no nvidia-smi); "
+                            "give the ids, e.g. --pool 0,1")
+        return ids
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError as e:
+        raise UserError(f"--pool {text}: give comma-separated GPU ids such as 0,1,2,3, or auto") from e
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise UserError(f"--pool {text}: give distinct GPU ids of 0 or more, such as 0,1,2,3")
+    return ids
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def acquire(pool: list[int], count: int, lock_dir, log=None) -> dict[int, int]:
+    """Block until `count` ids of `pool` are free; return {id: locked fd}. Ids are tried in pool order.
+
+    The whole pick happens under one pool-wide lock, so two jobs never each hold part of what the other
+    needs (no deadlock, no livelock); a job that finds too few releases what it took and waits."""
+    if not 0 < count <= len(pool):
+        raise UserError(f"--count {count}: must be between 1 and the pool size {len(pool)}")
+    lock_dir = Path(lock_dir)
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    started, last_log = time.monotonic(), None
+    while True:
+        guard = os.open(lock_dir / "pool.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        held: dict[int, int] = {}
+        try:
+            for gpu in pool:
+                fd = _try_lock(lock_dir / f"gpu-{gpu}.lock")
+                if fd is not None:
+                    held[gpu] = fd
+                    if len(held) == count:
+                        return held
+            for fd in held.values():
+                os.close(fd)
+        finally:
+            os.close(guard)
+        now = time.monotonic()
+        if log and (last_log is None or now - last_log >= WAIT_LOG_SECONDS):
+            log.info(f"with-gpus: waiting for {count} free GPU id(s) of pool {','.join(map(str, pool))} "
+                     f"({len(held)} free now; waited {logs.fmt_duration(now - started)})")
+            last_log = now
+        time.sleep(POLL_SECONDS)
+
+
+def main(args) -> int:
+    log = logs.setup()
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UserError("with-gpus: no command; put it after --, e.g. diffrelay with-gpus --pool 0,1 --count 1 -- CMD")
+    if not shutil.which(cmd[0]):
+        raise UserError(f"with-gpus: {cmd[0]}: command not found on PATH")
+    pool = parse_pool(args.pool)
+    held = acquire(pool, args.count, args.lock_dir, log)
+    ids = ",".join(map(str, held))
+    # The job's log records where it ran (with the host and, under SLURM, the job id).
+    log.info(f"with-gpus: CUDA_VISIBLE_DEVICES={ids} (pool {','.join(map(str, pool))}, host {os.uname().nodename})")
+    sys.stderr.flush()
+    for fd in held.values():
+        os.set_inheritable(fd, True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids
+    os.execvp(cmd[0], cmd)  # the locks travel with the process; nothing after this line runs

@@ -1,0 +1,139 @@
+"""`diffrelay with-gpus`: disjoint GPU ids for concurrent local jobs, freed by the kernel when a holder
+dies, a full pool waits; and a workflow whose evaluation runs beside training on other ids."""
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, TINY, deep_merge, run_cli
+from diffrelay import config
+from diffrelay.errors import UserError
+
+# Each wrapped command records which ids it got and when it held them.
+RECORD = ("import json, os, sys, time\n"
+          "t0 = time.time()\n"
+          "time.sleep(float(sys.argv[2]))\n"
+          "line = json.dumps([os.environ['CUDA_VISIBLE_DEVICES'], t0, time.time()])\n"
+          "open(sys.argv[1], 'a').write(line + '\\n')\n")
+
+
+def wrapped(lock_dir, pool, count, *cmd):
+    return subprocess.Popen([str(BIN / "diffrelay"), "with-gpus", "--pool", pool, "--count", str(count),
+                             "--lock-dir", str(lock_dir), "--", *map(str, cmd)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def record_cmd(out, seconds):
+    return ["python", "-c", RECORD, str(out), str(seconds)]
+
+
+def read_records(path):
+    return [(set(ids.split(",")), t0, t1) for ids, t0, t1 in map(json.loads, path.read_text().splitlines())]
+
+
+def test_concurrent_commands_never_share_an_id(tmp_path):
+    out = tmp_path / "held.jsonl"
+    procs = [wrapped(tmp_path / "locks", "0,1,2", 1 + i % 2, *record_cmd(out, 0.6)) for i in range(6)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    records = read_records(out)
+    assert len(records) == 6
+    assert sorted(len(ids) for ids, _, _ in records) == [1, 1, 1, 2, 2, 2]
+    for i, (a, s1, e1) in enumerate(records):
+        for b, s2, e2 in records[i + 1:]:
+            if s1 < e2 and s2 < e1:  # held at the same time
+                assert not a & b, records
+    assert all(ids <= {"0", "1", "2"} for ids, _, _ in records)
+
+
+def test_a_full_pool_waits_then_runs(tmp_path):
+    out = tmp_path / "held.jsonl"
+    first = wrapped(tmp_path / "locks", "0,1", 2, *record_cmd(out, 2))
+    time.sleep(0.8)
+    second = wrapped(tmp_path / "locks", "0,1", 1, *record_cmd(out, 0))
+    assert second.wait(timeout=60) == 0 and first.wait(timeout=60) == 0
+    (ids1, _, end1), (ids2, start2, _) = read_records(out)
+    assert ids1 == {"0", "1"} and ids2 <= {"0", "1"} and start2 >= end1
+    log = second.stderr.read()
+    assert "waiting for 1 free GPU id(s) of pool 0,1" in log and "CUDA_VISIBLE_DEVICES=" in log
+
+
+def test_a_sigkilled_holder_frees_its_ids(tmp_path):
+    holder = wrapped(tmp_path / "locks", "3,5", 2, "sleep", "60")
+    deadline = time.time() + 30
+    while "CUDA_VISIBLE_DEVICES" not in Path(f"/proc/{holder.pid}/environ").read_bytes().decode(errors="replace") \
+            and time.time() < deadline:  # exec'd into sleep with the ids set
+        time.sleep(0.05)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    out = tmp_path / "held.jsonl"
+    t0 = time.time()
+    p = wrapped(tmp_path / "locks", "3,5", 2, *record_cmd(out, 0))
+    assert p.wait(timeout=30) == 0
+    assert read_records(out)[0][0] == {"3", "5"} and time.time() - t0 < 20
+    assert "waiting" not in p.stderr.read()
+
+
+def test_bad_pools_and_counts_are_one_line(tmp_path):
+    for pool, count, expect in [("0,0", 1, "distinct GPU ids"), ("a,b", 1, "comma-separated"),
+                                ("0,1", 3, "between 1 and the pool size 2")]:
+        p = run_cli("with-gpus", "--pool", pool, "--count", count, "--lock-dir", tmp_path, "--", "true", check=False)
+        assert p.returncode == 2 and expect in p.stderr, p.stderr
+    p = run_cli("with-gpus", "--pool", "0", "--count", 1, "--lock-dir", tmp_path, "--", "no-such-cmd", check=False)
+    assert p.returncode == 2 and "no-such-cmd: command not found" in p.stderr
+
+
+@pytest.mark.parametrize("run, train, expect", [
+    ({"gpus": [0, 1], "eval_gpus": 2}, {}, "run.eval_gpus=2: leaves none of the 2 ids"),
+    ({"gpus": [0, 1, 2]}, {"nproc_per_node": 4, "batch_size": 8}, "train.nproc_per_node=4: needs more GPUs"),
+    ({"gpus": [0, 1]}, {"nnodes": 2}, "run.gpus: is for one machine"),
+    ({"gpus": "all"}, {}, "run.gpus=\"all\": not one of the allowed forms"),
+])
+def test_pool_settings_that_cannot_work_are_refused(run, train, expect):
+    with pytest.raises(UserError, match=re.escape(expect)):
+        config.validate({"run": run, "train": train})
+
+
+def test_pools_split_training_and_evaluation():
+    def pools(**run):
+        return config.gpu_pools(config.validate({"run": run, "train": {"nproc_per_node": 2, "batch_size": 8}}))
+
+    assert pools(gpus=[0, 1, 2, 3]) == ([0, 1], [2, 3])
+    assert pools(gpus=[4, 5, 6, 7], eval_gpus=1) == ([4, 5, 6], [7])
+    assert pools(gpus=[0, 1], eval_gpus=0) == ([0, 1], [0, 1])
+    assert pools(gpus=[0, 1]) == ([0, 1], [0, 1])  # nothing left over: evaluation shares
+    assert pools() == ([], [])
+
+
+@pytest.mark.slow
+def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
+    d = deep_merge(TINY, {"run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources"),
+                                  "gpus": [0, 1, 2]},
+                          "train": {"total_steps": 80, "segment_steps": 40, "batch_size": 16, "log_every": 10},
+                          "sample": {"num_images": 256, "steps": 20, "batch_size": 64}})
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+    run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", tmp_path, "--cores", 2,
+            "--configfile", cfg, timeout=900)
+    logs = tmp_path / "logs" / "tiny"
+
+    def ids(log):
+        return set(re.search(r"with-gpus: CUDA_VISIBLE_DEVICES=([\d,]+)", log.read_text()).group(1).split(","))
+
+    for log in (logs / "train_segment").glob("*.log"):
+        assert ids(log) == {"0"}, log
+    for rule in ("sample_snapshot", "compute_fid", "compute_reference"):
+        for log in (logs / rule).glob("*.log"):
+            assert len(ids(log)) == 1 and ids(log) <= {"1", "2"}, log
+    # Sampling of checkpoint 40 ran while segment (40, 80] trained, on other ids.
+    events = [json.loads(line) for line in (tmp_path / "results/tiny/metrics/train.jsonl").read_text().splitlines()]
+    start = next(e["time"] for e in events if e.get("event") == "segment_start" and e["step"] == 40)
+    end = next(e["time"] for e in events if e.get("event") == "segment_end" and e["step"] == 80)
+    manifest = json.loads((tmp_path / "results/tiny/samples/step_0000040/manifest.json").read_text())
+    assert manifest["started"] < end and manifest["finished"] > start
