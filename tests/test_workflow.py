@@ -252,3 +252,19 @@ def test_changed_model_setting_is_refused_for_the_run_but_changed_thread_count_p
     p = snakemake(work, "-n", "--configfile", cfg, threads)
     out = p.stdout + p.stderr
     assert "Nothing to be done" in out or "train_segment" not in job_counts(out), out
+
+
+@pytest.mark.slow
+def test_rerun_training_jobs_keep_their_checkpoints(tiny_run):
+    """Snakemake deletes a job's outputs before it reruns it (after a rule's code changes, or when the
+    dataset is rebuilt). A segment's output is a small record, so its checkpoint survives the rerun."""
+    work, cfg, _ = tiny_run
+    run = run_folder(work)
+    before = {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoints/*/*")}
+    p = snakemake(work, "--configfile", cfg, "--forcerun", "train_segment", "--until", "train_segment")
+    out = p.stdout + p.stderr
+    assert finished_rules(out)["train_segment"] == 2, out
+    assert {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoints/*/*")} == before
+    logs = sorted((work / "logs" / "tiny" / "train_segment").glob("*.log"))
+    assert all("already exists; nothing to do" in log.read_text() for log in logs)
+    assert json.loads((run / "trained" / "step_0000080.json").read_text())["checkpoint"].endswith("step_0000080")

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", help="checkpoint folder to start from [default: newest in the run folder]")
     p.add_argument("--dataset", help="dataset folder [default: <results>/<run>/dataset]")
     p.add_argument("--trace", help="append the dataset indices of every step to this JSONL file (tests)")
+    p.add_argument("--record", help="when the segment's checkpoint is complete, write this JSON record of it "
+                                    "(the workflow's output for the segment)")
     p.set_defaults(module="diffrelay.train")
 
     p = sub.add_parser("sample", help="generate PNGs from a snapshot; no dataset, no process group needed")

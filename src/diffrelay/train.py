@@ -126,7 +126,14 @@ def _prune_recovery(folder: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
+def _write_record(record_path, final_ckpt: Path, step: int, traj: str) -> None:
+    """The workflow's output for a segment: a small file naming the checkpoint, which Snakemake may
+    delete and have remade without touching the checkpoint itself."""
+    if record_path:
+        io.write_json(record_path, {"checkpoint": str(final_ckpt), "step": step, "trajectory": traj})
+
+
+def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None) -> int:
     t, run_dir = cfg.train, config.run_dir(cfg)
     until = t.total_steps if until_step is None else until_step
     if not 0 < until <= t.total_steps:
@@ -156,6 +163,8 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
             raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
                             "use a new run.name for these settings (nothing was deleted)")
         log.info(f"{final_ckpt} already exists; nothing to do")
+        if distributed.is_main():
+            _write_record(record_path, final_ckpt, until, traj)
         distributed.teardown()
         return 0
     _check_writable(run_dir)
@@ -297,6 +306,7 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
                                          "seconds": round(time.perf_counter() - seg_t0, 3),
                                          "save_seconds": round(time.perf_counter() - t_save, 3)})
         log.info(f"wrote {final_ckpt}")
+        _write_record(record_path, final_ckpt, step, traj)
     if trace_file:
         trace_file.close()
     if board:
@@ -343,6 +353,7 @@ def main(args) -> int:
     cfg = config.load(args.config)
     preflight.check_run_folder(cfg, ", ".join(args.config))
     try:
-        return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace)
+        return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace,
+                   record_path=args.record)
     finally:
         distributed.teardown()

@@ -227,19 +227,25 @@ def check_executor():
 
 
 def get_previous_checkpoint(wildcards):
-    """Segment k starts from the checkpoint of segment k-1; the first one from scratch."""
+    """Segment k starts from the checkpoint of segment k-1 (its record file); the first from scratch."""
     check_executor()
     prev = previous_end(wildcards.step)
     if not prev:
         return []
     return expand(
-        rules.train_segment.output.checkpoint, run=wildcards.run, step=step_name(prev)
+        rules.train_segment.output.trained, run=wildcards.run, step=step_name(prev)
     )
+
+
+def checkpoint_of(trained):
+    """The checkpoint folder a training record (trained/step_X.json) stands for."""
+    trained = Path(trained)
+    return str(trained.parent.parent / "checkpoints" / trained.stem)
 
 
 def get_init_arg(wildcards, input):
     paths = [input.init] if isinstance(input.init, str) else list(input.init)
-    return " ".join(f"--init {shlex.quote(p)}" for p in paths)
+    return " ".join(f"--init {shlex.quote(checkpoint_of(p))}" for p in paths)
 
 
 # Params functions that take `threads` or `input` count as derived for Snakemake, so they are not
@@ -297,7 +303,7 @@ def get_snapshot_checkpoint(wildcards):
             f"step {step} is past train.total_steps={CFG.train.total_steps}"
         )
     return expand(
-        rules.train_segment.output.checkpoint, run=wildcards.run, step=step_name(end)
+        rules.train_segment.output.trained, run=wildcards.run, step=step_name(end)
     )
 
 

@@ -3,6 +3,11 @@
 # step in the segment, then the checkpoint folder, and exits. A checkpoint, because which
 # snapshots a segment wrote is known only after it ran (see get_segment_scores).
 #
+# The rule's output is a small record, trained/step_X.json, not the checkpoint folder: Snakemake
+# deletes a job's outputs before it reruns it (after a workflow upgrade changes this rule's code, or
+# when the dataset is rebuilt), and checkpoints are hours of GPU time. A rerun finds the complete
+# checkpoint of the same trajectory, says "nothing to do" and writes the record again.
+#
 # GPUs: a job gets the GPUs it asks for (resources: gpu) from SLURM, which sets
 # CUDA_VISIBLE_DEVICES per job, so jobs never share a GPU there. On one machine Snakemake assigns
 # no GPU ids: every GPU job sees all GPUs and uses the first ones (rank r -> cuda:r), so GPU jobs
@@ -14,7 +19,7 @@ checkpoint train_segment:
         dataset=rules.prepare_dataset.output.dataset,
         init=get_previous_checkpoint,
     output:
-        checkpoint=directory(f"{RUN_DIR}/checkpoints/step_{STEP}"),
+        trained=f"{RUN_DIR}/trained/step_{STEP}.json",
     log:
         "logs/{run}/train_segment/step_{step}.log",
     benchmark:
@@ -41,4 +46,4 @@ checkpoint train_segment:
     shell:
         "exec >{log:q} 2>&1; {params.setup}; PS4=; set -x; "
         "{params.launcher} -m diffrelay train {params.config} "
-        "--until-step {params.until} {params.init}"
+        "--until-step {params.until} --record {output.trained:q} {params.init}"
