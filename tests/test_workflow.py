@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,20 @@ def test_changed_model_setting_is_refused_for_the_run_but_changed_thread_count_p
     p = snakemake(work, "-n", "--configfile", cfg, threads)
     out = p.stdout + p.stderr
     assert "Nothing to be done" in out or "train_segment" not in job_counts(out), out
+
+
+@pytest.mark.slow
+def test_snakemake_report_holds_every_grid_and_the_training_segments(tiny_run):
+    work, cfg, _ = tiny_run
+    snakemake(work, "--configfile", cfg, "--report", work / "report.zip")
+    with zipfile.ZipFile(work / "report.zip") as z:
+        names = z.namelist()
+        html = z.read(next(n for n in names if n.endswith("report.html"))).decode()
+    assert sorted(Path(n).name for n in names if n.endswith(".png")) == \
+        ["best_grid.png", "fid.png", "grid.png", "grid.png", "loss.png"]  # one grid per evaluated step
+    for rule in ("train_segment", "sample_snapshot", "compute_fid", "collect_segment", "build_report"):
+        assert f'"rule": "{rule}"' in html, rule
+    assert '"sourcerule": "train_segment", "targetrule": "sample_snapshot"' in html
 
 
 @pytest.mark.slow

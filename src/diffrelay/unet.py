@@ -51,6 +51,17 @@ class ResBlock(nn.Module):
         return (h + self.skip(x)) / math.sqrt(2)
 
 
+def pointwise(conv: nn.Conv2d, x):
+    """A 1x1 convolution computed as a matrix product over channels, with the Conv2d's own parameters.
+
+    Conv backward may hand back a channels-last gradient for a 1x1 kernel, which DDP reports as
+    "grad strides do not match bucket view strides" on every run; the gradient of this form keeps the
+    weight's own layout."""
+    b, _, h, w = x.shape
+    y = F.linear(x.flatten(2).transpose(1, 2), conv.weight.flatten(1), conv.bias)
+    return y.transpose(1, 2).reshape(b, -1, h, w)
+
+
 class Attention(nn.Module):
     def __init__(self, ch: int, head_dim: int = 32):
         super().__init__()
@@ -63,10 +74,10 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, c, h, w = x.shape
-        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, self.heads, c // self.heads, h * w).unbind(1)
+        q, k, v = pointwise(self.qkv, self.norm(x)).reshape(b, 3, self.heads, c // self.heads, h * w).unbind(1)
         y = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
         y = y.transpose(-1, -2).reshape(b, c, h, w)
-        return (x + self.proj(y)) / math.sqrt(2)
+        return (x + pointwise(self.proj, y)) / math.sqrt(2)
 
 
 class UNet(nn.Module):

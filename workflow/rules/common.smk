@@ -217,9 +217,12 @@ def previous_end(step):
 
 
 def check_executor():
-    """Several nodes need SLURM. The executor is known only once the DAG is built, not at parse time."""
-    name = workflow.executor_plugin.name
-    if MULTI_NODE and name not in ("slurm", "slurm-jobstep", "dryrun"):
+    """Several nodes need SLURM. The executor is known only once the DAG is built, not at parse time,
+    and not at all for --dag, --rulegraph or --report: an input function that raised there would make
+    Snakemake leave the training jobs out of the graph without a word."""
+    plugin = workflow.executor_plugin
+    name = plugin.name if plugin is not None else None
+    if MULTI_NODE and name not in (None, "slurm", "slurm-jobstep", "dryrun"):
         fail(
             f"{', '.join(map(str, CONFIG_FILES))}: train.nnodes={CFG.train.nnodes}: several nodes need the SLURM profile "
             f"(snakemake --workflow-profile profiles/slurm ...); use train.nnodes: 1 on one machine"
