@@ -173,12 +173,20 @@ def test_every_job_log_starts_with_the_exact_command(tiny_run):
     work, _, out = tiny_run
     # Snakemake prints each shell command; the part after `set -x; ` is what the job ran.
     printed = {c.strip() for c in re.findall(r"Shell command: .*?set -x; (.*)", out)}
-    logs = [p for p in (work / "logs").rglob("*.log") if "collect_segment" not in p.parts]
-    assert len(logs) == 10  # fetch, prepare, reference, 2 train, 2 sample, 2 fid, report
+    logs = list((work / "logs").rglob("*.log"))
+    assert len(logs) == 12  # fetch, prepare, reference, 2 train, 2 sample, 2 fid, 2 collect, report
     for log in logs:
         first = log.read_text().splitlines()[0]
         assert first.startswith(("diffrelay ", "torchrun ")), (log, first)
         assert first in printed, (log, first)
+
+
+@pytest.mark.slow
+def test_console_holds_no_warnings_of_our_making(tiny_run):
+    work, _, out = tiny_run
+    assert "never awaited" not in out and "Traceback" not in out
+    for log in (work / "logs" / "tiny" / "train_segment").glob("*.log"):
+        assert "Warning" not in log.read_text(), log  # e.g. DDP's "grad strides do not match bucket view"
 
 
 @pytest.mark.slow

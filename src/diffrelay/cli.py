@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.fid")
 
+    p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
+    p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
+    p.add_argument("scores", nargs="*", help="FID result files")
+    p.set_defaults(module="diffrelay.report")
+
     p = sub.add_parser("with-gpus", help="run a command on free GPU ids of a pool (one machine; flock slots)")
     p.add_argument("--pool", required=True, help="GPU ids to share, e.g. 0,1,2,3, or auto (all visible)")
     p.add_argument("--count", type=int, required=True, help="ids this command needs")

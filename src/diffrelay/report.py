@@ -198,6 +198,13 @@ def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: 
     _save_png(fig, path)
 
 
+def main_collect(args) -> int:
+    """`diffrelay collect`: the per-segment aggregate the workflow's report waits for."""
+    logs.setup()
+    io.write_json(args.out, {"scores": sorted(map(str, args.scores))})
+    return 0
+
+
 def main(args) -> int:
     log = logs.setup()
     run_dir, out = Path(args.run_dir), Path(args.out)

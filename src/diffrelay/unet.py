@@ -48,7 +48,8 @@ class ResBlock(nn.Module):
         scale, shift = self.affine(emb)[:, :, None, None].chunk(2, dim=1)
         h = F.silu(self.norm2(h) * (1 + scale) + shift)
         h = self.conv2(self.dropout(h))
-        return (h + self.skip(x)) / math.sqrt(2)
+        skip = pointwise(self.skip, x) if isinstance(self.skip, nn.Conv2d) else x
+        return (h + skip) / math.sqrt(2)
 
 
 def pointwise(conv: nn.Conv2d, x):

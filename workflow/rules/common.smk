@@ -361,11 +361,3 @@ def get_eval_launcher(wildcards, threads):
 def get_sample_threads(wildcards, threads):
     # Per process; Snakemake may lower `threads` to --cores, never the process count.
     return max(1, threads // CFG.sample.nproc)
-
-
-def write_segment(scores, segment, log):
-    """collect_segment: list this segment's FID result files."""
-    from diffrelay import io
-
-    io.write_json(segment, {"scores": sorted(map(str, scores))})
-    Path(log).write_text("".join(f"{s}\n" for s in scores))

@@ -48,5 +48,6 @@ rule collect_segment:
         step="|".join(step_name(s) for s in SEGMENT_ENDS),
     message:
         "Collecting the scores of the {wildcards.run} segment ending at step {wildcards.step}"
-    run:
-        write_segment(input.scores, output.segment, log[0])
+    shell:
+        "exec >{log:q} 2>&1; PS4=; set -x; "
+        "diffrelay collect --out {output.segment:q} {input.scores:q}"
