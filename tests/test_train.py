@@ -219,3 +219,24 @@ def test_mixed_precision_trains_and_resumes_its_grad_scaler(write_config, tmp_pa
     assert state["step"] == 4
     # fp16 keeps a live loss scale in the checkpoint; bf16 needs none
     assert bool(state["scaler"]) == (precision == "fp16")
+
+
+def test_resume_mid_epoch_on_more_processes_with_other_accumulation_keeps_order_and_draws(runs, tmp_path):
+    # Steps 0-3 on 1 process with 2 accumulation rounds, steps 3-6 on 2 processes with 1: the same
+    # global indices and draws as the uninterrupted 2-process run; only reduction order differs.
+    root, out = runs
+    cfg = fresh_copy(out["one"], tmp_path, nproc_per_node=1, grad_accum=2)
+    run_cli(sys.executable, *TRAIN, "--config", cfg, "--until-step", 3, "--trace", tmp_path / "a.trace")
+    d = json.loads(cfg.read_text())
+    d["train"].update(nproc_per_node=2, grad_accum=1)
+    io.write_json(cfg, d)
+    rd = tmp_path / "r"
+    torchrun(2, "--config", cfg, "--until-step", 6, "--init", rd / "checkpoints/step_0000003",
+             "--trace", tmp_path / "b.trace")
+    straight = read_trace(root / "one.trace", 2)
+    assert read_trace(tmp_path / "a.trace", 1) + read_trace(tmp_path / "b.trace", 2) == straight
+    a = load_state(out["one"][1] / "checkpoints/step_0000006")
+    b = load_state(rd / "checkpoints/step_0000006")
+    assert a["order"] == b["order"] == {"seed": 0, "consumed": 48}
+    for k in a["net"]:
+        torch.testing.assert_close(a["net"][k], b["net"][k], rtol=1e-4, atol=1e-5)
