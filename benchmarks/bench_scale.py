@@ -1,6 +1,6 @@
 """Host work per training step at dataset sizes up to ImageNet's, and a training process's memory.
 
-  python benchmarks/bench_scale.py [--quick] [--resolution 8] [--threads 1]
+  python benchmarks/bench_scale.py [--quick] [--resolution 8] [--threads 1] [--sizes 2000 50000 1281167] [--no-rss]
 
 host_ms_per_step[<dataset size>][<images per process>]: the host work of one training step with the
 network taken out, on one process: the data order (DataOrder.next_batch), reading the rows from the
@@ -156,6 +156,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes here)")
     ap.add_argument("--resolution", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="dataset sizes for host_ms_per_step")
+    ap.add_argument("--no-rss", action="store_true", help="leave out the resident-memory runs")
     ap.add_argument("--out", default=str(HERE / "results" / "scale.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,12 +170,13 @@ def main():
               "epoch_rebuild_ms": {}, "amortized_rebuild_ms_per_step": {}, "rss_mib": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for n in sorted(set(SIZES) | set(RSS_SIZES)):
+        rss_sizes = () if args.no_rss else RSS_SIZES
+        for n in sorted(set(args.sizes) | set(rss_sizes)):
             t0 = time.perf_counter()
             write_dataset(tmp / f"d{n}", n, args.resolution)
             print(f"wrote {n} images of {args.resolution}x{args.resolution} in {time.perf_counter() - t0:.1f} s",
                   flush=True)
-        for n in SIZES:
+        for n in args.sizes:
             data = datasets.open_prepared(tmp / f"d{n}")
             t0 = time.perf_counter()
             epoch_permutation(SEED, 1, n)
@@ -191,8 +194,9 @@ def main():
                 print(f"{n:>8d} images  {b:>5d}/process  host {statistics.mean(now):7.3f} ms/step "
                       f"(median {statistics.median(now):6.3f})   before {statistics.mean(before):8.1f} ms/step",
                       flush=True)
-        result["rss_mib"]["imports_only"] = child(IMPORTS, HERE)
-        for n in RSS_SIZES:
+        if rss_sizes:
+            result["rss_mib"]["imports_only"] = child(IMPORTS, HERE)
+        for n in rss_sizes:
             result["rss_mib"][str(n)] = {"train": train_rss(tmp, tmp / f"d{n}", train_steps),
                                     "loader_one_epoch": child(EPOCH, tmp / f"d{n}", 256, HERE)}
             print(f"rss {n:>8d} images: train {result['rss_mib'][str(n)]['train']}   "

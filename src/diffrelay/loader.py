@@ -55,8 +55,8 @@ def read_rows(data, idx: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, t
 
 
 def to_float(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> float NCHW in [-1, 1], on the rows' device."""
-    return rows.permute(0, 3, 1, 2).float() / 127.5 - 1
+    """uint8 NHWC -> float NCHW in [-1, 1], on the rows' device (in place: a third of the allocations)."""
+    return rows.permute(0, 3, 1, 2).float().div_(127.5).sub_(1)
 
 
 class BatchMaker:
