@@ -8,8 +8,8 @@ never changes what is trained, and the checkpointed DataOrder advances only when
 batch, so a checkpoint's `consumed` always counts the steps actually trained.
 
 A thread rather than DataLoader worker processes: the work per batch is one sorted memory-mapped
-read, one conversion and two random draws, all in numpy/torch calls that release the GIL, and a
-thread cannot outlive its process, so no worker is ever left behind.
+read, one conversion and two random draws, mostly inside numpy/torch calls that release the GIL,
+and a thread cannot outlive its process, so no worker is ever left behind.
 """
 
 import queue
