@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["bench_train.py", "bench_sample.py", "bench_fid.py", "bench_workflow.py"]
+SCRIPTS = ["bench_train.py", "bench_scale.py", "bench_sample.py", "bench_fid.py", "bench_workflow.py"]
 
 if __name__ == "__main__":
     failed = []

@@ -49,3 +49,28 @@ def test_seeds_differ_by_each_input_and_do_not_collide_like_sums():
     # seed+epoch style mixing would make (1, 2) and (2, 1) equal
     assert derive_seed(1, 2) != derive_seed(2, 1)
     assert not np.array_equal(epoch_permutation(0, 1, 50), epoch_permutation(1, 0, 50))
+
+
+def test_cached_order_equals_the_stream_across_epochs_and_after_a_mid_epoch_load():
+    for n, batch in ((10, 3), (7, 16), (50, 50)):  # epochs end mid-batch; a batch spans several epochs; exact fit
+        order = DataOrder(seed=4, n=n, global_batch=batch)
+        for step in range(12):
+            indices, positions = order.next_batch()
+            assert np.array_equal(indices, global_indices(4, n, step * batch, batch)), (n, batch, step)
+            assert np.array_equal(positions, np.arange(step * batch, (step + 1) * batch))
+    a = DataOrder(seed=4, n=10, global_batch=3)
+    for _ in range(5):  # consumed 15: the middle of the second epoch, with epoch 1's permutation cached
+        a.next_batch()
+    b = DataOrder(seed=9, n=10, global_batch=3)
+    b.next_batch()  # caches seed 9's epoch 0, which the load must drop
+    b.load_state_dict(a.state_dict())
+    for step in range(5, 12):
+        assert np.array_equal(b.next_batch()[0], global_indices(4, 10, step * 3, 3))
+
+
+def test_advance_counts_a_batch_without_changing_the_order():
+    a, b = DataOrder(seed=2, n=9, global_batch=4), DataOrder(seed=2, n=9, global_batch=4)
+    a.next_batch()
+    b.advance()
+    assert a.state_dict() == b.state_dict() == {"seed": 2, "consumed": 4}
+    assert np.array_equal(a.next_batch()[0], b.next_batch()[0])

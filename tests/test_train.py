@@ -219,3 +219,58 @@ def test_mixed_precision_trains_and_resumes_its_grad_scaler(write_config, tmp_pa
     assert state["step"] == 4
     # fp16 keeps a live loss scale in the checkpoint; bf16 needs none
     assert bool(state["scaler"]) == (precision == "fp16")
+
+
+def test_resume_mid_epoch_on_more_processes_with_other_accumulation_keeps_order_and_draws(runs, tmp_path):
+    # Steps 0-3 on 1 process with 2 accumulation rounds, steps 3-6 on 2 processes with 1: the same
+    # global indices and draws as the uninterrupted 2-process run; only reduction order differs.
+    root, out = runs
+    cfg = fresh_copy(out["one"], tmp_path, nproc_per_node=1, grad_accum=2)
+    run_cli(sys.executable, *TRAIN, "--config", cfg, "--until-step", 3, "--trace", tmp_path / "a.trace")
+    d = json.loads(cfg.read_text())
+    d["train"].update(nproc_per_node=2, grad_accum=1)
+    io.write_json(cfg, d)
+    rd = tmp_path / "r"
+    torchrun(2, "--config", cfg, "--until-step", 6, "--init", rd / "checkpoints/step_0000003",
+             "--trace", tmp_path / "b.trace")
+    straight = read_trace(root / "one.trace", 2)
+    assert read_trace(tmp_path / "a.trace", 1) + read_trace(tmp_path / "b.trace", 2) == straight
+    a = load_state(out["one"][1] / "checkpoints/step_0000006")
+    b = load_state(rd / "checkpoints/step_0000006")
+    assert a["order"] == b["order"] == {"seed": 0, "consumed": 48}
+    for k in a["net"]:
+        torch.testing.assert_close(a["net"][k], b["net"][k], rtol=1e-4, atol=1e-5)
+
+
+HOST_READS = """
+import json, sys
+from collections import Counter
+import torch
+from diffrelay import config, train
+
+reads = Counter()
+
+def spy(name):
+    original = getattr(torch.Tensor, name)
+
+    def wrapper(self, *args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if caller.co_filename == train.__file__:
+            reads[f"{caller.co_name}:{name}"] += 1
+        return original(self, *args, **kwargs)
+    setattr(torch.Tensor, name, wrapper)
+
+for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"):
+    spy(name)
+assert train.run(config.load(sys.argv[1])) == 0
+print(json.dumps(reads))
+"""
+
+
+def test_the_loop_reads_device_values_once_a_step_and_the_grad_norm_only_when_logging(write_config):
+    # On CUDA each read of a tensor's value waits for the GPU: one per step carries loss, non-finite
+    # flag and stop request; the gradient norm waits on the device until a logging step.
+    cfg = write_config({"train": {"total_steps": 6, "segment_steps": 6, "log_every": 3}})
+    run_cli("prepare", "--config", cfg)
+    p = run_cli(sys.executable, "-c", HOST_READS, cfg)
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"_segment:tolist": 6, "_report:__float__": 2}

@@ -327,7 +327,7 @@ def open_prepared(path) -> Prepared:
             io.check_regular_file(path / name, 1 << 44, "dataset array", fix)
     try:
         images = np.load(path / "images.npy", mmap_mode="r")
-        labels = np.load(path / "labels.npy")
+        labels = np.load(path / "labels.npy", mmap_mode="r")  # like the images: memory does not grow with N
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: images.npy or labels.npy missing or unreadable ({e}); "
                         f"rerun `diffrelay prepare --config <your config>`") from e

@@ -38,8 +38,8 @@ def build(model_cfg: dict, resolution: int, num_classes: int) -> Denoiser:
 def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float):
     """Weighted denoising loss at log-normal noise levels.
 
-    rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller, one
-    generator per sample, so they resume exactly and do not depend on how the batch is split.
+    rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller (see
+    draw_noise), so they resume exactly and do not depend on how the batch is split.
     """
     sigma = (rnd_normal.reshape(-1, 1, 1, 1) * p_std + p_mean).exp()
     weight = (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
@@ -47,14 +47,14 @@ def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, si
     return (weight * (denoised - images) ** 2).mean()
 
 
-def draw_noise(seeds, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rnd_normal (B,), noise (B, *shape)) on the CPU, one generator per seed."""
-    rnd, noise = torch.empty(len(seeds)), torch.empty(len(seeds), *shape)
-    for i, s in enumerate(seeds):
-        g = torch.Generator().manual_seed(int(s))
-        rnd[i] = torch.randn((), generator=g)
-        noise[i] = torch.randn(shape, generator=g)
-    return rnd, noise
+def draw_noise(generator: torch.Generator, count: int, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rnd_normal (count,), noise (count, *shape)) from one generator, made on `device`.
+
+    Two batched draws, no Python object per sample: the caller seeds `generator` once per step
+    and draws the whole global batch, so row i is the same whatever the process count.
+    """
+    rnd = torch.randn(count, generator=generator, device=device)
+    return rnd, torch.randn(count, *shape, generator=generator, device=device)
 
 
 def sigma_steps(num_steps: int, device=None) -> torch.Tensor:

@@ -20,12 +20,16 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
 
 def global_indices(seed: int, n: int, start: int, count: int) -> np.ndarray:
     """Dataset indices at global positions [start, start + count) of the endless shuffled stream."""
+    return _stream(lambda epoch: epoch_permutation(seed, epoch, n), n, start, count)
+
+
+def _stream(permutation, n: int, start: int, count: int) -> np.ndarray:
     out = np.empty(count, dtype=np.int64)
     pos, filled = start, 0
     while filled < count:
         epoch, offset = divmod(pos, n)
         take = min(n - offset, count - filled)
-        out[filled:filled + take] = epoch_permutation(seed, epoch, n)[offset:offset + take]
+        out[filled:filled + take] = permutation(epoch)[offset:offset + take]
         pos, filled = pos + take, filled + take
     return out
 
@@ -40,29 +44,46 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return derive_seed(seed, 0x57E9, step, rank)
 
 
-def sample_seed(seed: int, position: int) -> int:
-    """Seed for one training sample's noise level and noise, by its global stream position.
+def noise_seed(seed: int, step: int) -> int:
+    """Seed of one step's noise draws, made for the whole global batch at once.
 
-    Keyed by position rather than (step, rank), so the draws do not depend on the process count.
+    Keyed by step, not by rank: every rank draws the same global rows and keeps its own, so the
+    draws do not depend on the process count or on how the batch is split for accumulation.
     """
-    return derive_seed(seed, 0x401E, position)
+    return derive_seed(seed, 0xD4A3, step)
 
 
 class DataOrder:
-    """Global batches for consecutive steps. State: {"seed", "consumed"}."""
+    """Global batches for consecutive steps. State: {"seed", "consumed"}.
+
+    The current epoch's permutation is kept, so a step costs O(batch), not O(dataset): rebuilding
+    a permutation of 1.28 M indices every step took 20-70 ms. It holds one int64 per image (10 MB
+    at 1.28 M), the only per-image memory of a training process besides the memory-mapped arrays.
+    """
 
     def __init__(self, seed: int, n: int, global_batch: int, consumed: int = 0):
         self.seed, self.n, self.global_batch, self.consumed = seed, n, global_batch, consumed
+        self._epoch, self._perm = None, None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, epoch_permutation(self.seed, epoch, self.n)
+        return self._perm
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(dataset indices, global stream positions) of the next global batch."""
         positions = np.arange(self.consumed, self.consumed + self.global_batch, dtype=np.int64)
-        batch = global_indices(self.seed, self.n, self.consumed, self.global_batch)
+        batch = _stream(self._permutation, self.n, self.consumed, self.global_batch)
         self.consumed += self.global_batch
         return batch, positions
+
+    def advance(self) -> None:
+        """Count one global batch as consumed without computing it (a read-ahead copy computed it)."""
+        self.consumed += self.global_batch
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.consumed = int(state["seed"]), int(state["consumed"])
+        self._epoch, self._perm = None, None

@@ -15,13 +15,12 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import checkpoint, config, datasets, distributed, edm, io, logs, optim, preflight
+from diffrelay import checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight
 from diffrelay.errors import UserError
-from diffrelay.sampler import DataOrder, rank_slice, sample_seed, step_seed
+from diffrelay.sampler import DataOrder, step_seed
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resumes from the recovery checkpoint
 
@@ -36,15 +35,6 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.signum = signum
-
-
-def _batch(data, idx: np.ndarray, device):
-    """uint8 NHWC rows -> float NCHW in [-1, 1], and labels."""
-    order = np.argsort(idx, kind="stable")  # sorted reads are kinder to a memory-mapped file
-    x = np.empty((len(idx), *data.images.shape[1:]), dtype=np.uint8)
-    x[order] = data.images[idx[order]]
-    images = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return images, torch.from_numpy(data.labels[idx]).to(device)
 
 
 def _find_start(run_dir: Path, until: int, init, traj: str, log):
@@ -116,7 +106,8 @@ def _check_writable(run_dir: Path) -> None:
 def _meta(cfg, step, data, traj) -> dict:
     return {"step": step, "trajectory": traj, "config": cfg.to_dict(), "model": cfg.to_dict()["model"],
             "image_shape": [3, data.resolution, data.resolution], "num_classes": data.num_classes,
-            "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint}
+            "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint,
+            "draws": loader.DRAWS_VERSION}
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:
@@ -134,6 +125,11 @@ def _write_record(record_path, final_ckpt: Path, step: int, traj: str) -> None:
 
 
 def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None) -> int:
+    with contextlib.ExitStack() as cleanup:  # stops the batch thread however the segment ends
+        return _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path)
+
+
+def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) -> int:
     t, run_dir = cfg.train, config.run_dir(cfg)
     until = t.total_steps if until_step is None else until_step
     if not 0 < until <= t.total_steps:
@@ -191,6 +187,7 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
         scaler.load_state_dict(state["scaler"])
+        loader.check_draws(start_path, meta)
         order.load_state_dict(state["order"])
         skipped_total = int(state["skipped"])
         # The divergence guard counts across segments and retries, or a short segment would reset it.
@@ -213,6 +210,9 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     stop = StopRequest()
+    maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
+                              device=device)
+    batches = cleanup.enter_context(loader.Prefetcher(maker, order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
     if distributed.is_main():
@@ -225,16 +225,12 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
     seg_t0 = time.perf_counter()
     while step < until:
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
-        indices, positions = order.next_batch()
-        mine, my_positions = rank_slice(indices, rank, world), rank_slice(positions, rank, world)
+        batch = batches.next()  # made in the background; advances `order` by one global batch
         if trace_file:
-            trace_file.write(json.dumps({"step": step, "indices": mine.tolist()}) + "\n")
+            trace_file.write(json.dumps({"step": step, "indices": batch.indices.tolist()}) + "\n")
         net.train()
         loss_sum = torch.zeros((), device=device)
-        for k, (chunk, pos) in enumerate(zip(np.split(mine, t.grad_accum), np.split(my_positions, t.grad_accum))):
-            images, labels = _batch(data, chunk, device)
-            rnd, noise = (x.to(device) for x in edm.draw_noise([sample_seed(cfg.run.seed, p) for p in pos],
-                                                               images.shape[1:]))
+        for k, (images, labels, rnd, noise) in enumerate(batch.rounds):
             sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
             with sync, distributed.peers("gradient all-reduce"), \
                     torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -248,8 +244,9 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
         bad = ~torch.isfinite(loss_sum) | ~torch.isfinite(gnorm)
         flags = distributed.all_reduce_sum(torch.stack([
             torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0), bad.float(),
-            torch.tensor(float(stop.signum is not None), device=device)]).float())
-        mean_loss, any_bad, any_stop = flags[0].item() / world, flags[1].item() > 0, flags[2].item() > 0
+            torch.full((), float(stop.signum is not None), device=device)]).float())
+        total_loss, n_bad, n_stop = flags.tolist()  # the step's one host synchronisation
+        mean_loss, any_bad, any_stop = total_loss / world, n_bad > 0, n_stop > 0
         if any_bad:
             scaler.update()  # fp16: lowers the scale; the update itself is skipped
             skipped_total, consecutive = skipped_total + 1, consecutive + 1
@@ -261,7 +258,7 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
             ema.update(net, step)
             consecutive = 0
             window["loss"] += mean_loss
-            window["gnorm"] += gnorm.item()
+            window["gnorm"] += gnorm.detach()  # stays on the device until a logging step reads it
             window["n"] += 1
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -327,7 +324,7 @@ def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, s
     # A window where every step was skipped has no loss: None in the record, never a made-up 0.
     n = window["n"]
     loss = round(window["loss"] / n, 6) if n else None
-    gnorm = round(window["gnorm"] / n, 6) if n else None
+    gnorm = round(float(window["gnorm"]) / n, 6) if n else None  # the one read of the device-side sum
     eta = (until - step) / max((step - segment_start) / (time.perf_counter() - seg_t0), 1e-9)
     log.info(f"step {step:>7d}/{t.total_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
              f"{rate:5.2f} step/s | {rate * t.batch_size:7.1f} img/s | skipped {skipped} ({window['steps'] - n} here) | "

@@ -1,0 +1,213 @@
+"""Host work per training step at dataset sizes up to ImageNet's, and a training process's memory.
+
+  python benchmarks/bench_scale.py [--quick] [--resolution 8] [--threads 1] [--sizes 2000 50000 1281167] [--no-rss]
+
+host_ms_per_step[<dataset size>][<images per process>]: the host work of one training step with the
+network taken out, on one process: the data order (DataOrder.next_batch), reading the rows from the
+memory-mapped images, converting them to float NCHW and the noise draws (loader.BatchMaker.make),
+all run in turn on the calling thread. (In training a background thread does all but the first
+while the step runs, so this is the work to hide, not the time the loop waits.) The cached epoch
+permutation is rebuilt once per epoch: `epoch_rebuild_ms` is that cost, `amortized` spreads it
+over the epoch's steps. `before_ms_per_step` is the same work done the previous way (the whole
+permutation rebuilt every step, one SeedSequence and torch.Generator per image).
+
+rss: resident memory (MiB) of a `diffrelay train` process (tiny network, 256 images a step) at the
+end of its segment, and of a loader-only process after reading one whole epoch, at 100k and 1.28M
+images; `imports_only` is a process that has only imported torch and diffrelay. RssAnon is the
+process's own memory; RssFile is the memory-mapped images in the page cache, shared and
+reclaimable by the kernel. Writes benchmarks/results/scale.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from synthetic import write_dataset  # noqa: E402
+
+SIZES = (2000, 50000, 1281167)
+PER_PROCESS = (64, 256, 1024)
+RSS_SIZES = (100000, 1281167)
+SEED = 0
+
+
+def host_step_ms(data, per_process: int, steps: int) -> list[float]:
+    from diffrelay.loader import BatchMaker
+    from diffrelay.sampler import DataOrder
+
+    order = DataOrder(SEED, data.count, per_process)
+    maker = BatchMaker(data, SEED, per_process, rank=0, world=1, grad_accum=1, device="cpu")
+    times = []
+    for step in range(steps + 3):  # the first steps pay the first permutation and warm caches
+        t0 = time.perf_counter()
+        maker.make(step, order.next_batch()[0])
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[3:]
+
+
+def before_step_ms(data, per_process: int, steps: int) -> list[float]:
+    """The previous code's host work: permutation rebuilt every step, a generator per image."""
+    from diffrelay.loader import read_rows, to_float
+    from diffrelay.sampler import derive_seed, global_indices
+
+    shape = (3, data.resolution, data.resolution)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        start = step * per_process
+        idx = global_indices(SEED, data.count, start, per_process)
+        images = to_float(read_rows(data, idx)[0])
+        rnd, noise = torch.empty(per_process), torch.empty(per_process, *shape)
+        for i, pos in enumerate(range(start, start + per_process)):
+            g = torch.Generator().manual_seed(derive_seed(SEED, 0x401E, pos))
+            rnd[i] = torch.randn((), generator=g)
+            noise[i] = torch.randn(shape, generator=g)
+        times.append((time.perf_counter() - t0) * 1e3)
+        del images
+    return times
+
+
+def memory_status() -> dict:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            fields[key] = round(int(value.split()[0]) / 1024, 1)  # kB -> MiB
+    return fields
+
+
+TRAIN = """
+import json, sys
+from diffrelay import config, loader, train
+sys.path.insert(0, sys.argv[3])
+from bench_scale import memory_status
+seen, close = [], loader.Prefetcher.close
+def measured_close(self):  # the segment's end, while the images are still mapped
+    seen.append(memory_status())
+    close(self)
+loader.Prefetcher.close = measured_close
+assert train.run(config.load(sys.argv[1]), dataset_dir=sys.argv[2]) == 0
+print(json.dumps(seen[0]))
+"""
+
+EPOCH = """
+import json, sys
+import torch
+from diffrelay import datasets, loader
+from diffrelay.sampler import DataOrder
+sys.path.insert(0, sys.argv[3])
+from bench_scale import memory_status
+torch.set_num_threads(1)
+data = datasets.open_prepared(sys.argv[1])
+batch = int(sys.argv[2])
+order = DataOrder(0, data.count, batch)
+maker = loader.BatchMaker(data, 0, batch, rank=0, world=1, grad_accum=1, device="cpu")
+steps = -(-data.count // batch)
+with loader.Prefetcher(maker, order, 0, steps) as batches:
+    for _ in range(steps):
+        batches.next()
+print(json.dumps({**memory_status(), "steps": steps}))
+"""
+
+IMPORTS = """
+import json, sys
+import torch
+from diffrelay import datasets, loader, train
+sys.path.insert(0, sys.argv[1])
+from bench_scale import memory_status
+print(json.dumps(memory_status()))
+"""
+
+
+def child(code: str, *args) -> dict:
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def train_rss(tmp: Path, dataset: Path, steps: int) -> dict:
+    import yaml
+
+    cfg = {"run": {"name": f"rss-{dataset.name}", "results": str(tmp), "device": "cpu"},
+           "data": {"kind": "shapes", "resolution": 8, "count": 2000},
+           "model": {"channels": 8, "channel_mult": [1], "num_blocks": 1, "attn_resolutions": [],
+                     "class_conditional": True},
+           "train": {"total_steps": steps, "segment_steps": steps, "batch_size": 256, "log_every": steps,
+                     "warmup_steps": 0, "threads": 1}}
+    path = tmp / f"rss-{dataset.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return child(TRAIN, path, dataset, HERE)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes here)")
+    ap.add_argument("--resolution", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="dataset sizes for host_ms_per_step")
+    ap.add_argument("--no-rss", action="store_true", help="leave out the resident-memory runs")
+    ap.add_argument("--out", default=str(HERE / "results" / "scale.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    steps, before_steps, train_steps = (40, 3, 30) if args.quick else (300, 10, 100)
+    from diffrelay import datasets
+    from diffrelay.sampler import epoch_permutation
+
+    result = {"settings": {**vars(args), "steps": steps, "before_steps": before_steps},
+              "host_ms_per_step": {}, "host_ms_per_step_median": {}, "before_ms_per_step": {},
+              "epoch_rebuild_ms": {}, "amortized_rebuild_ms_per_step": {}, "rss_mib": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        rss_sizes = () if args.no_rss else RSS_SIZES
+        for n in sorted(set(args.sizes) | set(rss_sizes)):
+            t0 = time.perf_counter()
+            write_dataset(tmp / f"d{n}", n, args.resolution)
+            print(f"wrote {n} images of {args.resolution}x{args.resolution} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        for n in args.sizes:
+            data = datasets.open_prepared(tmp / f"d{n}")
+            t0 = time.perf_counter()
+            epoch_permutation(SEED, 1, n)
+            rebuild = (time.perf_counter() - t0) * 1e3
+            result["epoch_rebuild_ms"][n] = round(rebuild, 2)
+            for key in ("host_ms_per_step", "host_ms_per_step_median", "before_ms_per_step",
+                        "amortized_rebuild_ms_per_step"):
+                result[key][n] = {}
+            for b in PER_PROCESS:
+                now, before = host_step_ms(data, b, steps), before_step_ms(data, b, before_steps)
+                result["host_ms_per_step"][n][b] = round(statistics.mean(now), 3)
+                result["host_ms_per_step_median"][n][b] = round(statistics.median(now), 3)
+                result["before_ms_per_step"][n][b] = round(statistics.mean(before), 1)
+                result["amortized_rebuild_ms_per_step"][n][b] = round(rebuild * b / n, 4)
+                print(f"{n:>8d} images  {b:>5d}/process  host {statistics.mean(now):7.3f} ms/step "
+                      f"(median {statistics.median(now):6.3f})   before {statistics.mean(before):8.1f} ms/step",
+                      flush=True)
+        if rss_sizes:
+            result["rss_mib"]["imports_only"] = child(IMPORTS, HERE)
+        for n in rss_sizes:
+            result["rss_mib"][str(n)] = {"train": train_rss(tmp, tmp / f"d{n}", train_steps),
+                                    "loader_one_epoch": child(EPOCH, tmp / f"d{n}", 256, HERE)}
+            print(f"rss {n:>8d} images: train {result['rss_mib'][str(n)]['train']}   "
+                  f"one epoch read {result['rss_mib'][str(n)]['loader_one_epoch']}", flush=True)
+    result["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                         "numpy": np.__version__}
+    from diffrelay import io
+
+    io.write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

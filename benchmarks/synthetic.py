@@ -1,0 +1,28 @@
+"""A prepared dataset of random pixels written straight to disk: large sizes without `diffrelay prepare`."""
+
+from pathlib import Path
+
+import numpy as np
+
+
+def write_dataset(folder, count: int, resolution: int = 8, classes: int = 10, chunk: int = 1 << 16) -> Path:
+    """images.npy (memory-mapped, written a chunk at a time), labels.npy and dataset.json in
+    datasets.open_prepared's format; the fingerprint names the synthetic content."""
+    from diffrelay import datasets, io
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shape = (count, resolution, resolution, 3)
+    images = np.lib.format.open_memmap(folder / "images.npy", mode="w+", dtype=np.uint8, shape=shape)
+    rng = np.random.default_rng(count)
+    for start in range(0, count, chunk):
+        stop = min(start + chunk, count)
+        images[start:stop] = rng.integers(0, 256, (stop - start, *shape[1:]), dtype=np.uint8)
+    images.flush()
+    del images
+    np.save(folder / "labels.npy", np.arange(count, dtype=np.int64) % classes)
+    io.write_json(folder / "dataset.json", {
+        "format": datasets.FORMAT, "kind": "synthetic", "count": count, "resolution": resolution,
+        "num_classes": classes, "class_names": [f"c{i}" for i in range(classes)], "labels": "auto",
+        "fingerprint": f"synthetic-{count}-{resolution}-{classes}", "skipped": [], "source": "benchmarks/synthetic.py"})
+    return folder

@@ -1,0 +1,150 @@
+"""Batch loading: each step's images, labels and noise, made by a background thread while a step runs.
+
+A batch is a pure function of (seed, step, stream position): the thread reads this rank's rows from
+the memory-mapped images (in sorted order, kinder to the page cache), converts them (uint8 NHWC ->
+float NCHW in [-1, 1]; on CUDA the uint8 rows go through pinned memory and are converted on the
+device, a quarter of the bytes a float copy would move) and draws the step's noise. Reading ahead
+never changes what is trained, and the checkpointed DataOrder advances only when the loop takes a
+batch, so a checkpoint's `consumed` always counts the steps actually trained.
+
+A thread rather than DataLoader worker processes: the work per batch is one sorted memory-mapped
+read, one conversion and two random draws, mostly inside numpy/torch calls that release the GIL,
+and a thread cannot outlive its process, so no worker is ever left behind.
+"""
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffrelay import edm
+from diffrelay.errors import UserError
+from diffrelay.sampler import DataOrder, noise_seed
+
+# Bumped whenever the same checkpoint would go on to different noise: 1 = one generator per sample,
+# 2 = one generator per step drawing the whole global batch (this module).
+DRAWS_VERSION = 2
+DEPTH = 2  # batches made ahead: one hides the work; a second absorbs a slow read (page-cache miss)
+
+
+@dataclass
+class Batch:
+    step: int
+    indices: np.ndarray  # this rank's dataset indices, in training order (the --trace record)
+    rounds: list  # one (images, labels, rnd_normal, noise) per accumulation round, on the device
+
+
+def check_draws(path, meta: dict) -> None:
+    """Refuse a checkpoint whose run drew its noise another way: it could not continue bit for bit."""
+    found = meta.get("draws", 1)
+    if found != DRAWS_VERSION:
+        raise UserError(f"{path}: made by a diffrelay that draws training noise differently (draws version "
+                        f"{found}, this one {DRAWS_VERSION}), so it cannot continue the same run; start a new run "
+                        "(another run.name, or move its results folder away)")
+
+
+def read_rows(data, idx: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 NHWC images, int64 labels) of dataset rows `idx`, in that order; pinned when asked."""
+    order = np.argsort(idx, kind="stable")  # sorted reads are kinder to a memory-mapped file
+    rows = torch.empty((len(idx), *data.images.shape[1:]), dtype=torch.uint8, pin_memory=pin)
+    rows.numpy()[order] = data.images[idx[order]]
+    labels = torch.from_numpy(np.ascontiguousarray(data.labels[idx]))
+    return rows, labels.pin_memory() if pin else labels
+
+
+def to_float(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC -> float NCHW in [-1, 1], on the rows' device (in place: a third of the allocations)."""
+    return rows.permute(0, 3, 1, 2).float().div_(127.5).sub_(1)
+
+
+class BatchMaker:
+    """Makes the batch of one step for one rank; holds the step's noise generator."""
+
+    def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device):
+        self.data, self.seed, self.global_batch = data, seed, global_batch
+        self.rank, self.world, self.grad_accum, self.device = rank, world, grad_accum, torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.shape = (data.images.shape[3], *data.images.shape[1:3])
+
+    def make(self, step: int, global_indices: np.ndarray) -> Batch:
+        cuda = self.device.type == "cuda"
+        mine = global_indices[self.rank::self.world]
+        rows, labels = read_rows(self.data, mine, pin=cuda)
+        images = to_float(rows.to(self.device, non_blocking=True))
+        labels = labels.to(self.device, non_blocking=True)
+        # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
+        # is the same for any process count. That is O(global batch) per rank; on a GPU it is one kernel
+        # at memory speed (4096 x 3 x 64 x 64 floats is 200 MB, a fraction of a millisecond), and on a
+        # CPU the global batch is the local one at the process counts that make sense there. Chunked
+        # draws that skip other ranks' rows would tie the draws to how positions are dealt out.
+        self.generator.manual_seed(noise_seed(self.seed, step))
+        rnd, noise = edm.draw_noise(self.generator, self.global_batch, self.shape, self.device)
+        rnd, noise = rnd[self.rank::self.world], noise[self.rank::self.world].contiguous()
+        parts = (x.tensor_split(self.grad_accum) for x in (images, labels, rnd, noise))
+        return Batch(step, mine, list(zip(*parts)))
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """Batches for steps [step, until), made DEPTH ahead by one thread; use as a context manager.
+
+    `order` is the checkpointed DataOrder: the thread reads ahead with its own copy, and `next()`
+    advances `order` by one batch as it hands one over. `close()` (also on exit from the `with`)
+    stops and joins the thread, whether the segment ended, was stopped by a signal or failed.
+    """
+
+    def __init__(self, maker: BatchMaker, order: DataOrder, step: int, until: int):
+        self.maker, self.order, self.step, self.until = maker, order, step, until
+        self._ahead = DataOrder(order.seed, order.n, order.global_batch, order.consumed)
+        self._queue = queue.Queue(maxsize=DEPTH)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="diffrelay-batches", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _work(self) -> None:
+        try:
+            if self.maker.device.type == "cuda":
+                torch.cuda.set_device(self.maker.device)  # the current device is per thread
+            for step in range(self.step, self.until):
+                if self._stop.is_set():
+                    return
+                self._put(self.maker.make(step, self._ahead.next_batch()[0]))
+        except BaseException as e:  # noqa: BLE001 -- handed to the main thread, which raises it
+            self._put(_Failed(e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> Batch:
+        if self.step >= self.until:
+            raise RuntimeError(f"no batch after step {self.until}: the segment ends there")
+        item = self._queue.get()
+        if isinstance(item, _Failed):
+            raise item.error
+        self.order.advance()
+        self.step += 1
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        while not self._queue.empty():
+            self._queue.get_nowait()
