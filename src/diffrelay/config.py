@@ -344,7 +344,7 @@ def section_hash(cfg: Config, *sections: str) -> str:
 
 
 # Keys that do not change the training trajectory: how it is split, launched, logged or saved.
-_NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "threads", "log_every",
+_NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "threads", "log_every",
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard"}
 
 
