@@ -60,6 +60,19 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     assert sum("--init" in c for c in commands) == 2
 
 
+def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_path, write_config):
+    cfg = write_config({"train": {"total_steps": 6, "segment_steps": 3}})
+    run_cli("prepare", "--config", cfg)
+    run_cli("train", "--config", cfg, "--until-step", 3)
+    shorter = write_config({"train": {"total_steps": 6, "segment_steps": 2}}, name="shorter.yaml")
+    p = snakemake(tmp_path, "-n", "--configfile", shorter)
+    commands = re.findall(r"-m diffrelay train .*", p.stdout)
+    # The trained segment (0, 3] stays; only (3, 5] and (5, 6] are new, and (3, 5] starts from step 3.
+    assert sorted(int(re.search(r"--until-step (\d+)", c).group(1)) for c in commands) == [3, 5, 6]
+    five = next(c for c in commands if "--until-step 5 " in c)
+    assert "--init" in five and "checkpoints/step_0000003" in five
+
+
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
                                   "config/examples/slurm-multinode.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):

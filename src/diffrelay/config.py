@@ -321,11 +321,17 @@ def run_dir(cfg: Config) -> Path:
     return Path(cfg.run.results) / cfg.run.name
 
 
-def segment_ends(cfg: Config) -> list[int]:
-    """Steps at which a training segment stops and writes a checkpoint."""
+def segment_ends(cfg: Config, done=()) -> list[int]:
+    """Steps at which a training segment stops and writes a checkpoint.
+
+    `done`: steps of segment checkpoints this run already has. They stay segment ends, and
+    train.segment_steps spaces only the segments still to train, so changing it retrains nothing."""
     t = cfg.train
-    ends = list(range(t.segment_steps, t.total_steps, t.segment_steps))
-    return ends + [t.total_steps]
+    done = sorted(s for s in set(done) if 0 < s <= t.total_steps)
+    last = done[-1] if done else 0
+    if last == t.total_steps:
+        return done
+    return done + list(range(last + t.segment_steps, t.total_steps, t.segment_steps)) + [t.total_steps]
 
 
 def snapshot_steps(cfg: Config, start: int, end: int) -> list[int]:

@@ -1,5 +1,6 @@
 # Config loading and validation, wildcard constraints, and every input function (get_*).
 # The rule files only build paths; all decisions about the run are made here, once, at parse time.
+import json
 import os
 import re
 import shlex
@@ -90,7 +91,25 @@ RESOURCES = CFG.run.resources.replace("{", "{{").replace("}", "}}")
 RUN_DIR_NAME = f"{CFG.run.results}/{RUN}"
 # Path patterns of one run; {run} is always the configured run name.
 RUN_DIR = f"{RESULTS}/{{run}}"
-SEGMENT_ENDS = drconfig.segment_ends(CFG)
+
+
+def trained_steps():
+    """Steps of the complete segment checkpoints this run already has (same trajectory)."""
+    folder = Path(RUN_DIR_NAME) / "checkpoints"
+    want, steps = drconfig.trajectory_hash(CFG), []
+    for p in folder.glob("step_*") if folder.is_dir() else []:
+        m = re.fullmatch(r"step_(\d{7})", p.name)
+        try:
+            complete = (p / "manifest.json").is_file()
+            same = json.loads((p / "meta.json").read_text()).get("trajectory") == want
+        except (OSError, ValueError):
+            continue
+        if m and complete and same:
+            steps.append(int(m.group(1)))
+    return steps
+
+
+SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
 USE_GPU = CFG.run.device in ("auto", "cuda")
