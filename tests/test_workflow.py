@@ -3,6 +3,7 @@
 import collections
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import zipfile
@@ -58,6 +59,18 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     commands = re.findall(r"torchrun --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
     assert sorted(re.search(r"--until-step (\d+)", c).group(1) for c in commands) == ["3", "6", "9"]
     assert sum("--init" in c for c in commands) == 2
+
+
+def test_dry_run_names_the_command_that_shows_the_merged_config(tmp_path, write_config):
+    cfg = write_config({"sample": {"num_images": 12}, "fid": {"ref_images": 0}})
+    p = snakemake(tmp_path, "-n", "--configfile", REPO / "config/config.yaml", cfg)
+    line = next(x for x in p.stderr.splitlines() if "see the merged config with:" in x)
+    command = shlex.split(line.split("see the merged config with: ", 1)[1])
+    assert command[:2] == ["diffrelay", "validate"] and command[2::2] == ["--config", "--config"]
+    assert command[3::2] == [str(REPO / "config/config.yaml"), str(cfg)]
+    shown = yaml.safe_load(run_cli(*command[1:]).stdout)
+    assert shown == drconfig.load([REPO / "config/config.yaml", cfg]).to_dict()
+    assert shown["sample"]["num_images"] == 12 and shown["train"]["total_steps"] == 6  # both files count
 
 
 def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_path, write_config):

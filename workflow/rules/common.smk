@@ -84,6 +84,13 @@ def load_run_config():
 
 CONFIG_FILES, CFG = load_run_config()
 CONFIG_ARGS = " ".join(f"--config {shlex.quote(str(f))}" for f in CONFIG_FILES)
+if workflow.is_main_process:
+    # stderr, so `--dag | dot` stays clean. The stages get exactly these files, in this order.
+    print(
+        f"diffrelay: config files (later win): {', '.join(map(str, CONFIG_FILES))}; "
+        f"see the merged config with: diffrelay validate {CONFIG_ARGS}",
+        file=sys.stderr,
+    )
 
 RUN = CFG.run.name
 RESULTS = CFG.run.results.replace("{", "{{").replace("}", "}}")

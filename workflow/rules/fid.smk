@@ -46,6 +46,8 @@ rule collect_segment:
         "logs/{run}/collect_segment/step_{step}.log",
     wildcard_constraints:
         step="|".join(step_name(s) for s in SEGMENT_ENDS),
+    conda:
+        "../../envs/diffrelay.yaml"
     message:
         "Collecting the scores of the {wildcards.run} segment ending at step {wildcards.step}"
     shell:
