@@ -227,3 +227,16 @@ def test_two_training_jobs_at_once_do_not_collide(reference, write_config, tmp_p
     assert codes == [0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in "ab"]
     for name in ("a", "b"):
         checkpoint.verify_checkpoint(tmp_path / "results" / name / "checkpoints" / "step_0000020")
+
+
+def test_ctrl_c_in_training_saves_a_recovery_checkpoint_like_sigterm(reference, write_config, tmp_path):
+    cfg = write_config(LONG)
+    copy_dataset(reference, tmp_path)
+    run_dir = tmp_path / "results" / "tiny"
+    proc = start([sys.executable, "-m", "diffrelay", "train", "--config", str(cfg)], tmp_path / "train.log")
+    wait_for_step(run_dir, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    assert proc.wait(timeout=120) == 75
+    log = (tmp_path / "train.log").read_text()
+    assert "saved recovery checkpoint" in log and "Traceback" not in log, log
+    assert checkpoint.list_checkpoints(run_dir / "recovery")

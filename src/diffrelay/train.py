@@ -26,11 +26,12 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resu
 
 
 class StopRequest:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's warning before the time limit) until the loop can act on it."""
+    """Remembers SIGTERM/SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C) until the
+    loop can act on it: every rank finishes its step, a recovery checkpoint is written, and the job exits."""
 
     def __init__(self):
         self.signum = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
