@@ -9,6 +9,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -87,6 +88,7 @@ def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_p
 
 
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
+                                  "config/examples/own-images-cpu.yaml",
                                   "config/examples/slurm-multinode.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
@@ -301,6 +303,26 @@ def test_snakemake_report_holds_every_grid_and_the_training_segments(tiny_run):
     for rule in ("train_segment", "sample_snapshot", "compute_fid", "collect_segment", "build_report"):
         assert f'"rule": "{rule}"' in html, rule
     assert '"sourcerule": "train_segment", "targetrule": "sample_snapshot"' in html
+
+
+@pytest.mark.slow
+def test_cpu_recipe_for_your_own_images_runs_on_a_tiny_folder(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        folder = tmp_path / "data" / "my-images" / ("cats", "dogs")[i % 2]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype="uint8")).save(folder / f"{i}.png")
+    short = tmp_path / "short.yaml"  # the recipe as shipped, only shorter
+    short.write_text("train: {total_steps: 4, segment_steps: 2, recovery_every: 0, warmup_steps: 1}\n"
+                     "sample: {num_images: 16, steps: 4, batch_size: 16}\n")
+    snakemake(tmp_path, "--configfile", REPO / "config/config.yaml", REPO / "config/examples/own-images-cpu.yaml",
+              short)
+    run = tmp_path / "results" / "my-images-cpu"
+    info = json.loads((run / "dataset" / "dataset.json").read_text())
+    assert info["count"] == 40 and info["class_names"] == ["cats", "dogs"]
+    assert (run / "report" / "metrics.csv").read_text().count("\n") == 3  # header + steps 2 and 4
 
 
 @pytest.mark.slow
