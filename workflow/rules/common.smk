@@ -208,6 +208,13 @@ def get_extractor(wildcards):
     return EXTRACTOR
 
 
+def get_reference(wildcards):
+    """fid.reference (statistics made elsewhere), or the dataset's own from compute_reference."""
+    if CFG.fid.reference is not None:
+        return str(Path(CFG.fid.reference).expanduser())
+    return expand(rules.compute_reference.output.ref, run=wildcards.run)
+
+
 # --- targets ---------------------------------------------------------------------------------
 def get_final_output():
     """The report, plus the samples and scores of segments already trained: Snakemake does not
