@@ -119,9 +119,9 @@ def _kid(feats, ref) -> float:
         np.random.set_state(state)
 
 
-def load_reference(path, extractor_sha256: str, mode: str) -> dict:
-    """Statistics from `diffrelay fid-ref` (checked against the extractor and mode), or a file made
-    elsewhere (EDM/ADM/clean-fid `.npz` with mu and sigma: the caller checks the feature count)."""
+def load_reference(path) -> dict:
+    """Statistics from `diffrelay fid-ref` (verified by its digest), or a file made elsewhere
+    (EDM/ADM/clean-fid `.npz` with mu and sigma; settings["foreign"] is then true)."""
     from diffrelay import metrics
 
     path = Path(path)
@@ -132,11 +132,14 @@ def load_reference(path, extractor_sha256: str, mode: str) -> dict:
             ours = "digest.npy" in z.namelist()
     except (OSError, zipfile.BadZipFile):
         ours = False
-    if not ours:
-        return metrics.load_foreign_ref(path)
-    ref = load_ref(path)
-    check_ref(ref, path, extractor_sha256, mode)
-    return ref
+    return load_ref(path) if ours else metrics.load_foreign_ref(path)
+
+
+def check_reference(ref: dict, path, extractor_sha256: str, mode: str) -> None:
+    """Our own statistics must come from this extractor and mode; a foreign file's feature count is
+    checked against the extractor in `score`."""
+    if not ref["settings"].get("foreign"):
+        check_ref(ref, path, extractor_sha256, mode)
 
 
 # ---------------------------------------------------------------------------- the statistics file
@@ -314,8 +317,9 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict
     from diffrelay import metrics
 
     files = image_files(images)  # cheap checks first: images, statistics, extractor hash, then the model
+    ref = load_reference(ref_path)
     sha = extractor_sha256(extractor_path)
-    ref = load_reference(ref_path, sha, mode)
+    check_reference(ref, ref_path, sha, mode)
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
     if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
         metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
@@ -342,7 +346,7 @@ def main_fid(args) -> int:
     if not args.in_process:
         # Cheap checks here too, so a bad path fails before a child process is paid for.
         image_files(args.images)
-        load_reference(args.ref, extractor_sha256(args.extractor), args.mode)
+        check_reference(load_reference(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
