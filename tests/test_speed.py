@@ -35,6 +35,7 @@ def cache_files(resources):
 
 
 @needs_cxx
+@pytest.mark.slow  # about 80 s here: one cold compile of forward and backward
 def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(write_config, tmp_path):
     small = {"model": {"channel_mult": [1]}, "train": {"total_steps": 4, "segment_steps": 2}}
     eager = prepared(write_config, config_merge(small, {"run": {"name": "eager"}}), "eager")
