@@ -26,9 +26,13 @@ REPO = HERE.parent
 BIN = Path(sys.executable).parent
 
 
+def config_args(configs):
+    return [a for c in configs for a in ("--config", str(c))]  # later files override earlier ones
+
+
 def segment(configs, until):
     """Wall seconds of one `diffrelay train` segment process."""
-    cmd = [str(BIN / "diffrelay"), "train", "--config", *map(str, configs), "--until-step", str(until)]
+    cmd = [str(BIN / "diffrelay"), "train", *config_args(configs), "--until-step", str(until)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -60,8 +64,7 @@ def main():
                         "device": "cpu"},
                 "train": {"compile": mode == "compile", "threads": args.threads, "log_every": 1}}))
             configs = [args.config, over]
-            subprocess.run([str(BIN / "diffrelay"), "prepare", "--config", *map(str, configs)],
-                           check=True, capture_output=True)
+            subprocess.run([str(BIN / "diffrelay"), "prepare", *config_args(configs)], check=True, capture_output=True)
             metrics = tmp / "results" / mode / "metrics" / "train.jsonl"
             for seg, until in (("segment1", 1), ("segment2", 2)):
                 wall = segment(configs, until)

@@ -48,7 +48,8 @@ def compile_model(model, enabled: bool, resources):
     """
     if not enabled:
         return model
-    use_compile_cache(resources)
+    root = use_compile_cache(resources)
+    logs.get().info("torch.compile on; compile cache %s (the first run compiles, later ones load)", root)
     return torch.compile(model)
 
 
