@@ -261,7 +261,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     # the next batch's compute. Errors surface at the next image and at the end.
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = collections.deque()
-        model = speed.compile_model(net, s.compile, resources)
+        model = speed.compile_model(net, s.compile, resources, s.threads)
         for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
             pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i), pixels))
             while pending and pending[0].done():

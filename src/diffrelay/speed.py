@@ -38,16 +38,28 @@ def use_compile_cache(resources) -> Path:
     return root
 
 
-def compile_model(model, enabled: bool, resources):
+def compile_model(model, enabled: bool, resources, threads: int = 1):
     """torch.compile(model) with the shared cache, or the model itself when `enabled` is false.
 
-    For training, `model` is the DDP wrapper: PyTorch's DDP + compile recipe compiles the wrapped
-    model, whose DDPOptimizer splits the graph at gradient-bucket boundaries so the all-reduce still
-    overlaps the backward. The caller keeps the DDP object (no_sync) and the raw module (state_dict,
-    EMA) and only calls the compiled one, so nothing is read through a wrapper.
+    For training, `model` is the DDP wrapper, as PyTorch's DDP + compile recipe does it. The caller
+    keeps the DDP object (no_sync) and the raw module (state_dict, EMA) and only calls the compiled
+    one, so nothing is read through a wrapper.
+
+    DDPOptimizer (dynamo's default for DDP) splits the graph at gradient buckets so the all-reduce
+    overlaps the backward, but its graphs bypass the AOTAutograd cache ("fakify_first_call" in the
+    log): every segment would trace forward and backward again, 20-40 s for the demo UNet here. Off,
+    the graph is one piece, the whole compile comes from the cache, and gradients are all-reduced
+    after the backward: nothing lost with one process, some overlap lost with several.
     """
     if not enabled:
         return model
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.config.optimize_ddp = False
+    # Inductor's default is a pool of compile worker processes, one per core; the job was given
+    # `threads` cores, and on a warm cache the pool only costs start-up.
+    inductor_config.compile_threads = threads
     root = use_compile_cache(resources)
     logs.get().info("torch.compile on; compile cache %s (the first run compiles, later ones load)", root)
     return torch.compile(model)

@@ -199,7 +199,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         skipped_total = consecutive = 0
         log.info("starting from scratch")
     ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # no_sync only
-    model = speed.compile_model(ddp, t.compile, cfg.run.resources)  # forward/backward
+    model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
         state = {"net": net.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
