@@ -35,7 +35,7 @@ def cache_files(resources):
 
 
 @needs_cxx
-@pytest.mark.slow  # about 80 s here: one cold compile of forward and backward
+@pytest.mark.slow  # 80-250 s here: one cold compile of forward and backward
 def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(write_config, tmp_path):
     small = {"model": {"channel_mult": [1]}, "train": {"total_steps": 4, "segment_steps": 2}}
     eager = prepared(write_config, config_merge(small, {"run": {"name": "eager"}}), "eager")
@@ -56,6 +56,7 @@ def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(writ
 
 
 @needs_cxx
+@pytest.mark.slow  # 50-180 s here: one cold compile of the sampler's forward
 def test_compiled_sampling_compiles_once_for_a_short_last_batch_and_matches_eager(tmp_path, monkeypatch):
     snap = make_snapshot(tmp_path / "step_0000040.safetensors")
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
