@@ -120,8 +120,9 @@ def _digest(tensors: dict, meta: dict) -> str:
 
 def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict) -> Path:
     """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ..."""
-    tensors = {f"ema.{k}": v.detach().cpu().clone() for k, v in ema_state.items()}
-    tensors |= {f"raw.{k}": v.detach().cpu().clone() for k, v in raw_state.items()}
+    # safetensors stores row-major bytes: channels_last weights (train.channels_last) are copied to that order.
+    tensors = {f"ema.{k}": v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in ema_state.items()}
+    tensors |= {f"raw.{k}": v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in raw_state.items()}
     meta = {"format": SNAPSHOT_FORMAT, **meta}
     blob = save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True), "sha256": _digest(tensors, meta)})
     io.write_bytes(path, blob)

@@ -6,10 +6,32 @@ import math
 import torch
 
 
-def build_optimizer(params, t) -> torch.optim.Optimizer:
+def build_optimizer(params, t, fused: bool = False) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
-    # foreach=False keeps the update order fixed, which the bitwise-resume tests rely on.
-    return cls(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=False)
+    # foreach=False keeps the update order fixed, which the bitwise-resume tests rely on. fused=True is
+    # one kernel for all parameters (train.fused_optimizer); deterministic too, but not bitwise equal to
+    # the per-parameter loop, so a run compared bit for bit with another must use the same setting.
+    return cls(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=False,
+               fused=fused or None)
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """opt.load_state_dict, keeping this run's implementation (fused or not).
+
+    The saved state has the same format either way, but load_state_dict also copies the saved groups'
+    `fused`/`foreach` flags, so a checkpoint of a fused run would silently switch fusing on (and the
+    reverse off). The step counters then go where the chosen implementation wants them: a float32
+    tensor on the parameter's device for fused kernels, on the CPU for the loop.
+    """
+    flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in opt.param_groups]
+    opt.load_state_dict(state)
+    for group, kept in zip(opt.param_groups, flags, strict=True):
+        group.update(kept)
+        on_device = bool(kept["fused"] or kept["capturable"])
+        for p in group["params"]:
+            s = opt.state.get(p, {})
+            if isinstance(s.get("step"), torch.Tensor):
+                s["step"] = s["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrelay import checkpoint, config, distributed, edm, io, logs
+from diffrelay import checkpoint, config, distributed, edm, io, logs, speed
 from diffrelay.errors import UserError
 from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
@@ -37,7 +37,7 @@ from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
-PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision")
+PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile")
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
 
 
@@ -54,6 +54,7 @@ class Settings:
     class_labels: str | int  # "balanced" or one class index
     precision: str  # fp32 | bf16
     threads: int
+    compile: bool = False  # torch.compile the network (one shape: forward_rows)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
@@ -212,10 +213,11 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
-def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1) -> dict | None:
+def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, resources="resources") -> dict | None:
     """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
 
     Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
+    `resources` holds the compile cache (sample.compile).
     """
     started = time.time()
     snapshot, out, device = Path(snapshot), Path(out), torch.device(device)
@@ -259,7 +261,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
     # the next batch's compute. Errors surface at the next image and at the end.
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = collections.deque()
-        for n, (i, pixels) in enumerate(generate(net, meta, todo, s, device), start=1):
+        model = speed.compile_model(net, s.compile, resources, s.threads)
+        for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
             pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i), pixels))
             while pending and pending[0].done():
                 pending.popleft().result()
@@ -286,7 +289,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
     return result
 
 
-def _settings_from_args(args) -> tuple[Settings, str]:
+def _settings_from_args(args) -> tuple[Settings, dict]:
     """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
                                           "weights", "precision") if getattr(args, k) is not None}
@@ -300,12 +303,12 @@ def _settings_from_args(args) -> tuple[Settings, str]:
             raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
         over["class_labels"] = cl if cl == "balanced" else int(cl)
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
-    return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]["device"]
+    return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]
 
 
 def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
-    s, device = _settings_from_args(args)
-    run(args.snapshot, args.out, s, distributed.pick_device(device), rank, world)
+    s, run_cfg = _settings_from_args(args)
+    run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, run_cfg["resources"])
     return 0

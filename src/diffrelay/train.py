@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight
+from diffrelay import checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight, speed
 from diffrelay.errors import UserError
 from diffrelay.sampler import DataOrder, step_seed
 
@@ -141,6 +141,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     device = distributed.pick_device(cfg.run.device)
     torch.set_num_threads(t.threads)
     torch.backends.cudnn.benchmark = False
+    speed.set_backends(device, t.tf32)
     distributed.init(device, t.timeout_minutes)
     rank, world = distributed.rank(), distributed.world()
     log = logs.setup(main=distributed.is_main())
@@ -170,8 +171,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
 
     torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
     net = edm.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
+    net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
     ema = optim.EMA(net, t.ema_decays)
-    opt = optim.build_optimizer(net.parameters(), t)
+    opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
     sched = optim.build_schedule(opt, t)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     order = DataOrder(cfg.run.seed, data.count, t.batch_size)
@@ -185,7 +187,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             log.warning(f"{start_path}: made with different training settings; continuing from it as asked")
         net.load_state_dict(state["net"])
         ema.load_state_dict(state["ema"])
-        opt.load_state_dict(state["optimizer"])
+        optim.load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["schedule"])
         scaler.load_state_dict(state["scaler"])
         loader.check_draws(start_path, meta)
@@ -197,7 +199,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     else:
         skipped_total = consecutive = 0
         log.info("starting from scratch")
-    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # forward/backward only
+    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # no_sync only
+    model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
         state = {"net": net.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
@@ -235,7 +238,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
             with sync, distributed.peers("gradient all-reduce"), \
                     torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = edm.loss(ddp, images, labels if data.num_classes else None, rnd, noise,
+                loss = edm.loss(model, images, labels if data.num_classes else None, rnd, noise,
                                 t.p_mean, t.p_std, cfg.model.sigma_data)
                 scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach() / t.grad_accum

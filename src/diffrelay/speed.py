@@ -1,0 +1,86 @@
+"""Speed switches: torch.compile with a cache shared by segments, TF32, fused Adam(W), channels_last.
+
+Each is a config key and off where it would change a guarantee (see README, "Speed switches").
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from diffrelay import logs
+
+# Every segment and every sampling job is a new process. Inductor keeps its compiled kernels (FX graph
+# cache), AOTAutograd keeps the backward graphs, and Triton keeps its GPU binaries in folders named by
+# these variables; pointing them all at the workflow's resources/ folder lets segment k+1 reuse what
+# segment k compiled. A folder rather than torch.compiler.save_cache_artifacts() in each checkpoint:
+# it is shared by training and sampling and by every run, needs no change to the checkpoint format,
+# is not tied to one trajectory, and inductor writes its entries atomically (temp file + rename), so
+# concurrent jobs may share it. The folder is keyed by torch's own hashes (source, versions, device).
+CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def use_compile_cache(resources) -> Path:
+    """Point the compile caches at <resources>/compile-cache, before anything is compiled.
+
+    Set, not defaulted: importing torch's DDP already fills TORCHINDUCTOR_CACHE_DIR with a /tmp default
+    (torch._inductor.config reads it at import), and inductor looks the variable up again each time."""
+    root = (Path(resources) / "compile-cache").resolve()
+    for var, sub in CACHE_DIRS.items():
+        os.environ[var] = str(root / sub)
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    # On by default in current torch; set so an older default cannot silently turn reuse off.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return root
+
+
+def compile_model(model, enabled: bool, resources, threads: int = 1):
+    """torch.compile(model) with the shared cache, or the model itself when `enabled` is false.
+
+    For training, `model` is the DDP wrapper, as PyTorch's DDP + compile recipe does it. The caller
+    keeps the DDP object (no_sync) and the raw module (state_dict, EMA) and only calls the compiled
+    one, so nothing is read through a wrapper.
+
+    DDPOptimizer (dynamo's default for DDP) splits the graph at gradient buckets so the all-reduce
+    overlaps the backward, but its graphs bypass the AOTAutograd cache ("fakify_first_call" in the
+    log): every segment would trace forward and backward again, 20-40 s for the demo UNet here. Off,
+    the graph is one piece, the whole compile comes from the cache, and gradients are all-reduced
+    after the backward: nothing lost with one process, some overlap lost with several.
+    """
+    if not enabled:
+        return model
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.config.optimize_ddp = False
+    # Inductor's default is a pool of compile worker processes, one per core; the job was given
+    # `threads` cores, and on a warm cache the pool only costs start-up.
+    inductor_config.compile_threads = threads
+    root = use_compile_cache(resources)
+    logs.get().info("torch.compile on; compile cache %s (the first run compiles, later ones load)", root)
+    return torch.compile(model)
+
+
+def set_backends(device: torch.device, tf32: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA, or strict fp32 (PyTorch's own default turns it on
+    for cuDNN convolutions, so "off" is set explicitly)."""
+    mode = "tf32" if tf32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
+    if tf32 and device.type != "cuda":
+        logs.get().info("train.tf32=true has no effect on %s (TF32 is a CUDA tensor-core format)", device.type)
+
+
+def use_fused(setting, device: torch.device) -> bool:
+    """train.fused_optimizer: auto = fused on CUDA only; true/false as given (PyTorch has CPU kernels too)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def to_memory_format(net: torch.nn.Module, channels_last: bool) -> torch.nn.Module:
+    """channels_last (NHWC) weights: faster convolutions on tensor cores. Inputs stay NCHW; the first
+    convolution produces channels_last activations from the weights' layout."""
+    return net.to(memory_format=torch.channels_last) if channels_last else net

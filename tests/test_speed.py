@@ -1,0 +1,154 @@
+"""Speed switches: compile (with a cache shared by segments), TF32, fused Adam(W), channels_last."""
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_cli
+from diffrelay import config, optim, sample, speed
+from diffrelay.errors import UserError
+from test_sample import make_snapshot
+from test_train import assert_tensors_equal, load_state
+
+# Inductor builds C++ kernels on a CPU; without a compiler torch.compile cannot run at all.
+HAS_CXX = shutil.which(os.environ.get("CXX", "g++")) is not None
+needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="torch.compile on a CPU needs a C++ compiler (g++); none found")
+
+# Compiled and eager training agree to this max abs weight difference after 4 steps (measured: about 2e-7;
+# fused kernels reorder float sums, and Adam turns tiny gradient differences into lr-sized steps only when
+# a gradient is near 0, so the bound leaves room above rounding while a wrong graph differs by ~1e-2).
+COMPILE_TOL = 1e-4
+
+
+def prepared(write_config, overrides, name):
+    cfg = write_config(overrides, name=f"{name}.yaml")
+    run_cli("prepare", "--config", cfg)
+    return cfg
+
+
+def cache_files(resources):
+    return sorted(p for p in (resources / "compile-cache").rglob("*") if p.is_file())
+
+
+@needs_cxx
+@pytest.mark.slow  # 80-250 s here: one cold compile of forward and backward
+def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(write_config, tmp_path):
+    small = {"model": {"channel_mult": [1]}, "train": {"total_steps": 4, "segment_steps": 2}}
+    eager = prepared(write_config, config_merge(small, {"run": {"name": "eager"}}), "eager")
+    run_cli("train", "--config", eager, "--until-step", 4)
+    comp = prepared(write_config, config_merge(small, {"run": {"name": "comp"}, "train": {"compile": True}}), "comp")
+    run_cli("train", "--config", comp, "--until-step", 2)
+    resources = tmp_path / "resources"
+    after_first = cache_files(resources)
+    assert after_first, "segment 1 wrote nothing to <run.resources>/compile-cache"
+    run_cli("train", "--config", comp, "--until-step", 4)
+    assert cache_files(resources) == after_first, "segment 2 compiled again instead of reusing the cache"
+
+    a = load_state(tmp_path / "results/eager/checkpoints/step_0000004")
+    b = load_state(tmp_path / "results/comp/checkpoints/step_0000004")
+    diff = max((a["net"][k] - b["net"][k]).abs().max().item() for k in a["net"])
+    assert diff < COMPILE_TOL
+    assert a["net"].keys() == b["net"].keys()  # no "_orig_mod." prefix: the raw module is saved
+
+
+@needs_cxx
+@pytest.mark.slow  # 50-180 s here: one cold compile of the sampler's forward
+def test_compiled_sampling_compiles_once_for_a_short_last_batch_and_matches_eager(tmp_path, monkeypatch):
+    snap = make_snapshot(tmp_path / "step_0000040.safetensors")
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch._dynamo.reset()
+    base = sample.default_settings(num_images=20, steps=2, batch_size=16)  # batches of 16 and 4 (padded)
+    sample.run(snap, tmp_path / "eager", base)
+    sample.run(snap, tmp_path / "comp", sample.default_settings(**{**vars(base), "compile": True}),
+               resources=tmp_path / "resources")
+    torch._dynamo.reset()
+    for name in sorted(p.name for p in (tmp_path / "eager").glob("*.png")):
+        x = sample._read_png(tmp_path / "eager" / name).astype(int)
+        y = sample._read_png(tmp_path / "comp" / name).astype(int)
+        assert abs(x - y).max() <= 1, name  # rounding may flip a pixel by one level, no more
+    assert cache_files(tmp_path / "resources")
+
+
+def test_channels_last_trains_and_resumes_bitwise(write_config, tmp_path):
+    over = {"train": {"channels_last": True}}
+    one = prepared(write_config, config_merge(over, {"run": {"name": "one"}}), "one")
+    run_cli("train", "--config", one, "--until-step", 6)
+    two = prepared(write_config, config_merge(over, {"run": {"name": "two"}}), "two")
+    run_cli("train", "--config", two, "--until-step", 3)
+    run_cli("train", "--config", two, "--until-step", 6)
+    a = load_state(tmp_path / "results/one/checkpoints/step_0000006")
+    b = load_state(tmp_path / "results/two/checkpoints/step_0000006")
+    for key in ("net", "ema", "optimizer", "schedule", "order", "step"):
+        assert_tensors_equal(a[key], b[key], key)
+    convs = [v for v in a["net"].values() if v.dim() == 4 and v.shape[-1] > 1]
+    assert convs and all(v.is_contiguous(memory_format=torch.channels_last) for v in convs)
+    # The snapshot is plain row-major and samples in a process that knows nothing of the switch.
+    out = tmp_path / "samples"
+    run_cli("sample", "--config", two, "--snapshot", tmp_path / "results/two/snapshots/step_0000006.safetensors",
+            "--out", out)
+    assert len(sample.image_files(out)) == 8
+
+
+def _adamw(params, fused):
+    t = config.Config(config.validate({"train": {"optimizer": "adamw", "lr": 0.01}})).train
+    return optim.build_optimizer(params, t, fused=fused)
+
+
+@pytest.mark.parametrize("first, second", [(False, True), (True, False)])
+def test_optimizer_state_resumes_across_the_fused_switch_and_keeps_the_chosen_kernel(first, second):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    grads = [torch.randn(16, 8) for _ in range(3)]
+    a = _adamw([w], first)
+    for g in grads[:2]:
+        w.grad = g.clone()
+        a.step()
+    saved = copy.deepcopy(a.state_dict())  # as read from a checkpoint: shares no tensor with `a`
+    w2 = torch.nn.Parameter(w.detach().clone())
+    b = _adamw([w2], second)
+    optim.load_optimizer_state(b, saved)
+    assert bool(b.param_groups[0]["fused"]) is second  # not the checkpoint's flag
+    assert b.state_dict()["state"][0].keys() == saved["state"][0].keys()
+    w.grad, w2.grad = grads[2].clone(), grads[2].clone()
+    a.step()
+    b.step()
+    assert torch.allclose(w, w2, atol=1e-6)
+    assert b.state_dict()["state"][0]["step"].item() == 3
+
+
+def test_tf32_switch_sets_both_matmul_and_convolution_precision():
+    cpu = torch.device("cpu")
+    try:
+        speed.set_backends(cpu, tf32=True)
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
+        speed.set_backends(cpu, tf32=False)  # off is strict fp32 for convolutions too (PyTorch's default is not)
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "ieee"
+    finally:
+        speed.set_backends(cpu, tf32=False)
+
+
+def test_fused_auto_means_cuda_only():
+    assert speed.use_fused("auto", torch.device("cuda", 0)) is True
+    assert speed.use_fused("auto", torch.device("cpu")) is False
+    assert speed.use_fused(True, torch.device("cpu")) is True
+
+
+def test_speed_keys_default_off_and_do_not_change_the_trajectory():
+    d = config.validate({})
+    assert (d["train"]["compile"], d["train"]["tf32"], d["train"]["channels_last"]) == (False, False, False)
+    assert d["train"]["fused_optimizer"] == "auto" and d["sample"]["compile"] is False
+    fast = config.Config(config.validate({"train": {"compile": True, "tf32": True, "channels_last": True,
+                                                    "fused_optimizer": True}}))
+    assert config.trajectory_hash(fast) == config.trajectory_hash(config.Config(config.validate({})))
+    with pytest.raises(UserError, match="fused_optimizer"):
+        config.validate({"train": {"fused_optimizer": "yes"}})
+
+
+def config_merge(a, b):
+    from conftest import deep_merge
+
+    return deep_merge(a, b)
