@@ -6,6 +6,11 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,3 +361,29 @@ def test_workers_setting_rebuilds_and_retrains_nothing(write_config):
     assert config.trajectory_hash(one) == config.trajectory_hash(many)
     other = config.load(write_config({"data": {"workers": 1, "seed": 5}}))
     assert config.data_hash(other) != config.data_hash(one)
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_prepare_leaves_no_decoding_worker(write_config, tmp_path):
+    from test_data_safety import children
+
+    cfg = write_config({"data": {"count": 20000, "resolution": 64}})
+    parent = subprocess.Popen([sys.executable, "-m", "diffrelay", "prepare", "--config", str(cfg), "--workers", "2",
+                               "--out", str(tmp_path / "ds")], stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(workers := children(parent.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(workers) == 2, "the decoding workers never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while any(running(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [w for w in workers if running(w)]
+    assert not (tmp_path / "ds").exists()  # only a hidden temp folder can be left, never a dataset
