@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,12 @@ from bench_fid import shapes, write_dataset, write_pngs
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process's finished children (diffrelay fid and, rolled up into it, its scoring child)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def timed(cmd) -> float:
@@ -52,16 +59,20 @@ def main():
         ref = tmp / "reference.npz"
         ref_seconds = timed([BIN / "diffrelay", "fid-ref", "--dataset", data, "--extractor", ext, "--out", ref,
                              "--threads", max(args.threads), "--batch-size", args.batch])
-        print(f"fid-ref of {args.ref_images} images from images.npy, {max(args.threads)} threads: {ref_seconds:.1f}s")
+        print(f"fid-ref of {args.ref_images} images from images.npy, {max(args.threads)} threads: {ref_seconds:.1f}s",
+              flush=True)
         runs = {}
         for t in args.threads:
             out = tmp / f"fid-{t}.json"
+            cpu0 = cpu_seconds()
             seconds = timed([BIN / "diffrelay", "fid", "--images", images, "--ref", ref, "--extractor", ext,
                              "--out", out, "--threads", t, "--batch-size", args.batch])
             r = json.loads(out.read_text())
-            runs[t] = {"seconds": round(seconds, 2), "scoring_seconds_in_child": r["seconds"],
+            cpu = cpu_seconds() - cpu0
+            runs[t] = {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
+                       "cpu_ms_per_image": round(1000 * cpu / args.images, 2), "scoring_seconds_in_child": r["seconds"],
                        "images_per_second": round(args.images / seconds, 1), "fd": r["fid"], "kid": r["kid"]}
-            print(f"threads {t}: {seconds:.1f}s end to end ({r['seconds']:.1f}s scoring in the child), "
+            print(f"threads {t}: {seconds:.1f}s end to end ({r['seconds']:.1f}s scoring in the child, {cpu:.0f} CPU-s), "
                   f"{args.images / seconds:.0f} img/s, FD {r['fid']:.6f}, KID {r['kid']:.6f}")
 
     first = runs[args.threads[0]]
