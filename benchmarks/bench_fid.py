@@ -65,6 +65,20 @@ def write_pngs(folder: Path, imgs) -> Path:
     return folder
 
 
+def write_dataset(folder: Path, imgs) -> Path:
+    """A prepared dataset folder (images.npy, labels.npy, dataset.json), as `diffrelay prepare` writes one."""
+    from diffrelay import io
+
+    images = np.stack(list(imgs))
+    folder.mkdir(parents=True)
+    np.save(folder / "images.npy", images)
+    np.save(folder / "labels.npy", np.zeros(len(images), np.int64))
+    io.write_json(folder / "dataset.json", {"format": "diffrelay-dataset/1", "fingerprint": "0" * 64,
+                                            "count": len(images), "resolution": images.shape[1], "num_classes": 0,
+                                            "class_names": []})
+    return folder
+
+
 def timed(cmd) -> tuple[float, str]:
     t0 = time.perf_counter()
     p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=True)
@@ -90,9 +104,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench_fid.") as tmp:
         tmp = Path(tmp)
         data = tmp / "dataset"
-        write_pngs(data / "png", shapes(args.ref_images, seed=0))
-        io.write_json(data / "dataset.json", {"format": "diffrelay-dataset/1", "fingerprint": "0" * 64,
-                                              "count": args.ref_images})
+        write_dataset(data, shapes(args.ref_images, seed=0))
         images = write_pngs(tmp / "images", shapes(args.images, seed=1))
         ext = extractor.build_random(tmp / "random-seed0.pt", seed=0)
         t0 = time.perf_counter()

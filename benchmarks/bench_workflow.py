@@ -57,7 +57,7 @@ def in_loop_run(cfg: dict, tmp: Path, cores: int) -> dict:
     extractor.build_random(ext, seed=c.run.seed)
     ref = rd / "fid" / "reference.npz"
     fid.make_ref(rd / "dataset", ext, ref, mode=c.fid.mode, num=c.fid.ref_images, batch_size=c.fid.batch_size,
-                 cache_dir=None)
+                 cache_dir=None, workers=c.fid.threads)
     train_s, scores = 0.0, []
     settings = sample.default_settings(**{k: v for k, v in c.to_dict()["sample"].items() if k != "nproc"})
     for end in config.segment_ends(c):
@@ -67,7 +67,7 @@ def in_loop_run(cfg: dict, tmp: Path, cores: int) -> dict:
         snap = rd / "snapshots" / f"step_{end:07d}.safetensors"
         out = rd / "samples" / f"step_{end:07d}"
         sample.run(snap, out, settings)
-        scores.append(fid.score(out, ref, ext, c.fid.mode, c.fid.batch_size)["fid"])
+        scores.append(fid.score(out, ref, ext, c.fid.mode, c.fid.batch_size, workers=c.fid.threads)["fid"])
     wall = time.time() - t0
     return {"wall_s": round(wall, 1), "train_s": round(train_s, 1),
             "training_busy_fraction": round(train_s / wall, 3), "scores": [round(s, 4) for s in scores]}
@@ -77,7 +77,7 @@ def _prepare(c):
     from diffrelay import config, datasets, io
 
     with io.atomic_dir(config.run_dir(c) / "dataset") as tmp:
-        datasets.build(datasets.plan(c.data), tmp)
+        datasets.build(datasets.plan(c.data), tmp, workers=c.fid.threads)  # every core, as fid above
 
 
 def main():

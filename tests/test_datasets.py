@@ -1,15 +1,23 @@
 """Datasets: shapes determinism and looks, folder loading of odd images, fingerprints, `diffrelay prepare`."""
 
 import json
+import logging
+import multiprocessing
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from conftest import run_cli
-from diffrelay import config, datasets
+from diffrelay import config, datasets, io
 from diffrelay.errors import UserError
 
 
@@ -43,9 +51,6 @@ def test_same_seed_gives_identical_bytes_and_other_seed_differs(write_config, tm
     _, b = build(write_config, tmp_path, {"count": 12, "seed": 3}, out="b")
     _, c = build(write_config, tmp_path, {"count": 12, "seed": 4}, out="c")
     assert (a / "images.npy").read_bytes() == (b / "images.npy").read_bytes()
-    pngs = sorted(p.name for p in (a / "png").iterdir())
-    assert len(pngs) == 12
-    assert all((a / "png" / n).read_bytes() == (b / "png" / n).read_bytes() for n in pngs)
     assert (a / "images.npy").read_bytes() != (c / "images.npy").read_bytes()
     assert json.loads((a / "dataset.json").read_text())["fingerprint"] != json.loads(
         (c / "dataset.json").read_text())["fingerprint"]
@@ -65,7 +70,7 @@ def test_shapes_classes_are_balanced_and_named(write_config, tmp_path):
     assert info["num_classes"] == 3 and info["class_names"] == ["circle", "square", "triangle"]
     images = np.load(folder / "images.npy")
     assert images.dtype == np.uint8 and images.shape == (30, 16, 16, 3)
-    assert np.array_equal(np.asarray(Image.open(folder / "png" / "000007.png")), images[7])
+    assert np.array_equal(images[7], datasets.draw_shape(0, 7, 7 % 3, 16))
 
 
 def test_shapes_without_labels_are_all_class_zero(write_config, tmp_path):
@@ -159,7 +164,7 @@ def test_skip_mode_counts_and_lists_bad_files(write_config, tmp_path, caplog):
     save(src / "d.png", solid((8, 8), (0, 0, 255)))
     info, folder = build(write_config, tmp_path, {"kind": "folder", "path": str(src), "on_corrupt": "skip"})
     assert info["count"] == 2 and info["skipped"] == ["b.jpg", "c.png"]
-    assert np.load(folder / "images.npy").shape[0] == 2 and len(list((folder / "png").iterdir())) == 2
+    assert np.load(folder / "images.npy").shape[0] == 2
     assert json.loads((folder / "dataset.json").read_text())["skipped"] == ["b.jpg", "c.png"]
     assert any("skipped 2 unreadable" in r.getMessage() for r in caplog.records)
 
@@ -244,7 +249,7 @@ def test_prepare_cli_builds_once_then_is_up_to_date(write_config, tmp_path):
     first = run_cli("prepare", "--config", cfg)
     out = tmp_path / "results" / "tiny" / "dataset"
     assert "wrote 9 images" in first.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "images.npy", "labels.npy", "png"]
+    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "images.npy", "labels.npy"]  # no PNG copies
     stamp = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
     second = run_cli("prepare", "--config", cfg)
     assert "up to date" in second.stderr
@@ -260,8 +265,10 @@ def test_prepare_cli_builds_once_then_is_up_to_date(write_config, tmp_path):
 
 
 def test_prepare_cli_writes_to_out(write_config, tmp_path):
-    p = run_cli("prepare", "--config", write_config({"data": {"count": 4}}), "--out", tmp_path / "mine")
+    p = run_cli("prepare", "--config", write_config({"data": {"count": 4}}), "--out", tmp_path / "mine",
+                "--workers", "2")
     assert p.returncode == 0
+    assert re.search(r"prepare: 4/4 images \| \d+ img/s \| decoded in \d+s", p.stderr)
     ds = datasets.open_prepared(tmp_path / "mine")
     assert ds.count == 4 and ds.images.shape == (4, 16, 16, 3) and ds.num_classes == 3
     assert ds.class_names == ("circle", "square", "triangle") and ds.resolution == 16
@@ -295,3 +302,88 @@ def test_open_prepared_refuses_arrays_that_disagree_with_dataset_json(write_conf
     with pytest.raises(UserError, match=r"dataset\.json: incomplete"):
         datasets.open_prepared(folder)
     assert not datasets.is_current(folder, plan_of(write_config, {"count": 6}))
+
+
+# ---------------------------------------------------------------- parallel decoding
+
+def odd_folder(root):
+    """Two classes, sizes and formats that need cropping and resizing, and one unreadable file."""
+    rng = np.random.default_rng(0)
+    for i in range(7):
+        a = rng.integers(0, 256, (20 + i, 30 - i, 3), dtype=np.uint8)
+        save(root / ("cats" if i % 2 else "dogs") / f"{i}.png", Image.fromarray(a))
+    save(root / "cats" / "q.jpg", Image.fromarray(rng.integers(0, 256, (40, 24, 3), dtype=np.uint8)), quality=90)
+    (root / "dogs" / "broken.png").write_bytes(b"not an image")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["shapes", "folder"])
+def test_one_and_two_workers_write_identical_bytes(write_config, tmp_path, kind):
+    data = {"count": 23}
+    if kind == "folder":
+        data = {"kind": "folder", "path": str(odd_folder(tmp_path / "imgs")), "on_corrupt": "skip"}
+    cfg = config.load(write_config({"data": data}))
+    plan = datasets.plan(cfg.data)
+    folders = []
+    for workers in (1, 2):
+        folders.append(tmp_path / f"w{workers}")
+        datasets.build(plan, folders[-1], workers=workers)
+    for name in ("images.npy", "labels.npy", "dataset.json"):
+        assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes(), name
+    ds = datasets.open_prepared(folders[1])
+    assert ds.count == (23 if kind == "shapes" else 8)
+    assert len(np.unique(ds.images.reshape(ds.count, -1), axis=0)) == ds.count  # every row filled, none repeated
+    if kind == "folder":
+        assert ds.class_names == ("cats", "dogs") and io.read_json(folders[1] / "dataset.json")["skipped"] == [
+            "dogs/broken.png"]
+    assert multiprocessing.active_children() == []  # the workers are gone
+
+
+def test_bad_file_found_by_a_worker_is_named_and_workers_stop(write_config, tmp_path):
+    cfg = config.load(write_config({"data": {"kind": "folder", "path": str(odd_folder(tmp_path / "imgs"))}}))
+    with pytest.raises(UserError, match=r"dogs/broken\.png: corrupt or unsupported image.*on_corrupt: skip"):
+        datasets.build(datasets.plan(cfg.data), tmp_path / "out", workers=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_progress_line_shows_images_per_second_and_eta(write_config, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(datasets, "PROGRESS_SECONDS", 0)
+    caplog.set_level(logging.INFO, logger="diffrelay")
+    build(write_config, tmp_path, {"count": 5})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepare: ")]
+    assert re.fullmatch(r"prepare: 1/5 images \| \d+ img/s \| eta \d+s", lines[0]), lines
+    assert re.fullmatch(r"prepare: 5/5 images \| \d+ img/s \| decoded in \d+s", lines[-1]), lines
+
+
+def test_workers_setting_rebuilds_and_retrains_nothing(write_config):
+    one, many = (config.load(write_config({"data": {"workers": n}})) for n in (1, 8))
+    assert config.data_hash(one) == config.data_hash(many)
+    assert config.trajectory_hash(one) == config.trajectory_hash(many)
+    other = config.load(write_config({"data": {"workers": 1, "seed": 5}}))
+    assert config.data_hash(other) != config.data_hash(one)
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_prepare_leaves_no_decoding_worker(write_config, tmp_path):
+    from test_data_safety import children
+
+    cfg = write_config({"data": {"count": 20000, "resolution": 64}})
+    parent = subprocess.Popen([sys.executable, "-m", "diffrelay", "prepare", "--config", str(cfg), "--workers", "2",
+                               "--out", str(tmp_path / "ds")], stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(workers := children(parent.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(workers) == 2, "the decoding workers never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while any(running(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [w for w in workers if running(w)]
+    assert not (tmp_path / "ds").exists()  # only a hidden temp folder can be left, never a dataset

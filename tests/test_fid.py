@@ -43,8 +43,12 @@ def write_pngs(folder, imgs):
 
 
 def write_dataset(folder, imgs, fingerprint):
-    write_pngs(folder / "png", imgs)
+    """A prepared dataset folder (arrays + dataset.json, as `diffrelay prepare` writes it) of these images."""
+    folder.mkdir(parents=True)
+    np.save(folder / "images.npy", np.stack(imgs))
+    np.save(folder / "labels.npy", np.zeros(len(imgs), np.int64))
     io.write_json(folder / "dataset.json", {"format": "diffrelay-dataset/1", "count": len(imgs),
+                                            "resolution": imgs[0].shape[0], "num_classes": 0, "class_names": [],
                                             "fingerprint": fingerprint})
     return folder
 
@@ -63,6 +67,7 @@ def data(tmp_path_factory):
     rng = np.random.default_rng(1)
     d = {"root": root,
          "dataset": write_dataset(root / "dataset", imgs[:N], "f" * 64),
+         "dataset_png": write_pngs(root / "dataset_png", imgs[:N]),  # the same images as PNG files
          "half": write_pngs(root / "half", imgs[N:]),
          "noise": write_pngs(root / "noise", [rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(N)]),
          "ext": extractor.build_random(root / "random-seed0.pt", seed=0)}
@@ -71,7 +76,7 @@ def data(tmp_path_factory):
 
 
 def test_folder_scored_against_its_own_statistics_is_zero(data):
-    r = fid.score(data["dataset"] / "png", data["ref"], data["ext"])
+    r = fid.score(data["dataset_png"], data["ref"], data["ext"])
     assert abs(r["fid"]) < 1e-3
     assert r["metric"] == "FD-128 (random features)"
     assert r["num_images"] == r["num_ref"] == N
@@ -84,18 +89,46 @@ def test_disjoint_halves_score_far_below_noise(data):
     assert half["kid"] * 20 < noise["kid"]
 
 
+@pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.filterwarnings("ignore::scipy.linalg.LinAlgWarning", "ignore::DeprecationWarning")
-def test_scores_equal_clean_fid_on_the_same_folders(data, tmp_path):
+def test_scores_equal_clean_fid_on_the_same_folders(data, tmp_path, workers):
     from cleanfid.fid import compute_fid
 
     # legacy_tensorflow mode feeds native-size images, which keeps this comparison fast.
-    ref = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", out=tmp_path / "ref.npz")
-    ours = fid.score(data["half"], ref, data["ext"], mode="legacy_tensorflow")["fid"]
+    ref = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", out=tmp_path / "ref.npz",
+                       workers=workers)
+    ours = fid.score(data["half"], ref, data["ext"], mode="legacy_tensorflow", workers=workers)["fid"]
     model = extractor.load(data["ext"], mode="legacy_tensorflow").fn
-    theirs = compute_fid(str(data["half"]), str(data["dataset"] / "png"), mode="legacy_tensorflow",
+    theirs = compute_fid(str(data["half"]), str(data["dataset_png"]), mode="legacy_tensorflow",
                          custom_feat_extractor=model, device=torch.device("cpu"), num_workers=0, batch_size=64,
                          use_dataparallel=False, verbose=False)
     assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["clean", "legacy_tensorflow"])
+def test_reference_from_arrays_equals_clean_fid_on_png_files(data, tmp_path, mode):
+    from cleanfid.fid import get_folder_features
+
+    # Two resize threads and a batch that does not divide N: the batches must still be clean-fid's.
+    ref = fid.load_ref(fid.make_ref(data["dataset"], data["ext"], mode=mode, batch_size=48, workers=2,
+                                    out=tmp_path / "ref.npz"))
+    model = extractor.load(data["ext"], mode=mode).fn
+    feats = get_folder_features(str(data["dataset_png"]), model, num_workers=0, batch_size=48,
+                                device=torch.device("cpu"), mode=mode, verbose=False)
+    assert ref["settings"]["num_images"] == len(feats) == N
+    np.testing.assert_allclose(ref["mu"], np.mean(feats, axis=0), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ref["sigma"], np.cov(feats, rowvar=False), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(ref["features"], feats)
+
+
+def test_threaded_features_equal_one_thread_in_order(data):
+    ext = extractor.load(data["ext"], mode="clean")
+    files = fid.image_files(data["half"])[:40]
+    one = fid.features(fid.file_images(files, "clean"), ext, 16, torch.device("cpu"), workers=1)
+    three = fid.features(fid.file_images(files, "clean"), ext, 16, torch.device("cpu"), workers=3)
+    assert one.shape == (40, extractor.RANDOM_DIM)
+    np.testing.assert_array_equal(one, three)
+    assert not np.array_equal(one[:20], one[20:])  # different images, different rows
 
 
 def test_grid_and_other_files_in_a_sample_folder_are_not_scored(tmp_path):

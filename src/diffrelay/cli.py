@@ -21,6 +21,13 @@ def _config(p, required=True):
                    help="run config; repeat to layer files (later ones win)")
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config(p)
     p.set_defaults(module="diffrelay.config_cli")
 
-    p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, png/, dataset.json)")
+    p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, dataset.json)")
     _config(p)
     p.add_argument("--out", help="dataset folder [default: <results>/<run>/dataset]")
+    p.add_argument("--workers", type=_non_negative, help="decoding processes; 0 = one per core [default: data.workers]")
     p.set_defaults(module="diffrelay.prepare")
 
     p = sub.add_parser("train", help="train one segment: resume, run to --until-step, checkpoint, exit")

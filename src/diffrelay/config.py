@@ -349,11 +349,23 @@ def section_hash(cfg: Config, *sections: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def data_hash(cfg: Config) -> str:
+    """section_hash of `data` without the keys that do not change the dataset's bytes (data.workers):
+    a Snakemake param that rebuilds the dataset only when its content would change."""
+    import hashlib
+
+    blob = json.dumps({"data": trajectory(cfg)["data"]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
 # Keys that do not change the training trajectory: how it is split, launched, logged or saved.
 _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "threads", "log_every",
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard",
                    # speed switches: the same run, numerically equal up to rounding
                    "compile", "tf32", "fused_optimizer", "channels_last"}
+
+# data keys that change how the dataset is made, not its bytes.
+_NOT_PIXELS = {"workers"}
 
 
 def trajectory(cfg) -> dict:
@@ -363,7 +375,8 @@ def trajectory(cfg) -> dict:
     if train["lr_schedule"] != "cosine":
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]
-    return {"run": {"seed": d["run"]["seed"]}, "data": d["data"], "model": d["model"], "train": train}
+    data = {k: v for k, v in d["data"].items() if k not in _NOT_PIXELS}
+    return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": d["model"], "train": train}
 
 
 def trajectory_hash(cfg: Config) -> str:

@@ -10,6 +10,7 @@ Examples:
 has no torchrun variables: scoring can never join, or wait for, a training process group.
 """
 
+import contextlib
 import hashlib
 import json
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrelay import distributed, io, logs
+from diffrelay import distributed, io, logs, parallel
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-fid-ref/1"
@@ -56,20 +57,63 @@ def _device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def features(files, ext, mode: str, batch_size: int, device) -> np.ndarray:
-    """(N, D) float32 features of image files through clean-fid's resize + batching pipeline."""
-    from cleanfid.fid import get_files_features
+class ArrayImages:
+    """Rows of a prepared images.npy as a clean-fid dataset: what file_images gives for PNGs of the same rows.
 
-    # get_files_features is get_folder_features minus its recursive glob (we choose the files).
-    # num_workers=0: worker processes are a hang risk inside schedulers and buy nothing at this size.
-    return get_files_features([str(f) for f in files], model=ext.fn, num_workers=0, batch_size=batch_size,
-                              device=device, mode=mode, verbose=False)
+    A row is the uint8 (H, W, 3) array that a PNG of it decodes to, and it goes through clean-fid's own
+    resize for the mode (build_resizer, as set up by its ResizeDataset) and the same tensor conversion."""
+
+    def __init__(self, images, index, mode: str):
+        from cleanfid.utils import ResizeDataset
+
+        self.images, self.index = images, index
+        self.clean = ResizeDataset([], mode=mode)  # holds clean-fid's resizer and ToTensor for this mode
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        img = self.clean.custom_image_tranform(np.array(self.images[self.index[i]]))
+        out = self.clean.fn_resize(img)
+        # As clean-fid: ToTensor scales uint8 (legacy_tensorflow resizes nothing) to [0, 1]; float32 it keeps.
+        return self.clean.transforms(out) * 255 if out.dtype == np.uint8 else self.clean.transforms(out)
 
 
-def features_or_name_bad_file(files, ext, mode: str, batch_size: int, device) -> np.ndarray:
-    """features(), but an image that cannot be decoded is named in one line instead of a deep traceback."""
+def file_images(files, mode: str):
+    """Image files as clean-fid's own ResizeDataset (decode, resize, tensor), as its get_files_features makes."""
+    from cleanfid.utils import ResizeDataset
+
+    return ResizeDataset([str(f) for f in files], mode=mode)
+
+
+def features(items, ext, batch_size: int, device, workers: int = 1) -> np.ndarray:
+    """(N, D) float32 features of a clean-fid dataset (file_images or array_images).
+
+    The same batches as clean-fid's get_files_features, so the same numbers, but the items (decode and the
+    299x299 resize, which dominate) are made by `workers` threads, a few batches ahead of the extractor.
+    Threads, not DataLoader processes: PIL and torch release the GIL for this work, and a scorer killed at
+    its timeout leaves no worker processes behind."""
+    import torch
+    from cleanfid.fid import get_batch_features
+
+    window = 2 * max(workers, -(-batch_size // 8))  # chunks of 8: about two batches in flight
+    feats, batch = [], []
+    with contextlib.closing(parallel.ordered_map(items.__getitem__, range(len(items)), workers, chunk=8,
+                                                 window=window)) as tensors:
+        for t in tensors:
+            batch.append(t)
+            if len(batch) == batch_size:
+                feats.append(get_batch_features(torch.stack(batch), ext.fn, device))
+                batch = []
+    if batch:
+        feats.append(get_batch_features(torch.stack(batch), ext.fn, device))
+    return np.concatenate(feats)
+
+
+def features_or_name_bad_file(files, ext, mode: str, batch_size: int, device, workers: int = 1) -> np.ndarray:
+    """features() of image files; one that cannot be decoded is named in one line instead of a deep traceback."""
     try:
-        return features(files, ext, mode, batch_size, device)
+        return features(file_images(files, mode), ext, batch_size, device, workers)
     except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "truncated or not an image"
         from PIL import Image
 
@@ -199,27 +243,28 @@ def check_ref(ref: dict, path, extractor_sha256: str, mode: str) -> None:
 
 # ---------------------------------------------------------------------------- diffrelay fid-ref
 
-def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64, cache_dir=None) -> Path:
-    """Reference statistics of <dataset>/png, computed once per (fingerprint, extractor, mode, count) in cache_dir."""
-    from diffrelay import extractor
+def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64, cache_dir=None,
+             workers=1) -> Path:
+    """Reference statistics of a prepared dataset's images.npy, computed once per (fingerprint, extractor, mode,
+    count) in cache_dir; equal to clean-fid's statistics of the same images saved as PNG files."""
+    from diffrelay import datasets, extractor
 
     dataset, out = Path(dataset), Path(out)
-    info = io.read_json(dataset / "dataset.json")
-    fingerprint = info.get("fingerprint")
-    if not isinstance(fingerprint, str) or not fingerprint:
-        raise UserError(f"{dataset / 'dataset.json'}: fingerprint={fingerprint!r}: missing; rerun `diffrelay prepare`")
-    files = image_files(dataset / "png")
-    if num > len(files):
-        raise UserError(f"--num={num}: {dataset / 'png'} has only {len(files)} images; use at most that or 0 (all)")
+    prepared = datasets.open_prepared(dataset)
+    fingerprint, count = prepared.fingerprint, prepared.count
+    if count < 2:
+        raise UserError(f"{dataset}: {count} images; reference statistics need at least 2")
+    if num > count:
+        raise UserError(f"--num={num}: {dataset} has only {count} images; use at most that or 0 (all)")
+    index = np.arange(count)
     if num:
         # A seeded subset, not the first `num`: a dataset stored class by class would bias the reference.
-        keep = np.sort(np.random.default_rng(0).choice(len(files), num, replace=False))
-        files = [files[i] for i in keep]
+        index = np.sort(np.random.default_rng(0).choice(count, num, replace=False))
     sha = extractor_sha256(extractor_path)
 
     cached = None
     if cache_dir:
-        cached = Path(cache_dir) / f"{fingerprint[:16]}-{sha[:16]}-{mode}-{len(files)}.npz"
+        cached = Path(cache_dir) / f"{fingerprint[:16]}-{sha[:16]}-{mode}-{len(index)}.npz"
         if cached.is_file():
             try:
                 check_ref(load_ref(cached), cached, sha, mode)
@@ -232,20 +277,20 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
 
     t0 = time.time()
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
-    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device())
+    feats = features(ArrayImages(prepared.images, index, mode), ext, batch_size, _device(), workers)
     mu, sigma = statistics(feats)
-    if len(files) <= feats.shape[1]:
-        log.warning(f"{dataset}: {len(files)} reference images for {feats.shape[1]} features: sigma is singular; "
+    if len(index) <= feats.shape[1]:
+        log.warning(f"{dataset}: {len(index)} reference images for {feats.shape[1]} features: sigma is singular; "
                     "use more images than features")
     if len(feats) > MAX_FEATURES:
         feats = feats[np.sort(np.random.default_rng(0).choice(len(feats), MAX_FEATURES, replace=False))]
     settings = {"format": FORMAT, "mode": mode, "metric": ext.label, "extractor": ext.path.name,
                 "extractor_sha256": sha, "dataset": str(dataset), "fingerprint": fingerprint,
-                "num_images": len(files), "num_features": len(feats), "feature_dim": int(feats.shape[1])}
+                "num_images": len(index), "num_features": len(feats), "feature_dim": int(feats.shape[1])}
     save_ref(out, mu, sigma, feats, settings)
     if cached:
         _copy(out, cached)
-    log.info(f"{out}: statistics of {len(files)} images ({feats.shape[1]} features, {ext.label}) "
+    log.info(f"{out}: statistics of {len(index)} images ({feats.shape[1]} features, {ext.label}) "
              f"in {time.time() - t0:.1f}s")
     return out
 
@@ -261,23 +306,11 @@ def main_fid_ref(args) -> int:
 
     torch.set_num_threads(args.threads)
     make_ref(args.dataset, args.extractor, args.out, mode=args.mode, num=args.num, batch_size=args.batch_size,
-             cache_dir=args.cache_dir)
+             cache_dir=args.cache_dir, workers=args.threads)
     return 0
 
 
 # ---------------------------------------------------------------------------- diffrelay fid
-
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel sends it SIGKILL when the parent dies (Linux prctl), so a
-    killed `diffrelay fid` leaves no scorer running on without its timeout."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's own handler below still ends the child on SIGTERM
-
 
 def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
     """Run `cmd` without any process-group variables, stdout/stderr passed through; killed after timeout_s,
@@ -286,7 +319,8 @@ def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
 
     cmd = [str(c) for c in cmd]
     # No stdin: a child waiting for input would only ever end at the timeout.
-    child = subprocess.Popen(cmd, env=distributed.clean_env(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(cmd, env=distributed.clean_env(), stdin=subprocess.DEVNULL,
+                             preexec_fn=parallel.die_with_parent)
 
     def stop(signum, frame):
         child.kill()
@@ -309,13 +343,11 @@ def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
             signal.signal(sig, handler)
 
 
-def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict:
+def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers=1) -> dict:
     """FD/KID of an image folder against reference statistics, in this process. Returns the result record."""
-    from diffrelay import extractor
+    from diffrelay import extractor, metrics
 
     started = time.time()
-    from diffrelay import metrics
-
     files = image_files(images)  # cheap checks first: images, statistics, extractor hash, then the model
     ref = load_reference(ref_path)
     sha = extractor_sha256(extractor_path)
@@ -323,7 +355,7 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
     if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
         metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
-    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device())
+    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device(), workers)
     if len(files) <= feats.shape[1]:
         log.warning(f"{images}: {len(files)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
                     f"so {ext.label} is biased upward; compare only scores with equal image counts")
@@ -363,7 +395,8 @@ def main_fid(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = score(args.images, args.ref, args.extractor, args.mode, args.batch_size)
+    # --threads: the extractor's torch threads and as many threads decoding and resizing images ahead of it.
+    result = score(args.images, args.ref, args.extractor, args.mode, args.batch_size, workers=args.threads)
     io.write_json(args.out, result)
     kid = "n/a" if result["kid"] is None else f"{result['kid']:.5f}"
     log.info(f"{args.images}: {result['metric']} {result['fid']:.4f}, KID {kid} "

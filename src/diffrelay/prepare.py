@@ -7,7 +7,7 @@ Example:
 import time
 from pathlib import Path
 
-from diffrelay import config, datasets, io, logs, preflight
+from diffrelay import config, datasets, io, logs, parallel, preflight
 
 
 def main(args) -> int:
@@ -29,9 +29,15 @@ def main(args) -> int:
     # No "building..." line here: a bad file found while building must stay the only line on stderr.
     # atomic_dir: a killed prepare leaves only a hidden temp folder, never a dataset that looks complete.
     with io.atomic_dir(out, owned=datasets.is_dataset_folder) as tmp:
-        info = datasets.build(plan, tmp)
+        info = datasets.build(plan, tmp, workers=workers(args, cfg))
     if out.resolve().parent == config.run_dir(cfg).resolve():
         preflight.write_run_record(cfg)
     log.info(f"prepare: wrote {info['count']} images from {plan.source}, {info['num_classes']} classes, "
              f"{len(info['skipped'])} skipped, in {logs.fmt_duration(time.time() - t0)} -> {out}")
     return 0
+
+
+def workers(args, cfg) -> int:
+    """Decoding processes: --workers, else data.workers; 0 means one per core this job may use."""
+    n = args.workers if args.workers is not None else cfg.data.workers
+    return n or parallel.cores()

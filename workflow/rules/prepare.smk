@@ -1,5 +1,5 @@
-# prepare_dataset: build the dataset folder (images.npy, labels.npy, png/, dataset.json).
-# Training reads the arrays, clean-fid reads png/. Atomic: the folder appears only when complete.
+# prepare_dataset: build the dataset folder (images.npy, labels.npy, dataset.json).
+# Training and the FID reference both read the arrays. Atomic: the folder appears only when complete.
 rule prepare_dataset:
     output:
         dataset=directory(f"{RUN_DIR}/dataset"),
@@ -10,13 +10,14 @@ rule prepare_dataset:
         "logs/{run}/benchmarks/prepare_dataset/prepare_dataset.tsv"
     conda:
         "../../envs/diffrelay.yaml"
-    threads: 1
+    # data.workers decoding processes; 0 = every core given to Snakemake (it runs before training needs any).
+    threads: CFG.data.workers or workflow.cores
     params:
         config=get_config_args,
-        # A change of any data.* setting rebuilds the dataset (and so retrains).
-        data=drconfig.section_hash(CFG, "data"),
+        # A change of a data.* setting that changes the bytes rebuilds the dataset (and so retrains).
+        data=drconfig.data_hash(CFG),
     message:
         "Preparing the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay prepare {params.config} --out {output.dataset:q}"
+        "diffrelay prepare {params.config} --workers {threads} --out {output.dataset:q}"
