@@ -109,6 +109,14 @@ def test_demo_runs_on_the_cpu_with_overlapping_one_core_jobs():
     assert len(drconfig.segment_ends(cfg)) >= 3
 
 
+def test_dag_drawing_shows_every_training_segment(tmp_path, write_config):
+    # --dag and --report build the DAG without an executor; the training jobs must still be in it.
+    cfg = write_config({"train": {"total_steps": 9, "segment_steps": 3}})
+    p = snakemake(tmp_path, "--dag", "--configfile", cfg)
+    labels = re.findall(r'label = "(\w+)', p.stdout)
+    assert labels.count("train_segment") == 3 and labels.count("collect_segment") == 3, p.stdout + p.stderr
+
+
 # --- fast: config errors stop the run before any job ------------------------------------------
 def test_bad_config_fails_the_dry_run_with_one_line_naming_the_key(tmp_path, write_config):
     cfg = write_config({"train": {"batch_size": 30, "nproc_per_node": 4}})

@@ -55,8 +55,11 @@ def read_rows(data, idx: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, t
 
 
 def to_float(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> float NCHW in [-1, 1], on the rows' device (in place: a third of the allocations)."""
-    return rows.permute(0, 3, 1, 2).float().div_(127.5).sub_(1)
+    """uint8 NHWC -> float NCHW in [-1, 1], on the rows' device (in place: a third of the allocations).
+
+    Contiguous NCHW, not the permuted view's NHWC strides: those would give channels-last weight
+    gradients, which DDP reports as "grad strides do not match bucket view strides" on every run."""
+    return rows.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(127.5).sub_(1)
 
 
 class BatchMaker:
