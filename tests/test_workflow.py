@@ -9,6 +9,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -56,7 +57,7 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     # Sampling and FID jobs appear only once a segment has run and its snapshots are known.
     assert job_counts(p.stdout) == {"fetch_extractor": 1, "prepare_dataset": 1, "compute_reference": 1,
                                     "train_segment": 3, "collect_segment": 3, "build_report": 1, "all": 1}
-    commands = re.findall(r"torchrun --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
+    commands = re.findall(r"diffrelay launch --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
     assert sorted(re.search(r"--until-step (\d+)", c).group(1) for c in commands) == ["3", "6", "9"]
     assert sum("--init" in c for c in commands) == 2
 
@@ -87,6 +88,7 @@ def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_p
 
 
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
+                                  "config/examples/own-images-cpu.yaml",
                                   "config/examples/slurm-multinode.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
@@ -151,7 +153,7 @@ def test_multi_node_training_runs_srun_torchrun_with_rendezvous(tmp_path, write_
     cfg = write_config({"train": {"nnodes": 2, "nproc_per_node": 2}})
     p = snakemake(tmp_path, "-n", "--configfile", cfg)
     cmd = re.search(r"srun .*-m diffrelay train .*", p.stdout).group(0)
-    assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
+    assert "srun --kill-on-bad-exit=1 diffrelay launch --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
     assert '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in cmd
     assert "--standalone" not in cmd and "--master-port" not in cmd
 
@@ -301,6 +303,26 @@ def test_snakemake_report_holds_every_grid_and_the_training_segments(tiny_run):
     for rule in ("train_segment", "sample_snapshot", "compute_fid", "collect_segment", "build_report"):
         assert f'"rule": "{rule}"' in html, rule
     assert '"sourcerule": "train_segment", "targetrule": "sample_snapshot"' in html
+
+
+@pytest.mark.slow
+def test_cpu_recipe_for_your_own_images_runs_on_a_tiny_folder(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        folder = tmp_path / "data" / "my-images" / ("cats", "dogs")[i % 2]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype="uint8")).save(folder / f"{i}.png")
+    short = tmp_path / "short.yaml"  # the recipe as shipped, only shorter
+    short.write_text("train: {total_steps: 4, segment_steps: 2, recovery_every: 0, warmup_steps: 1}\n"
+                     "sample: {num_images: 16, steps: 4, batch_size: 16}\n")
+    snakemake(tmp_path, "--configfile", REPO / "config/config.yaml", REPO / "config/examples/own-images-cpu.yaml",
+              short)
+    run = tmp_path / "results" / "my-images-cpu"
+    info = json.loads((run / "dataset" / "dataset.json").read_text())
+    assert info["count"] == 40 and info["class_names"] == ["cats", "dogs"]
+    assert (run / "report" / "metrics.csv").read_text().count("\n") == 3  # header + steps 2 and 4
 
 
 @pytest.mark.slow

@@ -208,6 +208,13 @@ def get_extractor(wildcards):
     return EXTRACTOR
 
 
+def get_reference(wildcards):
+    """fid.reference (statistics made elsewhere), or the dataset's own from compute_reference."""
+    if CFG.fid.reference is not None:
+        return str(Path(CFG.fid.reference).expanduser())
+    return expand(rules.compute_reference.output.ref, run=wildcards.run)
+
+
 # --- targets ---------------------------------------------------------------------------------
 def get_final_output():
     """The report, plus the samples and scores of segments already trained: Snakemake does not
@@ -295,13 +302,13 @@ def get_train_launcher(wildcards, threads):
         # --standalone picks a free port per job, so jobs on one machine never collide.
         return (
             with_gpus("train", t.nproc_per_node)
-            + f"torchrun --standalone --nproc-per-node {t.nproc_per_node}"
+            + f"diffrelay launch --standalone --nproc-per-node {t.nproc_per_node}"
         )
     # One srun task per node, each a torchrun agent; they meet at the allocation's first node.
     # --nnodes is train.nnodes (= the srun tasks requested) rather than $SLURM_NNODES, so the
     # local stand-in cluster (two tasks on one host) forms the same group as two real nodes.
     return (
-        f"srun --kill-on-bad-exit=1 torchrun --nnodes {t.nnodes} "
+        f"srun --kill-on-bad-exit=1 diffrelay launch --nnodes {t.nnodes} "
         f"--nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
         f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
     )
@@ -380,7 +387,7 @@ def get_sample_launcher(wildcards, threads):
         return with_gpus("eval", 1) + "diffrelay"
     return (
         with_gpus("eval", n)
-        + f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+        + f"diffrelay launch --standalone --nproc-per-node {n} -m diffrelay"
     )
 
 
