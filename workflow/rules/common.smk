@@ -291,6 +291,11 @@ def get_config_args(wildcards, threads):
     return CONFIG_ARGS
 
 
+def get_prepare_args(wildcards, threads):
+    # Decoding processes = the rule's threads: data.workers, or every core Snakemake was given.
+    return f"{CONFIG_ARGS} --workers {threads}"
+
+
 def get_train_launcher(wildcards, threads):
     t = CFG.train
     if not MULTI_NODE:

@@ -13,11 +13,12 @@ rule prepare_dataset:
     # data.workers decoding processes; 0 = every core given to Snakemake (it runs before training needs any).
     threads: CFG.data.workers or workflow.cores
     params:
-        config=get_config_args,
+        # The config files and --workers {threads}; derived from threads, so not a rerun trigger.
+        config=get_prepare_args,
         # A change of a data.* setting that changes the bytes rebuilds the dataset (and so retrains).
         data=drconfig.data_hash(CFG),
     message:
         "Preparing the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay prepare {params.config} --workers {threads} --out {output.dataset:q}"
+        "diffrelay prepare {params.config} --out {output.dataset:q}"
