@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and reports failed ranks in one line; takes torchrun's options",
                        add_help=False)
     p.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun options and program")
-    p.set_defaults(module="diffrelay.launch")
+    p.set_defaults(module="diffrelay.distributed")
 
     p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
     p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
         # Everything after `launch` is torchrun's, options included: argparse would claim them.
-        args = argparse.Namespace(command="launch", module="diffrelay.launch", torchrun=argv[1:])
+        args = argparse.Namespace(command="launch", module="diffrelay.distributed", torchrun=argv[1:])
     else:
         args = build_parser().parse_args(argv)
     try:
