@@ -136,6 +136,15 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     run("sample", "--snapshot", snapshot, "--out", out, "--num-images", args.fid_images, "--batch-size", 500,
         "--precision", "bf16")
     sampled = json.loads((out / "manifest.json").read_text())
+    import numpy as np
+    from PIL import Image
+
+    # fid-ref reads a dataset's png/ folder; the synthetic set is arrays only, so write the PNGs it needs.
+    pngs = data_dir / "png"
+    pngs.mkdir(exist_ok=True)
+    images = np.load(data_dir / "images.npy", mmap_mode="r")
+    for i in range(min(args.fid_images, len(images))):
+        Image.fromarray(np.asarray(images[i])).save(pngs / f"{i:06d}.png")
     extractor, ref = tmp / "extractor.pt", tmp / "ref.npz"
     run("fetch-extractor", "--extractor", args.extractor, "--out", extractor)
     run("fid-ref", "--dataset", data_dir, "--extractor", extractor, "--num", args.fid_images, "--out", ref)
