@@ -80,6 +80,7 @@ def bare_loop(model_cfg, data_dir, args) -> tuple[float, int]:
 
     t = config.Config(config.validate({"train": {"batch_size": args.batch, "precision": "bf16", **FAST}})).train
     speed.set_backends(torch.device("cuda"), t.tf32)
+    torch.set_num_threads(t.threads)  # as `diffrelay train` does: the same host threads on both sides
     torch.manual_seed(0)
     data = datasets.open_prepared(data_dir)
     images = (torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1).cuda()
