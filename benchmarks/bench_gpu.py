@@ -80,6 +80,7 @@ def bare_loop(model_cfg, data_dir, args) -> tuple[float, int]:
 
     t = config.Config(config.validate({"train": {"batch_size": args.batch, "precision": "bf16", **FAST}})).train
     speed.set_backends(torch.device("cuda"), t.tf32)
+    torch.set_num_threads(t.threads)  # as `diffrelay train` does: the same host threads on both sides
     torch.manual_seed(0)
     data = datasets.open_prepared(data_dir)
     images = (torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1).cuda()
@@ -136,6 +137,15 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     run("sample", "--snapshot", snapshot, "--out", out, "--num-images", args.fid_images, "--batch-size", 500,
         "--precision", "bf16")
     sampled = json.loads((out / "manifest.json").read_text())
+    import numpy as np
+    from PIL import Image
+
+    # fid-ref reads a dataset's png/ folder; the synthetic set is arrays only, so write the PNGs it needs.
+    pngs = data_dir / "png"
+    pngs.mkdir(exist_ok=True)
+    images = np.load(data_dir / "images.npy", mmap_mode="r")
+    for i in range(min(args.fid_images, len(images))):
+        Image.fromarray(np.asarray(images[i])).save(pngs / f"{i:06d}.png")
     extractor, ref = tmp / "extractor.pt", tmp / "ref.npz"
     run("fetch-extractor", "--extractor", args.extractor, "--out", extractor)
     run("fid-ref", "--dataset", data_dir, "--extractor", extractor, "--num", args.fid_images, "--out", ref)
