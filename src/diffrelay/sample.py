@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrelay import checkpoint, config, distributed, edm, io, logs
+from diffrelay import checkpoint, config, distributed, edm, guidance, io, logs
 from diffrelay.errors import UserError
 
 MANIFEST_FORMAT = "diffrelay-samples/1"
@@ -40,7 +40,7 @@ MANIFEST_FORMAT = "diffrelay-samples/1"
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
-PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision")
+PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "guidance")
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
 PNG_NAME = re.compile(r"^\d{6}\.png$")
 WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
@@ -59,10 +59,18 @@ class Settings:
     class_labels: str | int  # "balanced" or one class index
     precision: str  # fp32 | bf16
     threads: int
+    guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
-        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)})
+        values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
+        g = values["guidance"]
+        if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
+            if len(g) > 1:
+                raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
+            values["guidance"] = g[0]
+        values["guidance"] = float(values["guidance"])
+        return cls(**values)
 
 
 def default_settings(**overrides) -> "Settings":
@@ -127,9 +135,11 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
     shape = tuple(meta["image_shape"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
 
-    def denoise(x, sigma, labels):
+    def plain(x, sigma, labels):
         with autocast:
             return net(x, sigma, labels)
+
+    denoise = guidance.guided(plain, s.guidance, null=meta.get("num_classes", 0))  # the nets contract's null class
 
     indices, rows = list(indices), forward_rows(s)
     for start in range(0, len(indices), s.batch_size):
@@ -296,10 +306,11 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
-def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1) -> dict | None:
+def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, model_cfg=None) -> dict | None:
     """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
 
     Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
+    model_cfg: the run config's `model` section, which names the network (see checkpoint.load_snapshot).
     """
     started = time.time()
     snapshot, out, device = Path(snapshot), Path(out), torch.device(device)
@@ -309,9 +320,10 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
     torch.set_num_threads(s.threads)
 
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
-    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device)
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg)
     shape = tuple(meta["image_shape"])
     class_labels([0], meta, s.class_labels)
+    guidance.check(s.guidance, meta, snapshot)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
     done = up_to_date(out, key)
@@ -368,7 +380,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1)
 def _settings_from_args(args) -> tuple[Settings, str]:
     """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision") if getattr(args, k) is not None}
+                                          "weights", "precision", "guidance") if getattr(args, k) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
         if isinstance(v, int) and v < low:
@@ -379,6 +391,8 @@ def _settings_from_args(args) -> tuple[Settings, str]:
             raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
         over["class_labels"] = cl if cl == "balanced" else int(cl)
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
+    if "guidance" in over:
+        cfg["sample"]["guidance"] = over["guidance"]
     return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]["device"]
 
 
@@ -386,5 +400,6 @@ def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
     s, device = _settings_from_args(args)
-    run(args.snapshot, args.out, s, distributed.pick_device(device), rank, world)
+    model_cfg = config.load(args.config).to_dict()["model"] if args.config else None
+    run(args.snapshot, args.out, s, distributed.pick_device(device), rank, world, model_cfg)
     return 0

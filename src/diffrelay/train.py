@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import checkpoint, config, datasets, distributed, edm, logs, optim
+from diffrelay import augment, checkpoint, config, datasets, distributed, edm, logs, optim
 from diffrelay.errors import UserError
 from diffrelay.sampler import DataOrder, rank_slice, sample_seed, step_seed
 
@@ -172,12 +172,15 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None) -> int:
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
         indices, positions = order.next_batch()
         mine, my_positions = rank_slice(indices, rank, world), rank_slice(positions, rank, world)
+        drops, flips = augment.masks(cfg.run.seed, step, t.batch_size, rank, world, t.label_dropout, cfg.data.xflip)
         if trace_file:
             trace_file.write(json.dumps({"step": step, "indices": mine.tolist()}) + "\n")
         net.train()
         loss_sum = torch.zeros((), device=device)
-        for k, (chunk, pos) in enumerate(zip(np.split(mine, t.grad_accum), np.split(my_positions, t.grad_accum))):
+        for k, (chunk, pos, drop, flip) in enumerate(zip(*(np.split(a, t.grad_accum)
+                                                             for a in (mine, my_positions, drops, flips)))):
             images, labels = _batch(data, chunk, device)
+            images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
             rnd, noise = (x.to(device) for x in edm.draw_noise([sample_seed(cfg.run.seed, p) for p in pos],
                                                                images.shape[1:]))
             sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
