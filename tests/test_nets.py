@@ -170,3 +170,67 @@ def test_flip_mirrors_only_the_chosen_rows_and_drop_sets_the_null_class():
     y, labels = augment.apply(x, torch.tensor([1, 2]), np.array([False, True]), np.array([True, False]), null=3)
     assert torch.equal(y[0], x[0].flip(-1)) and torch.equal(y[1], x[1])
     assert labels.tolist() == [1, 3]
+
+
+# --- training: K segments == one run, for a network from outside the package and for DiT ---------
+
+TRAIN = [sys.executable, "-m", "diffrelay", "train"]
+
+
+def _train_twice(tmp_path, model, extra=None):
+    """(state after one 6-step run, state after two 3-step segments) of the same config, one process."""
+    from test_train import load_state
+
+    base = {"run": {"name": "r", "device": "cpu", "resources": str(tmp_path / "resources")},
+            "data": {"kind": "shapes", "resolution": 16, "count": 20, "seed": 0, "xflip": 0.5},
+            "model": model | {"class_conditional": True},
+            "train": {"total_steps": 6, "segment_steps": 3, "batch_size": 8, "lr": 0.002, "warmup_steps": 2,
+                      "log_every": 1, "label_dropout": 0.25}}
+    base = json.loads(json.dumps(base))
+    for k, v in (extra or {}).items():
+        base[k].update(v)
+    states = []
+    for name, stops in (("one", [6]), ("two", [3, 6])):
+        d = json.loads(json.dumps(base))
+        d["run"]["results"] = str(tmp_path / name)
+        cfg = tmp_path / f"{name}.yaml"
+        io.write_json(cfg, d)
+        if name == "one":
+            run_cli("prepare", "--config", cfg)
+        else:
+            shutil.copytree(tmp_path / "one" / "r" / "dataset", tmp_path / "two" / "r" / "dataset")
+        for until in stops:
+            run_cli(*TRAIN, "--config", cfg, "--until-step", until)
+        states.append(load_state(tmp_path / name / "r" / "checkpoints" / "step_0000006"))
+    return states
+
+
+@pytest.mark.parametrize("model", [CUSTOM, TINY_DIT], ids=["custom", "dit"])
+def test_two_segments_match_one_run_with_flips_and_label_dropout(tmp_path, fixtures_on_path, model):
+    from test_train import assert_tensors_equal
+
+    one, two = _train_twice(tmp_path, dict(model))
+    for key in ("net", "ema", "optimizer", "order", "step"):
+        assert_tensors_equal(one[key], two[key], key)
+
+
+def test_flips_and_label_dropout_do_not_depend_on_the_process_count(tmp_path, fixtures_on_path):
+    from test_train import load_state
+
+    states = {}
+    for name, nproc, xflip in (("p1", 1, 0.5), ("p2", 2, 0.5), ("noflip", 1, 0.0)):
+        d = {"run": {"name": "r", "device": "cpu", "results": str(tmp_path / name),
+                     "resources": str(tmp_path / "resources")},
+             "data": {"kind": "shapes", "resolution": 16, "count": 20, "seed": 0, "xflip": xflip},
+             "model": CUSTOM | {"class_conditional": True},
+             "train": {"total_steps": 4, "segment_steps": 4, "batch_size": 8, "nproc_per_node": nproc,
+                       "lr": 0.002, "warmup_steps": 1, "label_dropout": 0.25}}
+        cfg = tmp_path / f"{name}.yaml"
+        io.write_json(cfg, d)
+        run_cli("prepare", "--config", cfg)
+        launch = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", *TRAIN[1:]] if nproc > 1 else TRAIN
+        run_cli(*launch, "--config", cfg, "--until-step", 4)
+        states[name] = load_state(tmp_path / name / "r" / "checkpoints" / "step_0000004")["net"]
+    for k in states["p1"]:
+        torch.testing.assert_close(states["p1"][k], states["p2"][k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(states["p1"][k], states["noflip"][k]) for k in states["p1"])
