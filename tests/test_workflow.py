@@ -60,7 +60,8 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
 
 
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
-                                  "config/examples/slurm-multinode.yaml"])
+                                  "config/examples/slurm-multinode.yaml", "config/examples/cifar10-unet.yaml",
+                                  "config/examples/dit-s2.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
     cfg = drconfig.load(files)

@@ -99,6 +99,16 @@ wildcard_constraints:
 
 
 # --- checks that need more than the schema -------------------------------------------------
+# A network of the user's own is imported, built on the meta device and run once here, so a bad
+# module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema).
+if CFG.model.arch not in ("unet", "dit"):
+    from diffrelay.config_cli import check_network
+
+    try:
+        check_network(CFG)
+    except UserError as e:
+        fail(f"{', '.join(map(str, CONFIG_FILES))}: {e}")
+
 if CFG.fid.extractor in ("inception", "random"):
     EXTRACTOR_NAME = (
         "inception-2015-12-05"
