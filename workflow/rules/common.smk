@@ -82,6 +82,27 @@ RUN_DIR_NAME = f"{CFG.run.results}/{RUN}"
 RUN_DIR = f"{RESULTS}/{{run}}"
 SEGMENT_ENDS = drconfig.segment_ends(CFG)
 STEP = "{step}"
+# Guidance sweep: each scale of sample.guidance is its own sample and score job, named by a suffix
+# of the step ("" for 1, the unguided default, so those paths stay as they were; "_g1.5" otherwise).
+GUIDANCE = "{guidance}"
+
+
+def guidance_suffix(g):
+    return "" if float(g) == 1 else f"_g{float(g):g}"
+
+
+def guidance_value(suffix):
+    return float(suffix[2:]) if suffix else 1.0
+
+
+GUIDANCE_SUFFIXES = [
+    guidance_suffix(g)
+    for g in (
+        CFG.sample.guidance
+        if isinstance(CFG.sample.guidance, tuple)
+        else [CFG.sample.guidance]
+    )
+]
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
 USE_GPU = CFG.run.device in ("auto", "cuda")
 MULTI_NODE = CFG.train.nnodes > 1
@@ -96,6 +117,7 @@ wildcard_constraints:
     # Steps are zero-padded to 7 digits; no output pattern reaches snapshots/, which training
     # writes without Snakemake knowing each file.
     step=r"\d{7}",
+    guidance=r"(_g[0-9.e+-]+)?",
 
 
 # --- checks that need more than the schema -------------------------------------------------
@@ -143,8 +165,18 @@ def get_final_output():
     steps = [step_name(s) for end in done for s in segment_snapshots(RUN, end)]
     return (
         expand(rules.build_report.output, run=RUN)
-        + expand(rules.sample_snapshot.output.samples, run=RUN, step=steps)
-        + expand(rules.compute_fid.output.score, run=RUN, step=steps)
+        + expand(
+            rules.sample_snapshot.output.samples,
+            run=RUN,
+            step=steps,
+            guidance=GUIDANCE_SUFFIXES,
+        )
+        + expand(
+            rules.compute_fid.output.score,
+            run=RUN,
+            step=steps,
+            guidance=GUIDANCE_SUFFIXES,
+        )
     )
 
 
@@ -275,6 +307,7 @@ def get_segment_scores(wildcards):
         rules.compute_fid.output.score,
         run=wildcards.run,
         step=[step_name(s) for s in steps],
+        guidance=GUIDANCE_SUFFIXES,
     )
 
 
@@ -283,6 +316,10 @@ def get_sample_launcher(wildcards, threads):
     if n == 1:
         return "diffrelay"
     return f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+
+
+def get_guidance(wildcards):
+    return guidance_value(wildcards.guidance)
 
 
 def get_sample_threads(wildcards, threads):
