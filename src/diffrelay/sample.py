@@ -385,6 +385,8 @@ def _settings_from_args(args) -> tuple[Settings, str]:
         low = 0 if name == "first_seed" else 1
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
+    if over.get("guidance", 1) < 0:
+        raise UserError(f"--guidance={over['guidance']}: must be 0 or more (1 = off)")
     if args.class_labels is not None:
         cl = args.class_labels.strip()
         if cl != "balanced" and not cl.isdigit():
