@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "diffrelay"
-MODULES = sorted(SRC.glob("*.py"))
+MODULES = sorted(SRC.rglob("*.py"))  # sub-packages (nets/) follow the same rules
 
 
 def test_only_distributed_py_knows_about_ranks():
@@ -23,6 +23,11 @@ def test_every_torch_load_is_weights_only():
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
         assert "weights_only=False" not in path.read_text(), path.name
+
+
+def test_layout_covers_the_networks_package():
+    names = {p.relative_to(SRC).as_posix() for p in MODULES}
+    assert {"nets/__init__.py", "nets/registry.py", "nets/unet.py", "nets/dit.py"} <= names
 
 
 def test_modules_are_small_and_say_what_they_hold():

@@ -89,7 +89,8 @@ def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_p
 
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
                                   "config/examples/own-images-cpu.yaml",
-                                  "config/examples/slurm-multinode.yaml"])
+                                  "config/examples/slurm-multinode.yaml", "config/examples/cifar10-unet.yaml",
+                                  "config/examples/dit-s2.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
     # The templates point data.path at data/my-images (relative to the working folder): give it two classes.
@@ -347,3 +348,32 @@ def test_rerun_training_jobs_keep_their_checkpoints(tiny_run):
     logs = sorted((work / "logs" / "tiny" / "train_segment").glob("*.log"))
     assert all("already exists; nothing to do" in log.read_text() for log in logs)
     assert json.loads((run / "trained" / "step_0000080.json").read_text())["checkpoint"].endswith("step_0000080")
+
+
+@pytest.mark.slow
+def test_custom_network_in_the_working_directory_trains_samples_and_sweeps_guidance(tmp_path):
+    """A network file beside the config (not installed, not on PYTHONPATH) trains two segments, and every
+    checkpoint is sampled and scored once per guidance scale; adding a scale plans only its own jobs."""
+    shutil.copy(REPO / "tests" / "fixtures" / "diffrelay_test_net.py", tmp_path / "my_net.py")
+    d = deep_merge(TINY, {"run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources")},
+                          "model": {"arch": "my_net:build", "kwargs": {"width": 8}},
+                          "train": {"label_dropout": 0.2}, "sample": {"guidance": [1.0, 2.0]}})
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+    out = snakemake(tmp_path, "--configfile", cfg)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["train_segment"] == 2 and ran["sample_snapshot"] == 4 and ran["compute_fid"] == 4
+    report = run_folder(tmp_path) / "report"
+    rows = (report / "metrics.csv").read_text().splitlines()[1:]
+    per_step = collections.Counter(r.split(",")[0] for r in rows)
+    assert per_step == {"3": 2, "6": 2}
+    assert sorted({float(r.split(",")[1]) for r in rows}) == [1.0, 2.0]
+    best = json.loads((report / "best.json").read_text())
+    assert best["guidance"] in (1.0, 2.0) and best["step"] in (3, 6)
+    grids = sorted(p.name for p in (run_folder(tmp_path) / "samples").iterdir())
+    assert grids == ["step_0000003", "step_0000003_g2", "step_0000006", "step_0000006_g2"]
+
+    d["sample"]["guidance"] = [1.0, 2.0, 3.0]
+    cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+    plan = job_counts(snakemake(tmp_path, "-n", "--configfile", cfg).stdout)
+    assert plan.get("sample_snapshot") == 2 and plan.get("compute_fid") == 2 and "train_segment" not in plan

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from diffrelay import edm, io
+from diffrelay import edm, io, nets
 from diffrelay.errors import UserError
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
@@ -152,14 +152,41 @@ def read_snapshot(path) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def load_snapshot(path, weights: str = "ema", device="cpu"):
-    """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off."""
+def same_network(recorded: dict, wanted: dict) -> str | None:
+    """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
+    differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
+    recorded = {"arch": "unet", "kwargs": {}} | recorded
+    for key in sorted(set(recorded) | set(wanted)):
+        if recorded.get(key) != wanted.get(key):
+            return key
+    return None
+
+
+def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None):
+    """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off.
+
+    The network is the one `model_cfg` (the run config's `model` section) names; a snapshot recording
+    another is refused. Without a config only a built-in arch is built from the snapshot's record, so
+    a file never chooses which code is imported.
+    """
     tensors, meta = read_snapshot(path)
     if weights not in ("ema", "raw"):
         raise UserError(f"weights={weights!r}: choose ema or raw")
+    recorded = meta["model"]
+    if model_cfg is None:
+        if not nets.is_builtin(recorded.get("arch", "unet")):
+            raise UserError(f"{path}: records model.arch={recorded['arch']!r}, which is not built in; pass the "
+                            "run's config with --config so the config, not the file, names the code to run")
+        model_cfg = recorded
+    else:
+        key = same_network(recorded, model_cfg)
+        if key is not None:
+            raise UserError(f"{path}: made by a different network (model.{key}={json.dumps(recorded.get(key))} "
+                            f"in the snapshot, {json.dumps(model_cfg.get(key))} in the config); "
+                            "sample it with the config it was trained with")
     prefix = weights + "."
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     _, h, w = meta["image_shape"]
-    net = edm.build(meta["model"], resolution=h, num_classes=meta["num_classes"])
+    net = edm.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
     net.load_state_dict(state)
     return net.to(device).eval().requires_grad_(False), meta

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class-labels", help="balanced or a class index")
     p.add_argument("--precision", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int)
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.set_defaults(module="diffrelay.sample")
 
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")

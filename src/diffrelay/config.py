@@ -10,6 +10,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from diffrelay import nets
 from diffrelay.errors import UserError
 
 SCHEMA_FILE = "config.schema.yaml"
@@ -126,18 +127,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         if n and t["segment_steps"] % n:
             bad.append((f"train.{key}={n}",
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
-    levels = len(m["channel_mult"])
-    factor = 2 ** (levels - 1)
-    res = data["resolution"]
-    if res % factor or res // factor < 4:
-        bad.append((f"data.resolution={res}",
-                    f"not supported by a UNet with {levels} levels (needs a multiple of {factor} "
-                    f"and at least {4 * factor}); change data.resolution or model.channel_mult"))
-    level_res = [res // 2**i for i in range(levels)]
-    for r in m["attn_resolutions"]:
-        if r not in level_res:
-            bad.append((f"model.attn_resolutions={r}",
-                        f"no UNet level has that resolution; choose from {level_res}"))
+    bad += _check_network(m, data["resolution"])
     bad += _check_gpu_pool(d)
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
@@ -151,6 +141,14 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
                     f"plus sample.num_images={s['num_images']} passes the largest seed {MAX_SEED}; use a smaller one"))
     if m["class_conditional"] and data["labels"] == "none":
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
+    scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
+    guided = [g for g in scales if g != 1]
+    if guided and not m["class_conditional"]:
+        bad.append((f"sample.guidance={guided[0]}", "guidance needs a class-conditional network; "
+                    "set model.class_conditional: true or sample.guidance: 1"))
+    elif guided and not t["label_dropout"]:
+        bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
+                    "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
     cl = s["class_labels"]
     if isinstance(cl, str) and cl != "balanced":
         bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))
@@ -209,6 +207,39 @@ def _check_gpu_pool(d: dict) -> list[tuple[str, str]]:
         return [(f"sample.nproc={s['nproc']}",
                  f"needs more GPUs than run.gpus keeps for evaluation ({len(eval_ids)}); lower it or raise run.eval_gpus")]
     return []
+
+
+def _check_network(m: dict, res: int) -> list[tuple[str, str]]:
+    """What can be checked about the network without building it (nets.registry.check builds it)."""
+    bad, arch = [], m["arch"]
+    if not nets.is_builtin(arch) and (arch.count(":") != 1 or not all(arch.split(":"))):
+        return [(f"model.arch={json.dumps(arch)}", "use unet, dit or 'package.module:callable'")]
+    if arch == "dit":
+        patch = m["kwargs"].get("patch", 2)
+        if not isinstance(patch, int) or patch < 1 or res % patch:
+            bad.append((f"model.kwargs.patch={patch}", f"does not divide data.resolution={res}; use 2, 4 or 8 "
+                        "(a divisor of the resolution)"))
+        size = m["kwargs"].get("size")
+        if size is not None and size not in ("S", "B", "L", "XL"):
+            bad.append((f"model.kwargs.size={json.dumps(size)}", "choose one of S, B, L, XL"))
+    if arch != "unet":
+        return bad
+    preset = m["kwargs"].get("preset")
+    if preset is not None and preset not in nets.UNET_PRESETS:
+        return [(f"model.kwargs.preset={json.dumps(preset)}", f"choose one of {', '.join(nets.UNET_PRESETS)}")]
+    u = nets.unet_settings(m)
+    levels = len(u["channel_mult"])
+    factor = 2 ** (levels - 1)
+    if res % factor or res // factor < 4:
+        bad.append((f"data.resolution={res}",
+                    f"not supported by a UNet with {levels} levels (needs a multiple of {factor} "
+                    f"and at least {4 * factor}); change data.resolution or model.channel_mult"))
+    level_res = [res // 2**i for i in range(levels)]
+    for r in u["attn_resolutions"]:
+        if r not in level_res:
+            bad.append((f"model.attn_resolutions={r}",
+                        f"no UNet level has that resolution; choose from {level_res}"))
+    return bad
 
 
 def validate(raw: dict, source: str = "config") -> dict:

@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from diffrelay.unet import UNet
+from diffrelay import nets
+from diffrelay.nets import registry
 
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
 
@@ -11,9 +12,9 @@ SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
 class Denoiser(nn.Module):
     """D(x; sigma) = c_skip x + c_out F(c_in x, c_noise): keeps the network's input and target at unit scale."""
 
-    def __init__(self, unet: UNet, sigma_data: float = 0.5):
+    def __init__(self, net: nn.Module, sigma_data: float = 0.5):
         super().__init__()
-        self.unet = unet
+        self.net = net  # the raw network F of the diffrelay.nets contract
         self.sigma_data = sigma_data
 
     def forward(self, x, sigma, labels=None):
@@ -23,16 +24,20 @@ class Denoiser(nn.Module):
         c_out = sigma * self.sigma_data / (sigma**2 + sd2).sqrt()
         c_in = 1 / (sd2 + sigma**2).sqrt()
         c_noise = sigma.log().flatten() / 4
-        f = self.unet(c_in * x, c_noise, labels)
+        f = self.net(c_in * x, c_noise, labels)
         return c_skip * x + c_out * f.to(x.dtype)
 
 
-def build(model_cfg: dict, resolution: int, num_classes: int) -> Denoiser:
-    """The network described by the config's `model` section (a plain dict, as stored in checkpoints)."""
-    unet = UNet(resolution=resolution, channels=model_cfg["channels"], channel_mult=tuple(model_cfg["channel_mult"]),
-                num_blocks=model_cfg["num_blocks"], attn_resolutions=tuple(model_cfg["attn_resolutions"]),
-                dropout=model_cfg["dropout"], num_classes=num_classes if model_cfg["class_conditional"] else 0)
-    return Denoiser(unet, sigma_data=model_cfg["sigma_data"])
+def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3) -> Denoiser:
+    """The network described by a `model` section (a plain dict, as stored in checkpoints), preconditioned.
+
+    Callers pass the section of the run's config; a snapshot's own record is only compared with it
+    (checkpoint.load_snapshot), so a file never decides which code runs.
+    """
+    arch, kwargs = nets.arch_kwargs(model_cfg)
+    classes = num_classes if model_cfg["class_conditional"] else 0
+    return Denoiser(registry.build_network(arch, kwargs, resolution, in_channels, classes),
+                    sigma_data=model_cfg["sigma_data"])
 
 
 def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float):

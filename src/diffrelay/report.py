@@ -3,7 +3,8 @@
 Example:
   diffrelay report --run-dir results/demo --out results/demo/report
 
-metrics.csv has one row per evaluated step. train_loss_mean and train_images_per_s average the
+metrics.csv has one row per evaluated (step, guidance): a sweep of sample.guidance scores every step
+once per scale, in files named step_XXXXXXX_g<scale> (no suffix for guidance 1). train_loss_mean and train_images_per_s average the
 training records logged after the previous evaluated step, up to and including this one (a resumed
 segment's repeated steps count once, the last record wins). The *_s columns are wall-clock seconds
 as each stage logged them: train_segment_s is the training loop of the segment holding the step
@@ -22,13 +23,15 @@ from matplotlib.ticker import MaxNLocator
 from diffrelay import io, logs
 from diffrelay.errors import UserError
 
-STEP_FILE = re.compile(r"^step_(\d{7})\.json$")
-COLUMNS = ["step", "metric", "fid", "kid", "precision", "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s",
+STEP_FILE = re.compile(r"^step_(\d{7})(_g[0-9.e+-]+)?\.json$")
+COLUMNS = ["step", "guidance", "metric", "fid", "kid", "precision", "recall", "train_loss_mean", "train_skipped_steps",
+           "train_images_per_s",
            "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:07d}"
+def step_name(step: int, guidance: float = 1.0) -> str:
+    """Folder/file stem of one evaluation; guidance 1 has no suffix (the workflow's guidance_suffix)."""
+    return f"step_{step:07d}" + ("" if guidance == 1 else f"_g{guidance:g}")
 
 
 # ---- Reading the run folder ---------------------------------------------------------------------
@@ -66,12 +69,13 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         metric = rec.get("metric")
         if not isinstance(metric, str) or not metric:
             raise UserError(f"{path}: metric={metric!r}: missing; regenerate it with `diffrelay fid`")
-        rows.append({"step": int(STEP_FILE.match(path.name).group(1)), "metric": metric,
+        m = STEP_FILE.match(path.name)
+        rows.append({"step": int(m.group(1)), "guidance": float(m.group(2)[2:]) if m.group(2) else 1.0, "metric": metric,
                      "fid": _number(rec, "fid", path), "kid": _number(rec, "kid", path, required=False),
                      "precision": _number(rec, "precision", path, required=False),
                      "recall": _number(rec, "recall", path, required=False),
                      "fid_s": _seconds(rec, path)})
-    return pd.DataFrame(rows).sort_values("step", ignore_index=True)
+    return pd.DataFrame(rows).sort_values(["step", "guidance"], ignore_index=True)
 
 
 def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -109,10 +113,10 @@ def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return df, pd.DataFrame(segments, columns=["start", "end", "seconds"])
 
 
-def read_sample_manifest(run_dir: Path, step: int) -> dict:
-    path = run_dir / "samples" / step_name(step) / "manifest.json"
+def read_sample_manifest(run_dir: Path, step: int, guidance: float = 1.0) -> dict:
+    path = run_dir / "samples" / step_name(step, guidance) / "manifest.json"
     if not path.is_file():
-        raise UserError(f"{path}: not found, although metrics/fid/{step_name(step)}.json exists; "
+        raise UserError(f"{path}: not found, although metrics/fid/{step_name(step, guidance)}.json exists; "
                         f"sample that snapshot again (diffrelay sample) or delete the stale FID result")
     rec = io.read_json(path)
     if not isinstance(rec, dict):
@@ -123,14 +127,16 @@ def read_sample_manifest(run_dir: Path, step: int) -> dict:
 # ---- Putting it together ------------------------------------------------------------------------
 
 def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, run_dir: Path) -> pd.DataFrame:
-    rows, prev = [], -1
+    rows, steps = [], sorted(set(fid.step))
     for r in fid.itertuples(index=False):
+        i = steps.index(r.step)
+        prev = steps[i - 1] if i else -1
         window = train[(train.step > prev) & (train.step <= r.step)]
         seg = segments[(segments.start < r.step) & (segments.end >= r.step)]
-        sample = read_sample_manifest(run_dir, r.step)
+        sample = read_sample_manifest(run_dir, r.step, r.guidance)
         rows.append({
-            "step": r.step, "metric": r.metric, "fid": r.fid, "kid": r.kid, "precision": r.precision,
-            "recall": r.recall,
+            "step": r.step, "guidance": r.guidance, "metric": r.metric, "fid": r.fid, "kid": r.kid,
+            "precision": r.precision, "recall": r.recall,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
             # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
             "train_skipped_steps": train[train.step <= r.step].skipped.iloc[-1] if (train.step <= r.step).any()
@@ -141,7 +147,6 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "sample_images_per_s": sample["num_images"] / sample["sample_s"] if sample["sample_s"] > 0 else math.nan,
             "fid_s": r.fid_s,
         })
-        prev = r.step
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -164,11 +169,11 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
     fig = Figure(figsize=(6.4, 4), layout="constrained")
     ax = fig.add_subplot()
     metrics = list(dict.fromkeys(table.metric))
-    for m in metrics:
-        part = table[table.metric == m]
-        ax.plot(part.step, part.fid, marker="o", label=m)
+    for (m, g), part in table.groupby(["metric", "guidance"], sort=True):  # one curve per guidance scale
+        ax.plot(part.step, part.fid, marker="o", label=m if table.guidance.nunique() == 1 else f"{m}, guidance {g:g}")
+    at = f"step {best.step}" + ("" if table.guidance.nunique() == 1 else f", guidance {best.guidance:g}")
     ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
-            label=f"best: {best.fid:.4g} at step {best.step}")
+            label=f"best: {best.fid:.4g} at {at}")
     label = metrics[0] if len(metrics) == 1 else " / ".join(metrics)
     ax.set(xlabel="training step", ylabel=label, title=f"{run_name}: {label} by training step (lower is better)")
     ax.set_xlim(left=0)
@@ -219,7 +224,7 @@ def main(args) -> int:
     train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
     best = best_row(table)
-    grid = run_dir / "samples" / step_name(best.step) / "grid.png"
+    grid = run_dir / "samples" / step_name(best.step, best.guidance) / "grid.png"
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
@@ -228,10 +233,10 @@ def main(args) -> int:
     plot_loss(train, segments, run_dir.name, out / "loss.png")
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
-        "step": int(best.step), "metric": best.metric, "fid": float(best.fid),
+        "step": int(best.step), "guidance": float(best.guidance), "metric": best.metric, "fid": float(best.fid),
         "kid": None if math.isnan(best.kid) else float(best.kid),
         "snapshot": str(run_dir / "snapshots" / f"{step_name(best.step)}.safetensors"),
-        "samples": str(run_dir / "samples" / step_name(best.step)),
+        "samples": str(run_dir / "samples" / step_name(best.step, best.guidance)),
         "grid": str(out / "best_grid.png"),
     })
     log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")

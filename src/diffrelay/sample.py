@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrelay import checkpoint, config, distributed, edm, io, logs, speed
+from diffrelay import checkpoint, config, distributed, edm, guidance, io, logs, speed
 from diffrelay.errors import UserError
 from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
@@ -37,7 +37,8 @@ from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
-PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile")
+PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
+              "guidance")
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
 
 
@@ -55,10 +56,18 @@ class Settings:
     precision: str  # fp32 | bf16
     threads: int
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
+    guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
-        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)})
+        values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
+        g = values["guidance"]
+        if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
+            if len(g) > 1:
+                raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
+            values["guidance"] = g[0]
+        values["guidance"] = float(values["guidance"])
+        return cls(**values)
 
 
 def default_settings(**overrides) -> "Settings":
@@ -114,9 +123,11 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
     shape = tuple(meta["image_shape"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
 
-    def denoise(x, sigma, labels):
+    def plain(x, sigma, labels):
         with autocast:
             return net(x, sigma, labels)
+
+    denoise = guidance.guided(plain, s.guidance, null=meta.get("num_classes", 0))  # the nets contract's null class
 
     indices, rows = list(indices), forward_rows(s)
     for start in range(0, len(indices), s.batch_size):
@@ -213,10 +224,12 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
-def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, resources="resources") -> dict | None:
+def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, model_cfg=None,
+        resources="resources") -> dict | None:
     """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
 
     Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
+    model_cfg: the run config's `model` section, which names the network (see checkpoint.load_snapshot).
     `resources` holds the compile cache (sample.compile).
     """
     started = time.time()
@@ -226,9 +239,10 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     torch.set_num_threads(s.threads)
 
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
-    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device)
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg)
     shape = tuple(meta["image_shape"])
     class_labels([0], meta, s.class_labels)
+    guidance.check(s.guidance, meta, snapshot)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
     done = up_to_date(out, key)
@@ -292,17 +306,21 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
 def _settings_from_args(args) -> tuple[Settings, dict]:
     """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision") if getattr(args, k) is not None}
+                                          "weights", "precision", "guidance") if getattr(args, k) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
+    if over.get("guidance", 1) < 0:
+        raise UserError(f"--guidance={over['guidance']}: must be 0 or more (1 = off)")
     if args.class_labels is not None:
         cl = args.class_labels.strip()
         if cl != "balanced" and not cl.isdigit():
             raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
         over["class_labels"] = cl if cl == "balanced" else int(cl)
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
+    if "guidance" in over:
+        cfg["sample"]["guidance"] = over["guidance"]
     return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]
 
 
@@ -310,5 +328,7 @@ def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
     s, run_cfg = _settings_from_args(args)
-    run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, run_cfg["resources"])
+    model_cfg = config.load(args.config).to_dict()["model"] if args.config else None
+    run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
+        run_cfg["resources"])
     return 0

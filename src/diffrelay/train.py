@@ -15,10 +15,11 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight, speed
+from diffrelay import augment, checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight, speed
 from diffrelay.errors import UserError
 from diffrelay.sampler import DataOrder, step_seed
 
@@ -230,11 +231,14 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     while step < until:
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
         batch = batches.next()  # made in the background; advances `order` by one global batch
+        drops, flips = augment.masks(cfg.run.seed, step, t.batch_size, rank, world, t.label_dropout, cfg.data.xflip)
         if trace_file:
             trace_file.write(json.dumps({"step": step, "indices": batch.indices.tolist()}) + "\n")
         net.train()
         loss_sum = torch.zeros((), device=device)
-        for k, (images, labels, rnd, noise) in enumerate(batch.rounds):
+        for k, ((images, labels, rnd, noise), drop, flip) in enumerate(
+                zip(batch.rounds, np.split(drops, t.grad_accum), np.split(flips, t.grad_accum))):
+            images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
             sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
             with sync, distributed.peers("gradient all-reduce"), \
                     torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):

@@ -118,6 +118,27 @@ def trained_steps():
 
 SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
+# Guidance sweep: each scale of sample.guidance is its own sample and score job, named by a suffix
+# of the step ("" for 1, the unguided default, so those paths stay as they were; "_g1.5" otherwise).
+GUIDANCE = "{guidance}"
+
+
+def guidance_suffix(g):
+    return "" if float(g) == 1 else f"_g{float(g):g}"
+
+
+def guidance_value(suffix):
+    return float(suffix[2:]) if suffix else 1.0
+
+
+GUIDANCE_SUFFIXES = [
+    guidance_suffix(g)
+    for g in (
+        CFG.sample.guidance
+        if isinstance(CFG.sample.guidance, tuple)
+        else [CFG.sample.guidance]
+    )
+]
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
 USE_GPU = CFG.run.device in ("auto", "cuda")
 MULTI_NODE = CFG.train.nnodes > 1
@@ -190,9 +211,20 @@ wildcard_constraints:
     # Steps are zero-padded to 7 digits; no output pattern reaches snapshots/, which training
     # writes without Snakemake knowing each file.
     step=r"\d{7}",
+    guidance=r"(_g[0-9.e+-]+)?",
 
 
 # --- checks that need more than the schema -------------------------------------------------
+# A network of the user's own is imported, built on the meta device and run once here, so a bad
+# module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema).
+if CFG.model.arch not in ("unet", "dit"):
+    from diffrelay.config_cli import check_network
+
+    try:
+        check_network(CFG)
+    except UserError as e:
+        fail(f"{', '.join(map(str, CONFIG_FILES))}: {e}")
+
 if CFG.fid.extractor in ("inception", "random"):
     EXTRACTOR_NAME = (
         "inception-2015-12-05"
@@ -229,8 +261,18 @@ def get_final_output():
     steps = [step_name(s) for end in done for s in segment_snapshots(RUN, end)]
     return (
         expand(rules.build_report.output, run=RUN)
-        + expand(rules.sample_snapshot.output.samples, run=RUN, step=steps)
-        + expand(rules.compute_fid.output.score, run=RUN, step=steps)
+        + expand(
+            rules.sample_snapshot.output.samples,
+            run=RUN,
+            step=steps,
+            guidance=GUIDANCE_SUFFIXES,
+        )
+        + expand(
+            rules.compute_fid.output.score,
+            run=RUN,
+            step=steps,
+            guidance=GUIDANCE_SUFFIXES,
+        )
     )
 
 
@@ -378,6 +420,7 @@ def get_segment_scores(wildcards):
         rules.compute_fid.output.score,
         run=wildcards.run,
         step=[step_name(s) for s in steps],
+        guidance=GUIDANCE_SUFFIXES,
     )
 
 
@@ -394,6 +437,10 @@ def get_sample_launcher(wildcards, threads):
 def get_eval_launcher(wildcards, threads):
     """`diffrelay` for one-GPU evaluation jobs (reference statistics, FID), on a free id of the pool."""
     return with_gpus("eval", 1) + "diffrelay"
+
+
+def get_guidance(wildcards):
+    return guidance_value(wildcards.guidance)
 
 
 def get_sample_threads(wildcards, threads):

@@ -6,11 +6,11 @@ rule compute_fid:
         ref=get_reference,
         extractor=get_extractor,
     output:
-        score=f"{RUN_DIR}/metrics/fid/step_{STEP}.json",
+        score=f"{RUN_DIR}/metrics/fid/step_{STEP}{GUIDANCE}.json",
     log:
-        "logs/{run}/compute_fid/step_{step}.log",
+        "logs/{run}/compute_fid/step_{step}{guidance}.log",
     benchmark:
-        "logs/{run}/benchmarks/compute_fid/step_{step}.tsv"
+        "logs/{run}/benchmarks/compute_fid/step_{step}{guidance}.tsv"
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
@@ -22,7 +22,7 @@ rule compute_fid:
         batch_size=CFG.fid.batch_size,
         timeout=CFG.fid.timeout_minutes,
     message:
-        "Scoring the step {wildcards.step} samples of {wildcards.run}"
+        "Scoring the step {wildcards.step}{wildcards.guidance} samples of {wildcards.run}"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} fid --images {input.images:q} --ref {input.ref:q} "

@@ -8,16 +8,16 @@ rule sample_snapshot:
         checkpoint=get_snapshot_checkpoint,
     output:
         samples=report(
-            directory(f"{RUN_DIR}/samples/step_{STEP}"),
+            directory(f"{RUN_DIR}/samples/step_{STEP}{GUIDANCE}"),
             patterns=["{name,grid}.png"],
             caption="../report/grid.rst",
             category="Samples",
-            labels={"step": "{step}"},
+            labels={"step": "{step}", "guidance": "{guidance}"},
         ),
     log:
-        "logs/{run}/sample_snapshot/step_{step}.log",
+        "logs/{run}/sample_snapshot/step_{step}{guidance}.log",
     benchmark:
-        "logs/{run}/benchmarks/sample_snapshot/step_{step}.tsv"
+        "logs/{run}/benchmarks/sample_snapshot/step_{step}{guidance}.tsv"
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.sample.nproc * CFG.sample.threads
@@ -34,12 +34,13 @@ rule sample_snapshot:
         weights=CFG.sample.weights,
         class_labels=CFG.sample.class_labels,
         precision=CFG.sample.precision,
+        guidance=get_guidance,
     message:
-        "Sampling {params.num_images} images at step {wildcards.step} of {wildcards.run}"
+        "Sampling {params.num_images} images at step {wildcards.step} of {wildcards.run}, guidance {params.guidance}"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} sample {params.config} --snapshot {input.snapshot:q} "
         "--out {output.samples:q} --num-images {params.num_images:q} "
         "--first-seed {params.first_seed:q} --steps {params.steps:q} --solver {params.solver:q} "
         "--weights {params.weights:q} --class-labels {params.class_labels:q} "
-        "--precision {params.precision:q} --threads {params.threads}"
+        "--precision {params.precision:q} --guidance {params.guidance:q} --threads {params.threads}"

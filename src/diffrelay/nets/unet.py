@@ -90,7 +90,8 @@ class UNet(nn.Module):
         emb_dim = channels * 4
         self.num_classes = num_classes
         self.noise_emb = NoiseEmbedding(channels)
-        self.class_emb = nn.Embedding(num_classes, emb_dim) if num_classes else None
+        # One row more than the classes: label `num_classes` is the null class of classifier-free guidance.
+        self.class_emb = nn.Embedding(num_classes + 1, emb_dim) if num_classes else None
         self.conv_in = nn.Conv2d(in_channels, channels, 3, padding=1)
 
         self.down, skips, ch, res = nn.ModuleList(), [channels], channels, resolution
@@ -144,3 +145,10 @@ class UNet(nn.Module):
             else:
                 h = layer(h)
         return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def build(resolution: int, in_channels: int, num_classes: int, channel_mult=(1, 2, 2), attn_resolutions=(),
+          **kwargs) -> UNet:
+    """The network contract of diffrelay.nets (see there); kwargs are UNet's own keywords."""
+    return UNet(resolution=resolution, in_channels=in_channels, channel_mult=tuple(channel_mult),
+                attn_resolutions=tuple(attn_resolutions), num_classes=num_classes, **kwargs)

@@ -1,0 +1,50 @@
+"""Networks by name: the one place that says what a network is and how `model.arch` finds it.
+
+The contract. `model.arch` is `unet`, `dit` or "package.module:callable". The callable is called as
+
+    callable(resolution=R, in_channels=C, num_classes=K, **model.kwargs)
+
+and returns a torch.nn.Module F with forward(x, c_noise, labels) -> a tensor shaped like x, where
+x is (B, C, R, R) (the noisy image already scaled by EDM's c_in), c_noise is (B,) (EDM's ln(sigma)/4)
+and labels is a (B,) integer tensor, or None when K is 0. A conditional network (K > 0) must accept the
+label K as "no class": label dropout trains it and classifier-free guidance samples with it.
+diffrelay wraps F in edm.Denoiser, which adds the preconditioning; F never sees sigma itself.
+
+The user's module is imported from sys.path: PYTHONPATH, or the current working directory (Snakemake
+runs every job, local or on a cluster, in the workflow's working directory, so a module beside
+config/ is found there). Only names written in the config are imported, never names read from a
+checkpoint or snapshot (see edm.build).
+
+This module is torch-free (config validation uses it at Snakefile parse time); nets.registry builds.
+"""
+
+BUILTIN = ("unet", "dit")
+UNET_SETTINGS = ("channels", "channel_mult", "num_blocks", "attn_resolutions", "dropout")
+# Named UNet settings. cifar10 has the shape of EDM's CIFAR-10 network (DDPM++, about 56 M parameters):
+# 128 channels, multipliers [2, 2, 2], 4 blocks a level, attention at 16x16.
+UNET_PRESETS = {
+    "cifar10": {"channels": 128, "channel_mult": [2, 2, 2], "num_blocks": 4, "attn_resolutions": [16],
+                "dropout": 0.1},
+}
+
+
+def is_builtin(arch: str) -> bool:
+    return arch in BUILTIN
+
+
+def unet_settings(model_cfg: dict) -> dict:
+    """UNet keywords of a `model` section: its top-level keys, then model.kwargs.preset, then model.kwargs."""
+    out = {k: model_cfg[k] for k in UNET_SETTINGS if k in model_cfg}
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    preset = kwargs.pop("preset", None)
+    if preset is not None:
+        out |= UNET_PRESETS[preset]
+    return out | kwargs
+
+
+def arch_kwargs(model_cfg: dict) -> tuple[str, dict]:
+    """(arch, keyword arguments) of a `model` section; the UNet also takes its top-level keys and a preset."""
+    arch = model_cfg.get("arch", "unet")
+    if arch == "unet":
+        return arch, unet_settings(model_cfg)
+    return arch, dict(model_cfg.get("kwargs") or {})

@@ -1,0 +1,236 @@
+"""Networks by name: built-in sizes, a network from outside the package, the config (not a file) choosing code."""
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from diffrelay import augment, checkpoint, config, edm, io, sample
+from diffrelay.errors import UserError
+from diffrelay.nets import dit, registry
+
+FIXTURES = REPO / "tests" / "fixtures"
+CUSTOM = {"arch": "diffrelay_test_net:build", "kwargs": {"width": 8}}
+TINY_DIT = {"arch": "dit", "kwargs": {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2}}
+
+
+@pytest.fixture
+def fixtures_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")]))
+
+
+# --- sizes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size, paper", [("S", 33.0e6), ("B", 130.5e6), ("L", 458.0e6), ("XL", 675.1e6)])
+def test_dit_parameter_counts_match_the_paper_within_one_percent(size, paper):
+    # Table 1 of Peebles & Xie 2023: /2 patches of a 32x32x4 latent, 1000 classes (plus the null class).
+    with torch.device("meta"):
+        n = registry.num_params(dit.build(32, 4, 1000, size=size, patch=2))
+    assert abs(n - paper) / paper < 0.01, (size, n)
+
+
+def test_unet_cifar10_preset_is_the_size_of_edms_cifar10_network():
+    model = config.validate({"data": {"resolution": 32}, "model": {"kwargs": {"preset": "cifar10"},
+                                                                   "class_conditional": True}})["model"]
+    n = registry.check(model, 32, 3, 10)
+    assert 35e6 <= n <= 60e6, n
+    assert n == 55_088_387  # the figure README states
+
+
+def test_dit_patch_changes_tokens_not_the_output_shape():
+    for patch in (2, 4, 8):
+        net = dit.build(16, 3, 5, patch=patch, depth=1, hidden_size=16, num_heads=2)
+        out = net(torch.randn(2, 3, 16, 16), torch.zeros(2), torch.tensor([0, 5]))
+        assert out.shape == (2, 3, 16, 16) and net.grid == 16 // patch
+
+
+# --- bad input, one line each, before any job ---------------------------------------------------
+
+@pytest.mark.parametrize("model, words", [
+    ({"arch": "no_such_module_xyz:build"}, ["cannot import module 'no_such_module_xyz'", "PYTHONPATH"]),
+    ({"arch": "diffrelay_test_net:not_a_module"}, ["not a torch.nn.Module"]),
+    ({"arch": "diffrelay_test_net:wrong_shape"}, ["returned (2, 3, 8, 8)", "shaped like its input"]),
+    ({"arch": "diffrelay_test_net:build", "kwargs": {"depth": 3}}, ["TypeError", "depth", "model.kwargs"]),
+    ({"arch": "dit", "kwargs": {"patch": 3}}, ["model.kwargs.patch=3", "does not divide data.resolution=16"]),
+    ({"arch": "just_a_module"}, ["package.module:callable"]),
+])
+def test_bad_network_is_one_line_from_validate(model, words, write_config, fixtures_on_path):
+    p = run_cli("validate", "--config", write_config({"model": model}), check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and "config.yaml" in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_guidance_for_an_unconditional_network_is_refused_by_the_config():
+    with pytest.raises(UserError, match="sample.guidance=2.*class-conditional"):
+        config.validate({"model": {"class_conditional": False}, "sample": {"guidance": 2}})
+    with pytest.raises(UserError, match="without label dropout"):
+        config.validate({"model": {"class_conditional": True}, "sample": {"guidance": [1, 2]}})
+    config.validate({"model": {"class_conditional": True}, "train": {"label_dropout": 0.1},
+                     "sample": {"guidance": [1, 2]}})
+
+
+def test_validate_prints_the_parameter_count(write_config, fixtures_on_path):
+    p = run_cli("validate", "--config", write_config({"model": CUSTOM}))
+    net = registry.build_network("diffrelay_test_net:build", {"width": 8}, 16, 3, 3)
+    assert f"{registry.num_params(net):,} parameters" in p.stdout
+
+
+# --- the config, not the snapshot, names the network -------------------------------------------
+
+def _snapshot(path, model, label_dropout=0.0):
+    d = config.validate({"data": {"resolution": 16}, "model": model | {"class_conditional": True},
+                         "train": {"label_dropout": label_dropout}})
+    torch.manual_seed(0)
+    net = edm.build(d["model"], 16, 3)
+    meta = {"step": 1, "model": d["model"], "config": d, "image_shape": [3, 16, 16], "num_classes": 3,
+            "class_names": ["a", "b", "c"]}
+    checkpoint.save_snapshot(path, net.state_dict(), net.state_dict(), meta)
+    return d
+
+
+def test_snapshot_of_another_arch_is_refused(tmp_path, fixtures_on_path):
+    snap = tmp_path / "s.safetensors"
+    d = _snapshot(snap, dict(TINY_DIT))
+    other = config.validate({"model": {"class_conditional": True}})["model"]  # the built-in UNet
+    with pytest.raises(UserError, match=r"different network \(model.arch=\"dit\" in the snapshot, \"unet\""):
+        checkpoint.load_snapshot(snap, model_cfg=other)
+    changed = json.loads(json.dumps(d["model"]))
+    changed["kwargs"]["depth"] = 3
+    with pytest.raises(UserError, match="model.kwargs"):
+        checkpoint.load_snapshot(snap, model_cfg=changed)
+    net, _ = checkpoint.load_snapshot(snap, model_cfg=d["model"])
+    assert isinstance(net.net, dit.DiT)
+
+
+def test_custom_arch_snapshot_needs_the_config_and_never_imports_by_itself(tmp_path, fixtures_on_path):
+    snap = tmp_path / "s.safetensors"
+    d = _snapshot(snap, dict(CUSTOM))
+    sys.modules.pop("diffrelay_test_net", None)
+    with pytest.raises(UserError, match="not built in; pass the run's config with --config"):
+        checkpoint.load_snapshot(snap)
+    assert "diffrelay_test_net" not in sys.modules  # refused before anything was imported
+    net, _ = checkpoint.load_snapshot(snap, model_cfg=d["model"])
+    assert type(net.net).__name__ == "TinyNet"
+
+
+# --- guidance -----------------------------------------------------------------------------------
+
+def test_guidance_one_is_plain_sampling_bit_for_bit_and_other_scales_differ(tmp_path):
+    snap = tmp_path / "s.safetensors"
+    d = _snapshot(snap, {"channels": 8, "channel_mult": [1, 2]}, label_dropout=0.1)
+    net, meta = checkpoint.load_snapshot(snap, model_cfg=d["model"])
+    with torch.no_grad():  # random weights, so every output bit depends on the path taken
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    s = sample.default_settings(num_images=16, steps=3, batch_size=16)
+    x = sample.latents(range(16), (3, 16, 16))
+    labels = torch.tensor(sample.class_labels(range(16), meta, "balanced"))
+    plain = edm.sample(net, x, labels, num_steps=3)
+    plain = (plain * 127.5 + 128).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    one = np.stack([px for _, px in sample.generate(net, meta, list(range(16)), s)])
+    assert np.array_equal(one, plain)
+    two = np.stack([px for _, px in sample.generate(net, meta, list(range(16)), dataclasses.replace(s, guidance=2.0))])
+    assert not np.array_equal(two, plain)
+
+
+def test_guidance_without_label_dropout_is_refused_at_sampling(tmp_path):
+    snap = tmp_path / "s.safetensors"
+    d = _snapshot(snap, {"channels": 8, "channel_mult": [1, 2]}, label_dropout=0.0)
+    s = sample.default_settings(num_images=4, steps=2, guidance=1.5)
+    with pytest.raises(UserError, match="trained without train.label_dropout"):
+        sample.run(snap, tmp_path / "out", s, model_cfg=d["model"])
+
+
+# --- per-sample draws ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_and_flip_draws_do_not_depend_on_the_process_count(world):
+    whole = augment.masks(7, 5, 16, 0, 1, 0.3, 0.5)
+    for which in (0, 1):
+        parts = [augment.masks(7, 5, 16, r, world, 0.3, 0.5)[which] for r in range(world)]
+        rebuilt = np.empty(16, dtype=bool)
+        for r in range(world):
+            rebuilt[r::world] = parts[r]
+        assert np.array_equal(rebuilt, whole[which])
+    assert whole[0].any() and whole[1].any() and not np.array_equal(whole[0], whole[1])
+    assert not np.array_equal(whole[1], augment.masks(7, 6, 16, 0, 1, 0.3, 0.5)[1])  # a new draw each step
+
+
+def test_flip_mirrors_only_the_chosen_rows_and_drop_sets_the_null_class():
+    x = torch.arange(2 * 1 * 2 * 3, dtype=torch.float32).reshape(2, 1, 2, 3)
+    y, labels = augment.apply(x, torch.tensor([1, 2]), np.array([False, True]), np.array([True, False]), null=3)
+    assert torch.equal(y[0], x[0].flip(-1)) and torch.equal(y[1], x[1])
+    assert labels.tolist() == [1, 3]
+
+
+# --- training: K segments == one run, for a network from outside the package and for DiT ---------
+
+TRAIN = [sys.executable, "-m", "diffrelay", "train"]
+
+
+def _train_twice(tmp_path, model, extra=None):
+    """(state after one 6-step run, state after two 3-step segments) of the same config, one process."""
+    from test_train import load_state
+
+    base = {"run": {"name": "r", "device": "cpu", "resources": str(tmp_path / "resources")},
+            "data": {"kind": "shapes", "resolution": 16, "count": 20, "seed": 0, "xflip": 0.5},
+            "model": model | {"class_conditional": True},
+            "train": {"total_steps": 6, "segment_steps": 3, "batch_size": 8, "lr": 0.002, "warmup_steps": 2,
+                      "log_every": 1, "label_dropout": 0.25}}
+    base = json.loads(json.dumps(base))
+    for k, v in (extra or {}).items():
+        base[k].update(v)
+    states = []
+    for name, stops in (("one", [6]), ("two", [3, 6])):
+        d = json.loads(json.dumps(base))
+        d["run"]["results"] = str(tmp_path / name)
+        cfg = tmp_path / f"{name}.yaml"
+        io.write_json(cfg, d)
+        if name == "one":
+            run_cli("prepare", "--config", cfg)
+        else:
+            shutil.copytree(tmp_path / "one" / "r" / "dataset", tmp_path / "two" / "r" / "dataset")
+        for until in stops:
+            run_cli(*TRAIN, "--config", cfg, "--until-step", until)
+        states.append(load_state(tmp_path / name / "r" / "checkpoints" / "step_0000006"))
+    return states
+
+
+@pytest.mark.parametrize("model", [CUSTOM, TINY_DIT], ids=["custom", "dit"])
+def test_two_segments_match_one_run_with_flips_and_label_dropout(tmp_path, fixtures_on_path, model):
+    from test_train import assert_tensors_equal
+
+    one, two = _train_twice(tmp_path, dict(model))
+    for key in ("net", "ema", "optimizer", "order", "step"):
+        assert_tensors_equal(one[key], two[key], key)
+
+
+def test_flips_and_label_dropout_do_not_depend_on_the_process_count(tmp_path, fixtures_on_path):
+    from test_train import load_state
+
+    states = {}
+    for name, nproc, xflip in (("p1", 1, 0.5), ("p2", 2, 0.5), ("noflip", 1, 0.0)):
+        d = {"run": {"name": "r", "device": "cpu", "results": str(tmp_path / name),
+                     "resources": str(tmp_path / "resources")},
+             "data": {"kind": "shapes", "resolution": 16, "count": 20, "seed": 0, "xflip": xflip},
+             "model": CUSTOM | {"class_conditional": True},
+             "train": {"total_steps": 4, "segment_steps": 4, "batch_size": 8, "nproc_per_node": nproc,
+                       "lr": 0.002, "warmup_steps": 1, "label_dropout": 0.25}}
+        cfg = tmp_path / f"{name}.yaml"
+        io.write_json(cfg, d)
+        run_cli("prepare", "--config", cfg)
+        launch = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", *TRAIN[1:]] if nproc > 1 else TRAIN
+        run_cli(*launch, "--config", cfg, "--until-step", 4)
+        states[name] = load_state(tmp_path / name / "r" / "checkpoints" / "step_0000004")["net"]
+    for k in states["p1"]:
+        torch.testing.assert_close(states["p1"][k], states["p2"][k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(states["p1"][k], states["noflip"][k]) for k in states["p1"])
