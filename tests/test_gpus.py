@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, TINY, deep_merge, run_cli
-from diffrelay import config
+from diffrelay import config, gpus
 from diffrelay.errors import UserError
 
 # Each wrapped command records which ids it got and when it held them.
@@ -102,7 +102,7 @@ def test_pool_settings_that_cannot_work_are_refused(run, train, expect):
 
 def test_pools_split_training_and_evaluation():
     def pools(**run):
-        return config.gpu_pools(config.validate({"run": run, "train": {"nproc_per_node": 2, "batch_size": 8}}))
+        return gpus.gpu_pools(config.validate({"run": run, "train": {"nproc_per_node": 2, "batch_size": 8}}))
 
     assert pools(gpus=[0, 1, 2, 3]) == ([0, 1], [2, 3])
     assert pools(gpus=[4, 5, 6, 7], eval_gpus=1) == ([4, 5, 6], [7])

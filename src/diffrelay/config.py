@@ -128,7 +128,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
             bad.append((f"train.{key}={n}",
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
     bad += _check_network(m, data["resolution"])
-    bad += _check_gpu_pool(d)
+    from diffrelay.gpus import check_pool  # light: no torch
+
+    bad += check_pool(d)
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
     width = m["channels"] * max(m["channel_mult"])
@@ -168,45 +170,6 @@ def non_finite(d, prefix="") -> str | None:
         if found:
             return found
     return None
-
-
-def gpu_pools(d: dict, visible=None) -> tuple[list[int], list[int]]:
-    """(training ids, evaluation ids) of run.gpus; the same list twice when evaluation shares training's."""
-    r, t = d["run"], d["train"]
-    pool = r["gpus"]
-    if pool == "auto":
-        from diffrelay.gpus import visible_ids
-
-        pool = visible_ids() if visible is None else visible
-    if not pool:
-        return [], []
-    keep = r["eval_gpus"] if r["eval_gpus"] is not None else max(0, len(pool) - t["nproc_per_node"])
-    if keep == 0:
-        return list(pool), list(pool)
-    return list(pool[:len(pool) - keep]), list(pool[len(pool) - keep:])
-
-
-def _check_gpu_pool(d: dict) -> list[tuple[str, str]]:
-    r, t, s = d["run"], d["train"], d["sample"]
-    if r["gpus"] is None:
-        return []
-    if t["nnodes"] > 1:
-        return [("run.gpus", "is for one machine; with train.nnodes > 1 (SLURM) set it to null")]
-    pool = r["gpus"] if isinstance(r["gpus"], list) else None
-    if pool is None:
-        return []  # auto: the workflow checks it again with the machine's ids (check_gpu_pool)
-    if r["eval_gpus"] and r["eval_gpus"] >= len(pool):
-        return [(f"run.eval_gpus={r['eval_gpus']}", f"leaves none of the {len(pool)} ids of run.gpus for training; "
-                 f"use at most {len(pool) - 1} (0 = evaluation shares training's ids)")]
-    train_ids, eval_ids = gpu_pools(d)
-    if t["nproc_per_node"] > len(train_ids):
-        return [(f"train.nproc_per_node={t['nproc_per_node']}",
-                 f"needs more GPUs than run.gpus leaves for training ({len(train_ids)}); "
-                 f"lower it or run.eval_gpus, or add ids to run.gpus")]
-    if s["nproc"] > len(eval_ids):
-        return [(f"sample.nproc={s['nproc']}",
-                 f"needs more GPUs than run.gpus keeps for evaluation ({len(eval_ids)}); lower it or raise run.eval_gpus")]
-    return []
 
 
 def _check_network(m: dict, res: int) -> list[tuple[str, str]]:

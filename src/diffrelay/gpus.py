@@ -39,6 +39,44 @@ def visible_ids() -> list[int]:
     return [int(x) for x in out.split() if x.isdigit()]
 
 
+def gpu_pools(d: dict, visible=None) -> tuple[list[int], list[int]]:
+    """(training ids, evaluation ids) of run.gpus; the same list twice when evaluation shares training's."""
+    r, t = d["run"], d["train"]
+    pool = r["gpus"]
+    if pool == "auto":
+        pool = visible_ids() if visible is None else visible
+    if not pool:
+        return [], []
+    keep = r["eval_gpus"] if r["eval_gpus"] is not None else max(0, len(pool) - t["nproc_per_node"])
+    if keep == 0:
+        return list(pool), list(pool)
+    return list(pool[:len(pool) - keep]), list(pool[len(pool) - keep:])
+
+
+def check_pool(d: dict) -> list[tuple[str, str]]:
+    """Config rules of run.gpus (called by config.validate): (key, message) pairs."""
+    r, t, s = d["run"], d["train"], d["sample"]
+    if r["gpus"] is None:
+        return []
+    if t["nnodes"] > 1:
+        return [("run.gpus", "is for one machine; with train.nnodes > 1 (SLURM) set it to null")]
+    pool = r["gpus"] if isinstance(r["gpus"], list) else None
+    if pool is None:
+        return []  # auto: the workflow checks it again with the machine's ids (check_gpu_pool)
+    if r["eval_gpus"] and r["eval_gpus"] >= len(pool):
+        return [(f"run.eval_gpus={r['eval_gpus']}", f"leaves none of the {len(pool)} ids of run.gpus for training; "
+                 f"use at most {len(pool) - 1} (0 = evaluation shares training's ids)")]
+    train_ids, eval_ids = gpu_pools(d)
+    if t["nproc_per_node"] > len(train_ids):
+        return [(f"train.nproc_per_node={t['nproc_per_node']}",
+                 f"needs more GPUs than run.gpus leaves for training ({len(train_ids)}); "
+                 f"lower it or run.eval_gpus, or add ids to run.gpus")]
+    if s["nproc"] > len(eval_ids):
+        return [(f"sample.nproc={s['nproc']}",
+                 f"needs more GPUs than run.gpus keeps for evaluation ({len(eval_ids)}); lower it or raise run.eval_gpus")]
+    return []
+
+
 def parse_pool(text: str) -> list[int]:
     """'0,1,2' -> [0, 1, 2]; 'auto' -> every visible GPU."""
     if text == "auto":

@@ -164,7 +164,9 @@ def resolve_gpu_pools():
             drconfig.validate(d, source=", ".join(map(str, CONFIG_FILES)))
         except UserError as e:
             fail(f"{e} (run.gpus=auto found ids {d['run']['gpus']})")
-    return drconfig.gpu_pools(d)
+    from diffrelay.gpus import gpu_pools
+
+    return gpu_pools(d)
 
 
 TRAIN_GPUS, EVAL_GPUS = resolve_gpu_pools()
