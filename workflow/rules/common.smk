@@ -248,7 +248,9 @@ def check_executor():
     Snakemake leave the training jobs out of the graph without a word."""
     plugin = workflow.executor_plugin
     name = plugin.name if plugin is not None else None
-    if MULTI_NODE and name not in (None, "slurm", "slurm-jobstep", "dryrun"):
+    # Inside a SLURM allocation the plugin runs a multi-node (`mpi`) job with Snakemake's local
+    # executor; remote_exec says so (it is false for a plain `snakemake --cores` run).
+    if MULTI_NODE and not workflow.remote_exec and name not in (None, "slurm", "slurm-jobstep", "dryrun"):
         fail(
             f"{', '.join(map(str, CONFIG_FILES))}: train.nnodes={CFG.train.nnodes}: several nodes need the SLURM profile "
             f"(snakemake --workflow-profile profiles/slurm ...); use train.nnodes: 1 on one machine"
@@ -284,30 +286,49 @@ def get_config_args(wildcards, threads):
     return CONFIG_ARGS
 
 
+# torchrun's agent handles only TERM, INT, HUP and QUIT by default; SLURM's warning signal (USR1, see
+# profiles/slurm) reaches every process of the job at once, so the agent must handle it too or it dies
+# and leaves its workers to the process tracker. On a handled signal the agent forwards it and waits
+# this long for the workers (which save a recovery checkpoint first) before it kills them: it must
+# exceed the longest checkpoint save.
+TORCHRUN_SIGNALS = "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600"
+
+
 def get_train_launcher(wildcards, threads):
     t = CFG.train
     if not MULTI_NODE:
         # --standalone picks a free port per job, so jobs on one machine never collide.
         return (
             with_gpus("train", t.nproc_per_node)
-            + f"torchrun --standalone --nproc-per-node {t.nproc_per_node}"
+            + f"torchrun --standalone --nproc-per-node {t.nproc_per_node} {TORCHRUN_SIGNALS}"
         )
-    # One srun task per node, each a torchrun agent; they meet at the allocation's first node.
-    # --nnodes is train.nnodes (= the srun tasks requested) rather than $SLURM_NNODES, so the
-    # local stand-in cluster (two tasks on one host) forms the same group as two real nodes.
+    # One srun task per node (geometry explicit: the job's SLURM_* variables are gone, see
+    # get_train_setup), each a torchrun agent; they meet at the allocation's first node. Each task
+    # first logs where it runs.
+    n = t.nnodes
+    where = 'echo "diffrelay: srun task $SLURM_PROCID on node $SLURMD_NODENAME ($(hostname)), GPUs ${CUDA_VISIBLE_DEVICES:-none}"; exec "$@"'
     return (
-        f"srun --kill-on-bad-exit=1 torchrun --nnodes {t.nnodes} "
-        f"--nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
-        f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
+        f"srun --kill-on-bad-exit=1 --nodes {n} --ntasks {n} --ntasks-per-node 1 "
+        f"sh -c {shlex.quote(where)} sh "
+        f"torchrun --nnodes {n} --nproc-per-node {t.nproc_per_node} {TORCHRUN_SIGNALS} "
+        f'--rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
     )
 
 
 def get_train_setup(wildcards, threads):
-    """Shell lines run before the traced command (multi-node only: find the rendezvous host)."""
+    """Shell lines run before the traced command: log where the job runs; multi-node: find the
+    rendezvous host. The SLURM jobstep plugin removes most SLURM_* variables (the node list among
+    them) from a job's environment; SLURM_JOB_ID stays, and squeue knows the nodes."""
+    where = (
+        'echo "diffrelay: SLURM job ${SLURM_JOB_ID:-none} on nodes '
+        '$( [ -n "${SLURM_JOB_ID:-}" ] && squeue -h -j "$SLURM_JOB_ID" -o %N || hostname), '
+        'GPUs ${CUDA_VISIBLE_DEVICES:-none}"'
+    )
     if not MULTI_NODE:
-        return ":"
+        return where
     return (
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+        f"{where}; "
+        'head=$(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" | head -n 1); '
         "port=$((29400 + SLURM_JOB_ID % 1000))"
     )
 
