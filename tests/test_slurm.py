@@ -4,11 +4,14 @@ Each test checks the cluster's own records (squeue keeps finished jobs for MinJo
 only Snakemake's word, so a silent fallback to local execution fails the test.
 """
 
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import REPO, run_cli
 
@@ -108,3 +111,91 @@ def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tmp_path, w
         jobs = slurm_jobs(tmp_path, rule)
         assert len(jobs) == 1, (rule, jobs)
         assert_completed_here(jobs, tmp_path, rule)
+
+
+def read_losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def segment_starts(run: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r.get("event") == "segment_start"]
+
+
+def running_job(rule: str, timeout: float) -> str:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k"], capture_output=True, text=True).stdout
+        ids = [i for i, _, k in (line.partition("|") for line in out.splitlines()) if k.startswith(f"rule_{rule}")]
+        if ids:
+            return ids[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no running SLURM job for rule {rule} after {timeout} s")
+
+
+def test_whole_job_signal_stops_training_with_75_and_the_retry_resumes_bit_identically(tmp_path, write_config):
+    """SIGUSR1 to every process of the training job at once, as SLURM sends its time-limit warning
+    (scancel --signal=USR1 without --batch: every step's processes). Snakemake's job wrapper, the
+    torchrun agent and the worker all survive it; training saves, the segment exits 75, Snakemake
+    resubmits it and the new job resumes. The weights equal an uninterrupted run's."""
+    steps = 300  # long enough that the signal lands mid-segment; a step takes a few ms here
+    train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
+    cfg = write_config({"run": {"name": "stopped"}, "train": train}, name="stopped.yaml")
+    ref = write_config({"run": {"name": "whole"}, "train": train}, name="whole.yaml")
+    results = tmp_path / "results"
+    target = f"trained/step_{steps:07d}.json"
+
+    work = tmp_path / "slurm"
+    work.mkdir()
+    cmd = ["snakemake", results / "stopped" / target, "--snakefile", REPO / "Snakefile", "--directory", work,
+           "--workflow-profile", PROFILE, "--retries", "1", "--configfile", cfg]
+    with open(tmp_path / "snakemake.log", "w") as out:
+        proc = subprocess.Popen(list(map(str, cmd)), cwd=work, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            job = running_job("train_segment", TIMEOUT / 2)
+            metrics = results / "stopped" / "metrics" / "train.jsonl"
+            t0 = time.monotonic()
+            while not (metrics.is_file() and len(read_losses(results / "stopped")) >= 3):
+                assert time.monotonic() - t0 < TIMEOUT / 2 and proc.poll() is None, "training never started"
+                time.sleep(0.2)
+            subprocess.run(["scancel", "--signal=USR1", job], check=True)
+            rc = proc.wait(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 0, (tmp_path / "snakemake.log").read_text()
+
+    # Uninterrupted reference, run locally.
+    (tmp_path / "local").mkdir()
+    run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
+            "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
+            timeout=TIMEOUT)
+
+    jobs = slurm_jobs(work, "train_segment")
+    assert sorted(j["state"] for j in jobs.values()) == ["COMPLETED", "FAILED"], jobs
+    failed = next(i for i, j in jobs.items() if j["state"] == "FAILED")
+    first = next((work / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob(f"{failed}.log")).read_text()
+    # The wrapper lived to report the rule's status: 75, restored from torchrun's 1.
+    assert "exit status 75" in first, first
+    assert "User defined signal" not in first, first
+    starts = segment_starts(results / "stopped")
+    assert len(starts) == 2 and starts[0] == 0 and 0 < starts[1] < steps, starts
+
+    from diffrelay import checkpoint
+    a, _ = checkpoint.load_checkpoint(results / "stopped" / "checkpoints" / f"step_{steps:07d}")
+    b, _ = checkpoint.load_checkpoint(results / "whole" / "checkpoints" / f"step_{steps:07d}")
+    assert a.keys() == b.keys()
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert flat_a.keys() == flat_b.keys()
+    for k in flat_a:
+        assert torch.equal(flat_a[k], flat_b[k]) if isinstance(flat_a[k], torch.Tensor) else flat_a[k] == flat_b[k], k
+    assert read_losses(results / "stopped") == read_losses(results / "whole")
+
+
+def flatten(obj, prefix=""):
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in flatten(v, f"{prefix}.{k}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in flatten(v, f"{prefix}[{i}]").items()}
+    return {prefix: obj}

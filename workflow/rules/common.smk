@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from diffrelay.errors import UserError  # noqa: E402
 
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.
 os.environ.setdefault("DIFFRELAY_HOME", str(workflow.basedir))
+
+# SLURM's warning before the time limit (SIGUSR1, profiles/slurm) goes to every process of the job's
+# steps at once, this Snakemake job wrapper included, and Python dies of SIGUSR1 by default: the job
+# would end before training has saved. Inside a job the wrapper only waits for the rule's shell, which
+# inherits the ignore; torchrun (--signals-to-handle) and `diffrelay train` install their own handlers.
+if workflow.remote_exec:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def fail(message):
