@@ -57,7 +57,8 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     # Sampling and FID jobs appear only once a segment has run and its snapshots are known.
     assert job_counts(p.stdout) == {"fetch_extractor": 1, "prepare_dataset": 1, "compute_reference": 1,
                                     "train_segment": 3, "collect_segment": 3, "build_report": 1, "all": 1}
-    commands = re.findall(r"torchrun --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
+    commands = re.findall(r"torchrun --standalone --nproc-per-node 1 --signals-to-handle "
+                          r"SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout \d+ -m diffrelay train .*", p.stdout)
     assert sorted(re.search(r"--until-step (\d+)", c).group(1) for c in commands) == ["3", "6", "9"]
     assert sum("--init" in c for c in commands) == 2
 
@@ -156,6 +157,25 @@ def test_multi_node_training_runs_srun_torchrun_with_rendezvous(tmp_path, write_
     assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
     assert '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in cmd
     assert "--standalone" not in cmd and "--master-port" not in cmd
+    # The jobstep plugin strips SLURM_* from the job: geometry is explicit, the nodes come from squeue.
+    assert cmd.startswith("srun --kill-on-bad-exit=1 --nodes 2 --ntasks 2 --ntasks-per-node 1 ")
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
+    assert 'squeue -h -j "$SLURM_JOB_ID" -o %N' in p.stdout and "SLURM_JOB_NODELIST" not in p.stdout
+
+
+def test_slurm_profile_dry_run_names_the_placeholders_to_fill_in(tmp_path, write_config):
+    # A machine without SLURM: PATH holds the venv and a few basic tools, no sinfo/sbatch/squeue.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("which", "sh", "bash", "uname"):
+        (tools / name).symlink_to(shutil.which(name))
+    env = {"HOME": str(tmp_path), "PATH": f"{BIN}:{tools}"}
+    p = run_cli("snakemake", "-n", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--workflow-profile",
+                REPO / "profiles" / "slurm", "--configfile", write_config(), check=False, env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout + p.stderr
+    assert "slurm_partition=<partition>" in errors[0] and "slurm_account=<account>" in errors[0], errors
+    assert "profiles/README.md" in errors[0] and "Traceback" not in p.stderr
 
 
 # --- slow: one real tiny run, then reruns of parts of it -----------------------------------------

@@ -90,6 +90,23 @@ def load_run_config():
     return files, cfg
 
 
+def check_profile_placeholders():
+    """profiles/slurm ships `<partition>` and `<account>` for the user to fill in; without this check a
+    dry run looks fine and the real run fails at the first sbatch (or, on a machine without SLURM,
+    somewhere inside the plugin)."""
+    given = workflow.resource_settings.default_resources
+    args = given.args if given is not None else []
+    holes = [a for a in args if re.fullmatch(r"[\w]+=<[^<>]*>", a)]
+    if holes:
+        fail(
+            f"default-resources {', '.join(holes)}: placeholders of the SLURM profile; fill them in a copy of "
+            f"profiles/slurm (cp -r profiles/slurm profiles/mycluster; see profiles/README.md) and run with "
+            f"--workflow-profile profiles/mycluster (sinfo -s lists partitions; delete slurm_account on "
+            f"clusters without accounts)"
+        )
+
+
+check_profile_placeholders()
 CONFIG_FILES, CFG = load_run_config()
 CONFIG_ARGS = " ".join(f"--config {shlex.quote(str(f))}" for f in CONFIG_FILES)
 if workflow.is_main_process:
@@ -258,7 +275,11 @@ def check_executor():
     name = plugin.name if plugin is not None else None
     # Inside a SLURM allocation the plugin runs a multi-node (`mpi`) job with Snakemake's local
     # executor; remote_exec says so (it is false for a plain `snakemake --cores` run).
-    if MULTI_NODE and not workflow.remote_exec and name not in (None, "slurm", "slurm-jobstep", "dryrun"):
+    if (
+        MULTI_NODE
+        and not workflow.remote_exec
+        and name not in (None, "slurm", "slurm-jobstep", "dryrun")
+    ):
         fail(
             f"{', '.join(map(str, CONFIG_FILES))}: train.nnodes={CFG.train.nnodes}: several nodes need the SLURM profile "
             f"(snakemake --workflow-profile profiles/slurm ...); use train.nnodes: 1 on one machine"
@@ -299,7 +320,9 @@ def get_config_args(wildcards, threads):
 # and leaves its workers to the process tracker. On a handled signal the agent forwards it and waits
 # this long for the workers (which save a recovery checkpoint first) before it kills them: it must
 # exceed the longest checkpoint save.
-TORCHRUN_SIGNALS = "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600"
+TORCHRUN_SIGNALS = (
+    "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600"
+)
 
 
 def get_train_launcher(wildcards, threads):
@@ -318,8 +341,8 @@ def get_train_launcher(wildcards, threads):
     return (
         f"srun --kill-on-bad-exit=1 --nodes {n} --ntasks {n} --ntasks-per-node 1 "
         f"sh -c {shlex.quote(where)} sh "
-        f"torchrun --nnodes {n} --nproc-per-node {t.nproc_per_node} {TORCHRUN_SIGNALS} "
-        f'--rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
+        f"torchrun --nnodes {n} --nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
+        f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" {TORCHRUN_SIGNALS}'
     )
 
 
