@@ -123,23 +123,44 @@ def segment_starts(run: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("event") == "segment_start"]
 
 
-def running_job(rule: str, timeout: float) -> str:
+def running_job(rule: str, seen: set, timeout: float, proc) -> str:
+    """Id of a running SLURM job of `rule` that is not in `seen`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k"], capture_output=True, text=True).stdout
-        ids = [i for i, _, k in (line.partition("|") for line in out.splitlines()) if k.startswith(f"rule_{rule}")]
+        ids = [i for i, _, k in (line.partition("|") for line in out.splitlines())
+               if k.startswith(f"rule_{rule}") and i not in seen]
         if ids:
             return ids[0]
+        assert proc.poll() is None, "snakemake ended early"
         time.sleep(0.5)
-    raise AssertionError(f"no running SLURM job for rule {rule} after {timeout} s")
+    raise AssertionError(f"no new running SLURM job for rule {rule} after {timeout} s")
 
 
-def test_whole_job_signal_stops_training_with_75_and_the_retry_resumes_bit_identically(tmp_path, write_config):
-    """SIGUSR1 to every process of the training job at once, as SLURM sends its time-limit warning
-    (scancel --signal=USR1 without --batch: every step's processes). Snakemake's job wrapper, the
-    torchrun agent and the worker all survive it; training saves, the segment exits 75, Snakemake
-    resubmits it and the new job resumes. The weights equal an uninterrupted run's."""
-    steps = 300  # long enough that the signal lands mid-segment; a step takes a few ms here
+def wait_for_steps(run: Path, starts: int, steps: int, timeout: float, proc) -> None:
+    """Until the run's `starts`-th try has logged `steps` losses past its starting step."""
+    t0 = time.monotonic()
+    while True:
+        metrics = run / "metrics" / "train.jsonl"
+        if metrics.is_file():
+            s = segment_starts(run)
+            if len(s) >= starts and sum(k > s[starts - 1] for k in read_losses(run)) >= steps:
+                return
+        assert time.monotonic() - t0 < timeout and proc.poll() is None, "training did not get going"
+        time.sleep(0.2)
+
+
+def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identically(tmp_path, write_config):
+    """A training segment stopped three ways, the way SLURM does it, then finished and compared with
+    an uninterrupted run:
+    1. `scancel --signal=USR1 JOB`: USR1 to every process of the job's steps at once (the Snakemake job
+       wrapper, the torchrun agent, the worker). All survive it but the worker, which saves and exits;
+       the try ends with status 75 and Snakemake resubmits it.
+    2. The profile's timer: the second try runs with `--time=1 --signal=USR1@20`; the same, on time
+       (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
+    3. `scontrol requeue` of the third try: SLURM ends it and starts it again under the same id.
+    """
+    steps = 600  # long enough that each stop lands mid-segment; a step takes ~0.1 s here
     train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
     cfg = write_config({"run": {"name": "stopped"}, "train": train}, name="stopped.yaml")
     ref = write_config({"run": {"name": "whole"}, "train": train}, name="whole.yaml")
@@ -149,43 +170,60 @@ def test_whole_job_signal_stops_training_with_75_and_the_retry_resumes_bit_ident
     work = tmp_path / "slurm"
     work.mkdir()
     cmd = ["snakemake", results / "stopped" / target, "--snakefile", REPO / "Snakefile", "--directory", work,
-           "--workflow-profile", PROFILE, "--retries", "1", "--configfile", cfg]
+           "--workflow-profile", PROFILE, "--retries", "2", "--set-resources",
+           "train_segment:runtime=1 if attempt == 2 else 10",
+           "train_segment:slurm_extra='--signal=USR1@20' if attempt == 2 else ''",
+           "--configfile", cfg]
+    seen, t0 = set(), time.monotonic()
     with open(tmp_path / "snakemake.log", "w") as out:
         proc = subprocess.Popen(list(map(str, cmd)), cwd=work, stdout=out, stderr=subprocess.STDOUT)
         try:
-            job = running_job("train_segment", TIMEOUT / 2)
-            metrics = results / "stopped" / "metrics" / "train.jsonl"
-            t0 = time.monotonic()
-            while not (metrics.is_file() and len(read_losses(results / "stopped")) >= 3):
-                assert time.monotonic() - t0 < TIMEOUT / 2 and proc.poll() is None, "training never started"
-                time.sleep(0.2)
-            subprocess.run(["scancel", "--signal=USR1", job], check=True)
+            first = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            seen.add(first)
+            wait_for_steps(results / "stopped", 1, 3, TIMEOUT / 2, proc)
+            subprocess.run(["scancel", "--signal=USR1", first], check=True)
+            second = running_job("train_segment", seen, TIMEOUT / 2, proc)  # the timer stops this one
+            seen.add(second)
+            third = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            seen.add(third)
+            wait_for_steps(results / "stopped", 3, 3, TIMEOUT / 2, proc)
+            subprocess.run(["scontrol", "requeue", third], check=True)
             rc = proc.wait(timeout=TIMEOUT)
         finally:
             if proc.poll() is None:
                 proc.kill()
+    print(f"three stops and the finished segment took {time.monotonic() - t0:.0f} s")
     assert rc == 0, (tmp_path / "snakemake.log").read_text()
+
+    jobs = slurm_jobs(work, "train_segment")
+    assert sorted(jobs) == sorted(seen), (jobs, seen)
+    # SLURM's timer may fire up to 60 s early, before the job's step exists, and the signal is then
+    # lost: the time limit's SIGTERM stops the second try instead (TIMEOUT); training saves on it too.
+    assert jobs[first]["state"] == "FAILED" and jobs[third]["state"] == "COMPLETED", jobs
+    assert jobs[second]["state"] in ("FAILED", "TIMEOUT"), jobs
+    for job in (first, second) if jobs[second]["state"] == "FAILED" else (first,):
+        log = next((work / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob(f"{job}.log")).read_text()
+        # The wrapper lived to report the rule's status: 75, restored from torchrun's 1.
+        assert "exit status 75" in log, log
+    print(f"second try: {jobs[second]['state']}")
+    show = subprocess.run(["scontrol", "show", "job", third], capture_output=True, text=True, check=True).stdout
+    assert "Restarts=1" in show, show
+    second_limit = subprocess.run(["squeue", "-h", "-t", "all", "-j", second, "-o", "%l"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    assert second_limit == "1:00", second_limit
+    starts = segment_starts(results / "stopped")
+    # 0, then after each of the three stops a resume past the start before it.
+    assert len(starts) == 4 and starts[0] == 0 and starts[1] > 0 and starts[2] > starts[1], starts
+    assert starts[2] <= starts[3] < steps, starts
 
     # Uninterrupted reference, run locally.
     (tmp_path / "local").mkdir()
     run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
             "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
             timeout=TIMEOUT)
-
-    jobs = slurm_jobs(work, "train_segment")
-    assert sorted(j["state"] for j in jobs.values()) == ["COMPLETED", "FAILED"], jobs
-    failed = next(i for i, j in jobs.items() if j["state"] == "FAILED")
-    first = next((work / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob(f"{failed}.log")).read_text()
-    # The wrapper lived to report the rule's status: 75, restored from torchrun's 1.
-    assert "exit status 75" in first, first
-    assert "User defined signal" not in first, first
-    starts = segment_starts(results / "stopped")
-    assert len(starts) == 2 and starts[0] == 0 and 0 < starts[1] < steps, starts
-
     from diffrelay import checkpoint
     a, _ = checkpoint.load_checkpoint(results / "stopped" / "checkpoints" / f"step_{steps:07d}")
     b, _ = checkpoint.load_checkpoint(results / "whole" / "checkpoints" / f"step_{steps:07d}")
-    assert a.keys() == b.keys()
     flat_a, flat_b = flatten(a), flatten(b)
     assert flat_a.keys() == flat_b.keys()
     for k in flat_a:

@@ -136,6 +136,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, st
     if not 0 < until <= t.total_steps:
         raise UserError(f"--until-step {until}: must be between 1 and train.total_steps={t.total_steps}")
     traj = config.trajectory_hash(cfg)
+    # Before the slow set-up: SLURM's warning may come while a try starts; the first step then saves.
+    stop = StopRequest()
 
     # ---- Set-up: device, process group, logging, data, model, optimizer --------------------------
     device = distributed.pick_device(cfg.run.device)
@@ -210,7 +212,6 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, st
     snapshots = set(config.snapshot_steps(cfg, segment_start, until))
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
-    stop = StopRequest()
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device)
     batches = cleanup.enter_context(loader.Prefetcher(maker, order, step, until))
