@@ -6,6 +6,7 @@ only Snakemake's word, so a silent fallback to local execution fails the test.
 
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tmp_path, w
         jobs = slurm_jobs(tmp_path, rule)
         assert len(jobs) == 1, (rule, jobs)
         assert_completed_here(jobs, tmp_path, rule)
+    # Every job's SLURM log says where it ran.
+    for log in (tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"):
+        assert f"diffrelay: SLURM job {log.stem} on nodes {socket.gethostname()}, CUDA_VISIBLE_DEVICES=" \
+            in log.read_text(), log
 
 
 def read_losses(run: Path) -> dict[int, float]:

@@ -27,6 +27,14 @@ os.environ.setdefault("DIFFRELAY_HOME", str(workflow.basedir))
 if workflow.remote_exec:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
+# Every SLURM job's log (.snakemake/slurm_logs/rule_<rule>/.../<jobid>.log) says where it ran. Outside
+# SLURM it prints nothing. Before `set -u`, so unset variables are empty, not errors.
+shell.prefix(
+    '[ -z "$SLURM_JOB_ID" ] || echo "diffrelay: SLURM job $SLURM_JOB_ID on nodes '
+    '$(squeue -h -j "$SLURM_JOB_ID" -o %N), CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" >&2; '
+    "set -euo pipefail; "
+)
+
 
 def fail(message):
     """Stop before any job starts, with one line (the same shape as the CLI's errors, exit 2)."""
@@ -347,18 +355,12 @@ def get_train_launcher(wildcards, threads):
 
 
 def get_train_setup(wildcards, threads):
-    """Shell lines run before the traced command: log where the job runs; multi-node: find the
-    rendezvous host. The SLURM jobstep plugin removes most SLURM_* variables (the node list among
-    them) from a job's environment; SLURM_JOB_ID stays, and squeue knows the nodes."""
-    where = (
-        'echo "diffrelay: SLURM job ${SLURM_JOB_ID:-none} on nodes '
-        '$( [ -n "${SLURM_JOB_ID:-}" ] && squeue -h -j "$SLURM_JOB_ID" -o %N || hostname), '
-        'GPUs ${CUDA_VISIBLE_DEVICES:-none}"'
-    )
+    """Shell lines run before the traced command (multi-node only: find the rendezvous host). The
+    SLURM jobstep plugin removes most SLURM_* variables (the node list among them) from a job's
+    environment; SLURM_JOB_ID stays, and squeue knows the nodes."""
     if not MULTI_NODE:
-        return where
+        return ":"
     return (
-        f"{where}; "
         'head=$(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" | head -n 1); '
         "port=$((29400 + SLURM_JOB_ID % 1000))"
     )
