@@ -240,3 +240,32 @@ def test_ctrl_c_in_training_saves_a_recovery_checkpoint_like_sigterm(reference, 
     log = (tmp_path / "train.log").read_text()
     assert "saved recovery checkpoint" in log and "Traceback" not in log, log
     assert checkpoint.list_checkpoints(run_dir / "recovery")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
+def test_diffrelay_launch_keeps_status_75_when_every_process_of_the_job_gets_the_signal(reference, write_config,
+                                                                                         tmp_path, sig):
+    # As SLURM's `--signal` and `scancel --signal` do: the agent and both workers are signalled at once.
+    cfg = write_config({**LONG, "train": {**LONG["train"], "nproc_per_node": 2, "recovery_every": 0}})
+    rd = copy_dataset(reference, tmp_path)
+    launch = [BIN / "diffrelay", "launch", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "train",
+              "--config", cfg]
+    job = start(launch, tmp_path / "1.log")
+    wait_for_step(rd, 20, job)
+    os.killpg(job.pid, sig)
+    assert job.wait(timeout=120) == 75
+    log = (tmp_path / "1.log").read_text()
+    assert "saved recovery checkpoint" in log and "exit 75" in log and "Traceback" not in log, log
+    saved = checkpoint.list_checkpoints(rd / "recovery")
+    assert saved and 20 <= saved[-1][0] < 400
+    p = run_cli(*map(str, launch[1:]))
+    assert f"resumed from {saved[-1][1]}" in p.stderr
+    assert final_state(reference)["order"] == final_state(rd)["order"]
+
+
+def test_diffrelay_launch_reports_a_failed_rank_in_one_line(write_config, tmp_path):
+    cfg = write_config({"data": {"kind": "folder", "path": str(tmp_path / "none")}})  # train fails at once
+    p = run_cli("launch", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "train", "--config", cfg,
+                check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "diffrelay launch: worker(s) failed (rank 0 exit 2, rank 1 exit 2)" in p.stderr

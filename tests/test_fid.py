@@ -73,7 +73,7 @@ def data(tmp_path_factory):
 def test_folder_scored_against_its_own_statistics_is_zero(data):
     r = fid.score(data["dataset"] / "png", data["ref"], data["ext"])
     assert abs(r["fid"]) < 1e-3
-    assert r["metric"] == "FD (random features)"
+    assert r["metric"] == "FD-128 (random features)"
     assert r["num_images"] == r["num_ref"] == N
 
 
@@ -211,11 +211,11 @@ def test_custom_extractor_end_to_end_through_the_cli(data, tmp_path):
     out = tmp_path / "fid.json"
     p = run_cli("fid", "--images", data["half"], "--ref", ref, "--extractor", ext, "--out", out)
     r = json.loads(out.read_text())
-    assert r["metric"] == "FD (tiny.pt)"
+    assert r["metric"] == "FD-128 (tiny.pt)"
     assert r["num_images"] == N and r["num_ref"] == N and r["mode"] == "clean"
     assert r["extractor_sha256"] == io.sha256_file(ext) and r["fid"] >= 0
     assert r["started"] <= r["finished"] and r["seconds"] >= 0
-    assert "FD (tiny.pt)" in p.stderr  # the child's log line reached the parent's stderr
+    assert "FD-128 (tiny.pt)" in p.stderr  # the child's log line reached the parent's stderr
 
 
 def test_fid_child_started_inside_torchrun_sees_no_group_variables(tmp_path):

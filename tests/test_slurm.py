@@ -159,7 +159,7 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     """A training segment stopped three ways, the way SLURM does it, then finished and compared with
     an uninterrupted run:
     1. `scancel --signal=USR1 JOB`: USR1 to every process of the job's steps at once (the Snakemake job
-       wrapper, the torchrun agent, the worker). All survive it but the worker, which saves and exits;
+       wrapper, the launch agent, the worker). All survive it but the worker, which saves and exits;
        the try ends with status 75 and Snakemake resubmits it.
     2. The profile's timer: the second try runs with `--time=1 --signal=USR1@20`; the same, on time
        (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
@@ -208,7 +208,7 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     assert jobs[second]["state"] in ("FAILED", "TIMEOUT"), jobs
     for job in (first, second) if jobs[second]["state"] == "FAILED" else (first,):
         log = next((work / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob(f"{job}.log")).read_text()
-        # The wrapper lived to report the rule's status: 75, restored from torchrun's 1.
+        # The wrapper lived to report the rule's status: 75.
         assert "exit status 75" in log, log
     print(f"second try: {jobs[second]['state']}")
     show = subprocess.run(["scontrol", "show", "job", third], capture_output=True, text=True, check=True).stdout

@@ -1,5 +1,5 @@
 """Multi-node training on a real two-node SLURM cluster (tests/slurm/two-nodes.sh): two slurmd in their
-own network namespaces with their own hostnames, so `sbatch -N 2` runs one torchrun agent per node and
+own network namespaces with their own hostnames, so `sbatch -N 2` runs one launch agent per node and
 they meet over c10d at a node name, as on a real cluster."""
 
 import json
@@ -80,7 +80,7 @@ def test_two_nodes_train_like_one_node_with_the_same_world_size(tmp_path, write_
     run_cli("snakemake", tmp_path / "results" / "one_node" / final, "--snakefile", REPO / "Snakefile",
             "--directory", tmp_path / "one", "--cores", "2", "--configfile", one, cwd=tmp_path / "one", timeout=TIMEOUT)
 
-    # Each segment was one SLURM job on both nodes, with one torchrun agent per node.
+    # Each segment was one SLURM job on both nodes, with one launch agent per node.
     logs = sorted((tmp_path / "two" / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob("*.log"))
     assert len(logs) == 1, logs
     ids = ",".join(p.stem for p in logs)

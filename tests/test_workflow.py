@@ -57,8 +57,7 @@ def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     # Sampling and FID jobs appear only once a segment has run and its snapshots are known.
     assert job_counts(p.stdout) == {"fetch_extractor": 1, "prepare_dataset": 1, "compute_reference": 1,
                                     "train_segment": 3, "collect_segment": 3, "build_report": 1, "all": 1}
-    commands = re.findall(r"torchrun --standalone --nproc-per-node 1 --signals-to-handle "
-                          r"SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout \d+ -m diffrelay train .*", p.stdout)
+    commands = re.findall(r"diffrelay launch --standalone --nproc-per-node 1 -m diffrelay train .*", p.stdout)
     assert sorted(re.search(r"--until-step (\d+)", c).group(1) for c in commands) == ["3", "6", "9"]
     assert sum("--init" in c for c in commands) == 2
 
@@ -154,12 +153,11 @@ def test_multi_node_training_runs_srun_torchrun_with_rendezvous(tmp_path, write_
     cfg = write_config({"train": {"nnodes": 2, "nproc_per_node": 2}})
     p = snakemake(tmp_path, "-n", "--configfile", cfg)
     cmd = re.search(r"srun .*-m diffrelay train .*", p.stdout).group(0)
-    assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
+    assert "diffrelay launch --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
     assert '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in cmd
     assert "--standalone" not in cmd and "--master-port" not in cmd
     # The jobstep plugin strips SLURM_* from the job: geometry is explicit, the nodes come from squeue.
     assert cmd.startswith("srun --kill-on-bad-exit=1 --nodes 2 --ntasks 2 --ntasks-per-node 1 ")
-    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
     assert 'squeue -h -j "$SLURM_JOB_ID" -o %N' in p.stdout and "SLURM_JOB_NODELIST" not in p.stdout
 
 

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.fid")
 
+    p = sub.add_parser("launch", help="torchrun that keeps exit status 75 (stopped, resumable), handles SIGUSR1 "
+                                      "and reports failed ranks in one line; takes torchrun's options",
+                       add_help=False)
+    p.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun options and program")
+    p.set_defaults(module="diffrelay.launch")
+
     p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
     p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
     p.add_argument("scores", nargs="*", help="FID result files")
@@ -112,7 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        # Everything after `launch` is torchrun's, options included: argparse would claim them.
+        args = argparse.Namespace(command="launch", module="diffrelay.launch", torchrun=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         module = importlib.import_module(args.module)
         # fid and fid-ref share a module; each has its own entry point named after the command.

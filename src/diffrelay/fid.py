@@ -90,23 +90,56 @@ def statistics(feats: np.ndarray):
 
 def distances(feats, ref: dict) -> tuple[float, float]:
     """(FD, KID) of features against reference statistics, with clean-fid's formulas."""
-    from cleanfid.fid import frechet_distance, kernel_distance
+    mu, sigma = statistics(feats)
+    if ref["features"] is None:  # statistics made elsewhere: mu and sigma only, so no KID
+        return _frechet(mu, sigma, ref), None
+    return _frechet(mu, sigma, ref), _kid(feats, ref)
+
+
+def _frechet(mu, sigma, ref) -> float:
+    from cleanfid.fid import frechet_distance
     from scipy.linalg import LinAlgWarning
 
-    mu, sigma = statistics(feats)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # clean-fid passes scipy's deprecated `disp`
         # Too few images for the feature count make sigma singular; `score` logs that once, in plain words.
         warnings.simplefilter("ignore", LinAlgWarning)
-        fd = float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
+        return float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
+
+
+def _kid(feats, ref) -> float:
+    from cleanfid.fid import kernel_distance
+
     # kernel_distance draws subsets from numpy's global generator: seed it, then put the caller's state back.
     state = np.random.get_state()
     np.random.seed(0)
     try:
-        kid = kernel_distance(ref["features"], feats)
+        return kernel_distance(ref["features"], feats)
     finally:
         np.random.set_state(state)
-    return fd, kid
+
+
+def load_reference(path) -> dict:
+    """Statistics from `diffrelay fid-ref` (verified by its digest), or a file made elsewhere
+    (EDM/ADM/clean-fid `.npz` with mu and sigma; settings["foreign"] is then true)."""
+    from diffrelay import metrics
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: reference statistics not found; rerun `diffrelay fid-ref` or fix fid.reference")
+    try:
+        with zipfile.ZipFile(path) as z:
+            ours = "digest.npy" in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        ours = False
+    return load_ref(path) if ours else metrics.load_foreign_ref(path)
+
+
+def check_reference(ref: dict, path, extractor_sha256: str, mode: str) -> None:
+    """Our own statistics must come from this extractor and mode; a foreign file's feature count is
+    checked against the extractor in `score`."""
+    if not ref["settings"].get("foreign"):
+        check_ref(ref, path, extractor_sha256, mode)
 
 
 # ---------------------------------------------------------------------------- the statistics file
@@ -281,20 +314,30 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64) -> dict
     from diffrelay import extractor
 
     started = time.time()
+    from diffrelay import metrics
+
     files = image_files(images)  # cheap checks first: images, statistics, extractor hash, then the model
-    ref = load_ref(ref_path)
+    ref = load_reference(ref_path)
     sha = extractor_sha256(extractor_path)
-    check_ref(ref, ref_path, sha, mode)
+    check_reference(ref, ref_path, sha, mode)
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
+    if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
+        metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
     feats = features_or_name_bad_file(files, ext, mode, batch_size, _device())
     if len(files) <= feats.shape[1]:
         log.warning(f"{images}: {len(files)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
                     f"so {ext.label} is biased upward; compare only scores with equal image counts")
     fd, kid = distances(feats, ref)
+    extra = {}
+    if ref["features"] is None:
+        extra["note"] = f"{Path(ref_path).name} holds mu and sigma only: no KID, precision or recall"
+    elif min(len(feats), len(ref["features"])) > metrics.PR_NEIGHBOURS:
+        extra["precision"], extra["recall"] = metrics.precision_recall(ref["features"], feats)
     finished = time.time()
-    return {"metric": ext.label, "fid": fd, "kid": kid, "num_images": len(files),
-            "num_ref": ref["settings"]["num_images"], "extractor": str(extractor_path), "extractor_sha256": sha,
-            "mode": mode, "seconds": round(finished - started, 3), "images": str(images), "ref": str(ref_path),
+    return {"metric": metrics.metric_name(ext.label, len(files)), "fid": fd, "kid": kid, **extra,
+            "num_images": len(files), "num_ref": ref["settings"]["num_images"], "reference": Path(ref_path).name,
+            "extractor": str(extractor_path), "extractor_sha256": sha, "mode": mode,
+            "seconds": round(finished - started, 3), "images": str(images), "ref": str(ref_path),
             "started": started, "finished": finished}
 
 
@@ -303,7 +346,7 @@ def main_fid(args) -> int:
     if not args.in_process:
         # Cheap checks here too, so a bad path fails before a child process is paid for.
         image_files(args.images)
-        check_ref(load_ref(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
+        check_reference(load_reference(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
@@ -315,12 +358,14 @@ def main_fid(args) -> int:
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
             if code == 0:
                 io.write_bytes(args.out, private.read_bytes())
+                log.info(f"wrote {args.out}")
         return code
     import torch
 
     torch.set_num_threads(args.threads)
     result = score(args.images, args.ref, args.extractor, args.mode, args.batch_size)
     io.write_json(args.out, result)
-    log.info(f"{args.out}: {result['metric']} {result['fid']:.4f}, KID {result['kid']:.5f} "
+    kid = "n/a" if result["kid"] is None else f"{result['kid']:.5f}"
+    log.info(f"{args.images}: {result['metric']} {result['fid']:.4f}, KID {kid} "
              f"({result['num_images']} images vs {result['num_ref']}, {result['seconds']:.1f}s)")
     return 0

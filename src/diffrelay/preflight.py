@@ -79,6 +79,12 @@ def check_inputs(cfg, source: str) -> None:
                                   "give an existing TorchScript file, or inception or random")
         except UserError as e:
             raise UserError(f"{source}: fid.extractor={e}") from e
+    if f.reference is not None:
+        try:
+            io.check_regular_file(Path(f.reference).expanduser(), 1 << 34, "file",
+                                  "give an .npz with mu and sigma, or null to use the dataset's statistics")
+        except UserError as e:
+            raise UserError(f"{source}: fid.reference={e}") from e
     classes = num_classes(cfg)
     if cfg.model.class_conditional and not classes:
         raise UserError(f"{source}: model.class_conditional=true: the dataset has no classes (images must sit in "

@@ -23,7 +23,7 @@ from diffrelay import io, logs
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(r"^step_(\d{7})\.json$")
-COLUMNS = ["step", "metric", "fid", "kid", "train_loss_mean", "train_skipped_steps", "train_images_per_s",
+COLUMNS = ["step", "metric", "fid", "kid", "precision", "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s",
            "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
 
 
@@ -68,6 +68,8 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
             raise UserError(f"{path}: metric={metric!r}: missing; regenerate it with `diffrelay fid`")
         rows.append({"step": int(STEP_FILE.match(path.name).group(1)), "metric": metric,
                      "fid": _number(rec, "fid", path), "kid": _number(rec, "kid", path, required=False),
+                     "precision": _number(rec, "precision", path, required=False),
+                     "recall": _number(rec, "recall", path, required=False),
                      "fid_s": _seconds(rec, path)})
     return pd.DataFrame(rows).sort_values("step", ignore_index=True)
 
@@ -127,7 +129,8 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
         seg = segments[(segments.start < r.step) & (segments.end >= r.step)]
         sample = read_sample_manifest(run_dir, r.step)
         rows.append({
-            "step": r.step, "metric": r.metric, "fid": r.fid, "kid": r.kid,
+            "step": r.step, "metric": r.metric, "fid": r.fid, "kid": r.kid, "precision": r.precision,
+            "recall": r.recall,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
             # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
             "train_skipped_steps": train[train.step <= r.step].skipped.iloc[-1] if (train.step <= r.step).any()

@@ -241,6 +241,13 @@ def get_extractor(wildcards):
     return EXTRACTOR
 
 
+def get_reference(wildcards):
+    """fid.reference (statistics made elsewhere), or the dataset's own from compute_reference."""
+    if CFG.fid.reference is not None:
+        return str(Path(CFG.fid.reference).expanduser())
+    return expand(rules.compute_reference.output.ref, run=wildcards.run)
+
+
 # --- targets ---------------------------------------------------------------------------------
 def get_final_output():
     """The report, plus the samples and scores of segments already trained: Snakemake does not
@@ -323,34 +330,24 @@ def get_config_args(wildcards, threads):
     return CONFIG_ARGS
 
 
-# torchrun's agent handles only TERM, INT, HUP and QUIT by default; SLURM's warning signal (USR1, see
-# profiles/slurm) reaches every process of the job at once, so the agent must handle it too or it dies
-# and leaves its workers to the process tracker. On a handled signal the agent forwards it and waits
-# this long for the workers (which save a recovery checkpoint first) before it kills them: it must
-# exceed the longest checkpoint save.
-TORCHRUN_SIGNALS = (
-    "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600"
-)
-
-
 def get_train_launcher(wildcards, threads):
     t = CFG.train
     if not MULTI_NODE:
         # --standalone picks a free port per job, so jobs on one machine never collide.
         return (
             with_gpus("train", t.nproc_per_node)
-            + f"torchrun --standalone --nproc-per-node {t.nproc_per_node} {TORCHRUN_SIGNALS}"
+            + f"diffrelay launch --standalone --nproc-per-node {t.nproc_per_node}"
         )
     # One srun task per node (geometry explicit: the job's SLURM_* variables are gone, see
-    # get_train_setup), each a torchrun agent; they meet at the allocation's first node. Each task
+    # get_train_setup), each a `diffrelay launch` agent; they meet at the allocation's first node. Each task
     # first logs where it runs.
     n = t.nnodes
     where = 'echo "diffrelay: srun task $SLURM_PROCID on node $SLURMD_NODENAME ($(hostname)), GPUs ${CUDA_VISIBLE_DEVICES:-none}"; exec "$@"'
     return (
         f"srun --kill-on-bad-exit=1 --nodes {n} --ntasks {n} --ntasks-per-node 1 "
         f"sh -c {shlex.quote(where)} sh "
-        f"torchrun --nnodes {n} --nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
-        f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" {TORCHRUN_SIGNALS}'
+        f"diffrelay launch --nnodes {n} --nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
+        f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
     )
 
 
@@ -429,7 +426,7 @@ def get_sample_launcher(wildcards, threads):
         return with_gpus("eval", 1) + "diffrelay"
     return (
         with_gpus("eval", n)
-        + f"torchrun --standalone --nproc-per-node {n} -m diffrelay"
+        + f"diffrelay launch --standalone --nproc-per-node {n} -m diffrelay"
     )
 
 

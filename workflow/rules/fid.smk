@@ -3,7 +3,7 @@
 rule compute_fid:
     input:
         images=rules.sample_snapshot.output.samples,
-        ref=rules.compute_reference.output.ref,
+        ref=get_reference,
         extractor=get_extractor,
     output:
         score=f"{RUN_DIR}/metrics/fid/step_{STEP}.json",

@@ -4,7 +4,7 @@ rule build_report:
     input:
         segments=get_segment_outputs,
         # Known before any checkpoint exists, so it is computed while the first segment trains.
-        reference=rules.compute_reference.output.ref,
+        reference=get_reference,
     output:
         metrics=report(
             f"{RUN_DIR}/report/metrics.csv",

@@ -1,0 +1,95 @@
+"""Evaluation beyond FID/KID: metric names that carry the image count, precision and recall, and
+reference statistics made elsewhere (EDM's, ADM's or clean-fid's `.npz` with `mu` and `sigma`).
+"""
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from diffrelay.errors import UserError
+
+PR_NEIGHBOURS = 3  # Kynkaenniemi et al. 2019 use k = 3
+PR_CHUNK = 1024  # rows of a distance block: 1024 x 10k float64 is 80 MB
+
+
+def count_label(n: int) -> str:
+    """50000 -> '50k', 2500 -> '2.5k', 256 -> '256', 1000000 -> '1M'."""
+    for unit, size in (("M", 1_000_000), ("k", 1000)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return str(n)
+
+
+def metric_name(label: str, num_images: int) -> str:
+    """The metric with the number of generated images: 'FID' -> 'FID-50k', 'FD (random features)' ->
+    'FD-256 (random features)'. Scores over other counts are other metrics (FID is biased by the count)."""
+    head, _, rest = label.partition(" ")
+    return f"{head}-{count_label(num_images)}" + (f" {rest}" if rest else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision and recall (improved, k-nearest-neighbour manifolds)
+
+
+def _kth_distances(x: np.ndarray, k: int) -> np.ndarray:
+    """Distance from each row of x to its k-th nearest other row."""
+    out = np.empty(len(x))
+    for i in range(0, len(x), PR_CHUNK):
+        d = _distances(x[i:i + PR_CHUNK], x)
+        out[i:i + PR_CHUNK] = np.partition(d, k, axis=1)[:, k]  # column 0 of the sort is the row itself
+    return out
+
+
+def _distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    sq = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T
+    return np.sqrt(np.maximum(sq, 0))
+
+
+def _coverage(points: np.ndarray, centres: np.ndarray, radii: np.ndarray) -> float:
+    """Fraction of points inside at least one ball (centre, radius)."""
+    inside = 0
+    for i in range(0, len(points), PR_CHUNK):
+        inside += int((_distances(points[i:i + PR_CHUNK], centres) <= radii[None, :]).any(1).sum())
+    return inside / len(points)
+
+
+def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS) -> tuple[float, float]:
+    """Precision: share of generated samples inside the real manifold (union of k-NN balls of real
+    features); recall: share of real samples inside the generated manifold. Float64 throughout."""
+    real, fake = np.asarray(real, np.float64), np.asarray(fake, np.float64)
+    if min(len(real), len(fake)) <= k:
+        raise UserError(f"precision/recall need more than k={k} images on each side "
+                        f"({len(real)} reference, {len(fake)} generated)")
+    precision = _coverage(fake, real, _kth_distances(real, k))
+    recall = _coverage(real, fake, _kth_distances(fake, k))
+    return precision, recall
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference statistics made elsewhere
+
+
+def load_foreign_ref(path, want_dim: int | None = None) -> dict:
+    """mu and sigma of a `.npz` made by another tool (EDM, ADM, clean-fid). Never unpickles.
+
+    Returns the same shape of dict as fid.load_ref, with features None (so no KID or precision/recall)."""
+    path = Path(path)
+    fix = "give an .npz holding float arrays mu (D,) and sigma (D, D)"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            keys = set(z.files)
+            if not {"mu", "sigma"} <= keys:
+                raise UserError(f"{path}: no mu and sigma arrays (found {', '.join(sorted(keys)) or 'none'}); {fix}")
+            mu, sigma = np.asarray(z["mu"], np.float64), np.asarray(z["sigma"], np.float64)
+    except ValueError as e:  # numpy's answer to an object array when allow_pickle=False
+        raise UserError(f"{path}: holds pickled Python objects, which diffrelay never loads; {fix}") from e
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path}: not a readable .npz ({type(e).__name__}); {fix}") from e
+    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
+        raise UserError(f"{path}: mu {mu.shape} and sigma {sigma.shape} do not fit together; {fix}")
+    if want_dim is not None and len(mu) != want_dim:
+        raise UserError(f"{path}: statistics of {len(mu)} features, but the extractor gives {want_dim}; "
+                        "use the extractor these statistics were made with")
+    settings = {"source": path.name, "feature_dim": len(mu), "num_images": None, "foreign": True}
+    return {"mu": mu, "sigma": sigma, "features": None, "settings": settings}
