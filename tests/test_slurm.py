@@ -165,7 +165,7 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
        (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
     3. `scontrol requeue` of the third try: SLURM ends it and starts it again under the same id.
     """
-    steps = 600  # long enough that each stop lands mid-segment; a step takes ~0.1 s here
+    steps = 3000  # long enough that each stop lands mid-segment: a step takes 0.02-0.1 s here
     train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
     cfg = write_config({"run": {"name": "stopped"}, "train": train}, name="stopped.yaml")
     ref = write_config({"run": {"name": "whole"}, "train": train}, name="whole.yaml")
