@@ -4,11 +4,15 @@ Each test checks the cluster's own records (squeue keeps finished jobs for MinJo
 only Snakemake's word, so a silent fallback to local execution fails the test.
 """
 
+import json
 import os
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import REPO, run_cli
 
@@ -108,3 +112,133 @@ def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tmp_path, w
         jobs = slurm_jobs(tmp_path, rule)
         assert len(jobs) == 1, (rule, jobs)
         assert_completed_here(jobs, tmp_path, rule)
+    # Every job's SLURM log says where it ran.
+    for log in (tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"):
+        assert f"diffrelay: SLURM job {log.stem} on nodes {socket.gethostname()}, CUDA_VISIBLE_DEVICES=" \
+            in log.read_text(), log
+
+
+def read_losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def segment_starts(run: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r.get("event") == "segment_start"]
+
+
+def running_job(rule: str, seen: set, timeout: float, proc) -> str:
+    """Id of a running SLURM job of `rule` that is not in `seen`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k"], capture_output=True, text=True).stdout
+        ids = [i for i, _, k in (line.partition("|") for line in out.splitlines())
+               if k.startswith(f"rule_{rule}") and i not in seen]
+        if ids:
+            return ids[0]
+        assert proc.poll() is None, "snakemake ended early"
+        time.sleep(0.5)
+    raise AssertionError(f"no new running SLURM job for rule {rule} after {timeout} s")
+
+
+def wait_for_steps(run: Path, starts: int, steps: int, timeout: float, proc) -> None:
+    """Until the run's `starts`-th try has logged `steps` losses past its starting step."""
+    t0 = time.monotonic()
+    while True:
+        metrics = run / "metrics" / "train.jsonl"
+        if metrics.is_file():
+            s = segment_starts(run)
+            if len(s) >= starts and sum(k > s[starts - 1] for k in read_losses(run)) >= steps:
+                return
+        assert time.monotonic() - t0 < timeout and proc.poll() is None, "training did not get going"
+        time.sleep(0.2)
+
+
+def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identically(tmp_path, write_config):
+    """A training segment stopped three ways, the way SLURM does it, then finished and compared with
+    an uninterrupted run:
+    1. `scancel --signal=USR1 JOB`: USR1 to every process of the job's steps at once (the Snakemake job
+       wrapper, the launch agent, the worker). All survive it but the worker, which saves and exits;
+       the try ends with status 75 and Snakemake resubmits it.
+    2. The profile's timer: the second try runs with `--time=1 --signal=USR1@20`; the same, on time
+       (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
+    3. `scontrol requeue` of the third try: SLURM ends it and starts it again under the same id.
+    """
+    steps = 3000  # long enough that each stop lands mid-segment: a step takes 0.02-0.1 s here
+    train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
+    cfg = write_config({"run": {"name": "stopped"}, "train": train}, name="stopped.yaml")
+    ref = write_config({"run": {"name": "whole"}, "train": train}, name="whole.yaml")
+    results = tmp_path / "results"
+    target = f"trained/step_{steps:07d}.json"
+
+    work = tmp_path / "slurm"
+    work.mkdir()
+    cmd = ["snakemake", results / "stopped" / target, "--snakefile", REPO / "Snakefile", "--directory", work,
+           "--workflow-profile", PROFILE, "--retries", "2", "--set-resources",
+           "train_segment:runtime=1 if attempt == 2 else 10",
+           "train_segment:slurm_extra='--signal=USR1@20' if attempt == 2 else ''",
+           "--configfile", cfg]
+    seen, t0 = set(), time.monotonic()
+    with open(tmp_path / "snakemake.log", "w") as out:
+        proc = subprocess.Popen(list(map(str, cmd)), cwd=work, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            first = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            seen.add(first)
+            wait_for_steps(results / "stopped", 1, 3, TIMEOUT / 2, proc)
+            subprocess.run(["scancel", "--signal=USR1", first], check=True)
+            second = running_job("train_segment", seen, TIMEOUT / 2, proc)  # the timer stops this one
+            seen.add(second)
+            third = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            seen.add(third)
+            wait_for_steps(results / "stopped", 3, 3, TIMEOUT / 2, proc)
+            subprocess.run(["scontrol", "requeue", third], check=True)
+            rc = proc.wait(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    print(f"three stops and the finished segment took {time.monotonic() - t0:.0f} s")
+    assert rc == 0, (tmp_path / "snakemake.log").read_text()
+
+    jobs = slurm_jobs(work, "train_segment")
+    assert sorted(jobs) == sorted(seen), (jobs, seen)
+    # SLURM's timer may fire up to 60 s early, before the job's step exists, and the signal is then
+    # lost: the time limit's SIGTERM stops the second try instead (TIMEOUT); training saves on it too.
+    assert jobs[first]["state"] == "FAILED" and jobs[third]["state"] == "COMPLETED", jobs
+    assert jobs[second]["state"] in ("FAILED", "TIMEOUT"), jobs
+    for job in (first, second) if jobs[second]["state"] == "FAILED" else (first,):
+        log = next((work / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob(f"{job}.log")).read_text()
+        # The wrapper lived to report the rule's status: 75.
+        assert "exit status 75" in log, log
+    print(f"second try: {jobs[second]['state']}")
+    show = subprocess.run(["scontrol", "show", "job", third], capture_output=True, text=True, check=True).stdout
+    assert "Restarts=1" in show, show
+    second_limit = subprocess.run(["squeue", "-h", "-t", "all", "-j", second, "-o", "%l"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    assert second_limit == "1:00", second_limit
+    starts = segment_starts(results / "stopped")
+    # 0, then after each of the three stops a resume past the start before it.
+    assert len(starts) == 4 and starts[0] == 0 and starts[1] > 0 and starts[2] > starts[1], starts
+    assert starts[2] <= starts[3] < steps, starts
+
+    # Uninterrupted reference, run locally.
+    (tmp_path / "local").mkdir()
+    run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
+            "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
+            timeout=TIMEOUT)
+    from diffrelay import checkpoint
+    a, _ = checkpoint.load_checkpoint(results / "stopped" / "checkpoints" / f"step_{steps:07d}")
+    b, _ = checkpoint.load_checkpoint(results / "whole" / "checkpoints" / f"step_{steps:07d}")
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert flat_a.keys() == flat_b.keys()
+    for k in flat_a:
+        assert torch.equal(flat_a[k], flat_b[k]) if isinstance(flat_a[k], torch.Tensor) else flat_a[k] == flat_b[k], k
+    assert read_losses(results / "stopped") == read_losses(results / "whole")
+
+
+def flatten(obj, prefix=""):
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in flatten(v, f"{prefix}.{k}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in flatten(v, f"{prefix}[{i}]").items()}
+    return {prefix: obj}

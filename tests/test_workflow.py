@@ -163,9 +163,27 @@ def test_multi_node_training_runs_srun_torchrun_with_rendezvous(tmp_path, write_
     cfg = write_config({"train": {"nnodes": 2, "nproc_per_node": 2}})
     p = snakemake(tmp_path, "-n", "--configfile", cfg)
     cmd = re.search(r"srun .*-m diffrelay train .*", p.stdout).group(0)
-    assert "srun --kill-on-bad-exit=1 diffrelay launch --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
+    assert "diffrelay launch --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in cmd
     assert '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in cmd
     assert "--standalone" not in cmd and "--master-port" not in cmd
+    # The jobstep plugin strips SLURM_* from the job: geometry is explicit, the nodes come from squeue.
+    assert cmd.startswith("srun --kill-on-bad-exit=1 --nodes 2 --ntasks 2 --ntasks-per-node 1 ")
+    assert 'squeue -h -j "$SLURM_JOB_ID" -o %N' in p.stdout and "SLURM_JOB_NODELIST" not in p.stdout
+
+
+def test_slurm_profile_dry_run_names_the_placeholders_to_fill_in(tmp_path, write_config):
+    # A machine without SLURM: PATH holds the venv and a few basic tools, no sinfo/sbatch/squeue.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("which", "sh", "bash", "uname"):
+        (tools / name).symlink_to(shutil.which(name))
+    env = {"HOME": str(tmp_path), "PATH": f"{BIN}:{tools}"}
+    p = run_cli("snakemake", "-n", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--workflow-profile",
+                REPO / "profiles" / "slurm", "--configfile", write_config(), check=False, env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout + p.stderr
+    assert "slurm_partition=<partition>" in errors[0] and "slurm_account=<account>" in errors[0], errors
+    assert "profiles/README.md" in errors[0] and "Traceback" not in p.stderr
 
 
 # --- slow: one real tiny run, then reruns of parts of it -----------------------------------------

@@ -126,17 +126,19 @@ def _write_record(record_path, final_ckpt: Path, step: int, traj: str) -> None:
         io.write_json(record_path, {"checkpoint": str(final_ckpt), "step": step, "trajectory": traj})
 
 
-def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None) -> int:
+def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None, stopped_path=None) -> int:
     with contextlib.ExitStack() as cleanup:  # stops the batch thread however the segment ends
-        return _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path)
+        return _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, stopped_path)
 
 
-def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) -> int:
+def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, stopped_path) -> int:
     t, run_dir = cfg.train, config.run_dir(cfg)
     until = t.total_steps if until_step is None else until_step
     if not 0 < until <= t.total_steps:
         raise UserError(f"--until-step {until}: must be between 1 and train.total_steps={t.total_steps}")
     traj = config.trajectory_hash(cfg)
+    # Before the slow set-up: SLURM's warning may come while a try starts; the first step then saves.
+    stop = StopRequest()
 
     # ---- Set-up: device, process group, logging, data, model, optimizer --------------------------
     device = distributed.pick_device(cfg.run.device)
@@ -214,7 +216,6 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     snapshots = set(config.snapshot_steps(cfg, segment_start, until))
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
-    stop = StopRequest()
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device)
     batches = cleanup.enter_context(loader.Prefetcher(maker, order, step, until))
@@ -300,6 +301,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         if any_stop and step < until:
             distributed.barrier()
             log.warning(f"stop requested (signal); saved recovery checkpoint at step {step}; exiting for a retry")
+            if distributed.is_main() and stopped_path:
+                # torchrun reports a worker's 75 as 1: this file tells the job's shell it was a stop.
+                io.write_json(stopped_path, {"step": step, "signal": stop.signum})
             distributed.teardown()
             return EXIT_STOPPED
 
@@ -359,6 +363,6 @@ def main(args) -> int:
     preflight.check_run_folder(cfg, ", ".join(args.config))
     try:
         return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace,
-                   record_path=args.record)
+                   record_path=args.record, stopped_path=args.stopped)
     finally:
         distributed.teardown()

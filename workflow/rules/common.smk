@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,21 @@ from diffrelay.errors import UserError  # noqa: E402
 
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.
 os.environ.setdefault("DIFFRELAY_HOME", str(workflow.basedir))
+
+# SLURM's warning before the time limit (SIGUSR1, profiles/slurm) goes to every process of the job's
+# steps at once, this Snakemake job wrapper included, and Python dies of SIGUSR1 by default: the job
+# would end before training has saved. Inside a job the wrapper only waits for the rule's shell, which
+# inherits the ignore; torchrun (--signals-to-handle) and `diffrelay train` install their own handlers.
+if workflow.remote_exec:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+# Every SLURM job's log (.snakemake/slurm_logs/rule_<rule>/.../<jobid>.log) says where it ran. Outside
+# SLURM it prints nothing. Before `set -u`, so unset variables are empty, not errors.
+shell.prefix(
+    '[ -z "$SLURM_JOB_ID" ] || echo "diffrelay: SLURM job $SLURM_JOB_ID on nodes '
+    '$(squeue -h -j "$SLURM_JOB_ID" -o %N), CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" >&2; '
+    "set -euo pipefail; "
+)
 
 
 def fail(message):
@@ -82,6 +98,23 @@ def load_run_config():
     return files, cfg
 
 
+def check_profile_placeholders():
+    """profiles/slurm ships `<partition>` and `<account>` for the user to fill in; without this check a
+    dry run looks fine and the real run fails at the first sbatch (or, on a machine without SLURM,
+    somewhere inside the plugin)."""
+    given = workflow.resource_settings.default_resources
+    args = given.args if given is not None else []
+    holes = [a for a in args if re.fullmatch(r"[\w]+=<[^<>]*>", a)]
+    if holes:
+        fail(
+            f"default-resources {', '.join(holes)}: placeholders of the SLURM profile; fill them in a copy of "
+            f"profiles/slurm (cp -r profiles/slurm profiles/mycluster; see profiles/README.md) and run with "
+            f"--workflow-profile profiles/mycluster (sinfo -s lists partitions; delete slurm_account on "
+            f"clusters without accounts)"
+        )
+
+
+check_profile_placeholders()
 CONFIG_FILES, CFG = load_run_config()
 CONFIG_ARGS = " ".join(f"--config {shlex.quote(str(f))}" for f in CONFIG_FILES)
 if workflow.is_main_process:
@@ -299,7 +332,13 @@ def check_executor():
     Snakemake leave the training jobs out of the graph without a word."""
     plugin = workflow.executor_plugin
     name = plugin.name if plugin is not None else None
-    if MULTI_NODE and name not in (None, "slurm", "slurm-jobstep", "dryrun"):
+    # Inside a SLURM allocation the plugin runs a multi-node (`mpi`) job with Snakemake's local
+    # executor; remote_exec says so (it is false for a plain `snakemake --cores` run).
+    if (
+        MULTI_NODE
+        and not workflow.remote_exec
+        and name not in (None, "slurm", "slurm-jobstep", "dryrun")
+    ):
         fail(
             f"{', '.join(map(str, CONFIG_FILES))}: train.nnodes={CFG.train.nnodes}: several nodes need the SLURM profile "
             f"(snakemake --workflow-profile profiles/slurm ...); use train.nnodes: 1 on one machine"
@@ -348,22 +387,27 @@ def get_train_launcher(wildcards, threads):
             with_gpus("train", t.nproc_per_node)
             + f"diffrelay launch --standalone --nproc-per-node {t.nproc_per_node}"
         )
-    # One srun task per node, each a torchrun agent; they meet at the allocation's first node.
-    # --nnodes is train.nnodes (= the srun tasks requested) rather than $SLURM_NNODES, so the
-    # local stand-in cluster (two tasks on one host) forms the same group as two real nodes.
+    # One srun task per node (geometry explicit: the job's SLURM_* variables are gone, see
+    # get_train_setup), each a `diffrelay launch` agent; they meet at the allocation's first node. Each task
+    # first logs where it runs.
+    n = t.nnodes
+    where = 'echo "diffrelay: srun task $SLURM_PROCID on node $SLURMD_NODENAME ($(hostname)), GPUs ${CUDA_VISIBLE_DEVICES:-none}"; exec "$@"'
     return (
-        f"srun --kill-on-bad-exit=1 diffrelay launch --nnodes {t.nnodes} "
-        f"--nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
+        f"srun --kill-on-bad-exit=1 --nodes {n} --ntasks {n} --ntasks-per-node 1 "
+        f"sh -c {shlex.quote(where)} sh "
+        f"diffrelay launch --nnodes {n} --nproc-per-node {t.nproc_per_node} --rdzv-backend c10d "
         f'--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"'
     )
 
 
 def get_train_setup(wildcards, threads):
-    """Shell lines run before the traced command (multi-node only: find the rendezvous host)."""
+    """Shell lines run before the traced command (multi-node only: find the rendezvous host). The
+    SLURM jobstep plugin removes most SLURM_* variables (the node list among them) from a job's
+    environment; SLURM_JOB_ID stays, and squeue knows the nodes."""
     if not MULTI_NODE:
         return ":"
     return (
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+        'head=$(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" | head -n 1); '
         "port=$((29400 + SLURM_JOB_ID % 1000))"
     )
 
