@@ -51,9 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="append the dataset indices of every step to this JSONL file (tests)")
     p.add_argument("--record", help="when the segment's checkpoint is complete, write this JSON record of it "
                                     "(the workflow's output for the segment)")
-    p.add_argument("--stopped", help="when a signal stops the segment after its recovery checkpoint, write this "
-                                     "JSON file (torchrun reports the workers' status 75 as 1; a job script "
-                                     "checks this file instead)")
     p.set_defaults(module="diffrelay.train")
 
     p = sub.add_parser("sample", help="generate PNGs from a snapshot; no dataset, no process group needed")

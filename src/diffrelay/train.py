@@ -126,12 +126,12 @@ def _write_record(record_path, final_ckpt: Path, step: int, traj: str) -> None:
         io.write_json(record_path, {"checkpoint": str(final_ckpt), "step": step, "trajectory": traj})
 
 
-def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None, stopped_path=None) -> int:
+def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_path=None) -> int:
     with contextlib.ExitStack() as cleanup:  # stops the batch thread however the segment ends
-        return _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, stopped_path)
+        return _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path)
 
 
-def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, stopped_path) -> int:
+def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) -> int:
     t, run_dir = cfg.train, config.run_dir(cfg)
     until = t.total_steps if until_step is None else until_step
     if not 0 < until <= t.total_steps:
@@ -301,9 +301,6 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path, st
         if any_stop and step < until:
             distributed.barrier()
             log.warning(f"stop requested (signal); saved recovery checkpoint at step {step}; exiting for a retry")
-            if distributed.is_main() and stopped_path:
-                # torchrun reports a worker's 75 as 1: this file tells the job's shell it was a stop.
-                io.write_json(stopped_path, {"step": step, "signal": stop.signum})
             distributed.teardown()
             return EXIT_STOPPED
 
@@ -363,6 +360,6 @@ def main(args) -> int:
     preflight.check_run_folder(cfg, ", ".join(args.config))
     try:
         return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace,
-                   record_path=args.record, stopped_path=args.stopped)
+                   record_path=args.record)
     finally:
         distributed.teardown()

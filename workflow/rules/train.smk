@@ -41,14 +41,10 @@ checkpoint train_segment:
         until=lambda wildcards: int(wildcards.step),
         # Everything that changes the weights (config.trajectory_hash): a change retrains.
         trajectory=drconfig.trajectory_hash(CFG),
-        # Written by training when a signal stopped it after a recovery checkpoint (see the shell).
-        stopped=lambda wildcards: f"logs/{wildcards.run}/train_segment/step_{wildcards.step}.stopped",
     message:
         "Training {wildcards.run} up to step {params.until}"
-    # Exit status 75 = stopped by a signal after saving, resumable: torchrun turns the workers' 75
-    # into 1, so the shell restores it when training left its `stopped` file for this try.
+    # Exit status 75 = stopped by a signal after saving, resumable (`diffrelay launch` keeps it).
     shell:
-        "exec >{log:q} 2>&1; {params.setup}; rm -f {params.stopped:q}; PS4=; set -x; "
+        "exec >{log:q} 2>&1; {params.setup}; PS4=; set -x; "
         "{params.launcher} -m diffrelay train {params.config} "
-        "--until-step {params.until} --record {output.trained:q} --stopped {params.stopped:q} {params.init} "
-        "|| {{ rc=$?; if [ -e {params.stopped:q} ]; then rc=75; fi; exit $rc; }}"
+        "--until-step {params.until} --record {output.trained:q} {params.init}"
