@@ -375,8 +375,11 @@ def get_config_args(wildcards, threads):
 
 
 def get_prepare_args(wildcards, threads):
-    # Decoding processes = the rule's threads: data.workers, or every core Snakemake was given.
-    return f"{CONFIG_ARGS} --workers {threads}"
+    # Decoding processes: data.workers, or with 0 `prepare` takes every core the job may use (its
+    # affinity mask: the allocation on a cluster). Snakemake's threads then count 1: prepare runs
+    # before training needs any core, and on a cluster a thread count read from --cores would not
+    # match the allocation.
+    return f"{CONFIG_ARGS} --workers {threads if CFG.data.workers else 0}"
 
 
 def get_train_launcher(wildcards, threads):

@@ -10,8 +10,8 @@ rule prepare_dataset:
         "logs/{run}/benchmarks/prepare_dataset/prepare_dataset.tsv"
     conda:
         "../../envs/diffrelay.yaml"
-    # data.workers decoding processes; 0 = every core given to Snakemake (it runs before training needs any).
-    threads: CFG.data.workers or workflow.cores
+    # data.workers decoding processes (0 = every core the job may use; see get_prepare_args).
+    threads: max(1, CFG.data.workers)
     params:
         # The config files and --workers {threads}; derived from threads, so not a rerun trigger.
         config=get_prepare_args,
