@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 from torch.nn import functional as F
 
-from diffrelay import cli, distributed, extractor, fid, io
+from diffrelay import cli, distributed, extractor, features, fid, io
 from diffrelay.errors import UserError
 
 N = 128  # images per folder: enough for ordering, small enough for seconds
@@ -123,9 +123,9 @@ def test_reference_from_arrays_equals_clean_fid_on_png_files(data, tmp_path, mod
 
 def test_threaded_features_equal_one_thread_in_order(data):
     ext = extractor.load(data["ext"], mode="clean")
-    files = fid.image_files(data["half"])[:40]
-    one = fid.features(fid.file_images(files, "clean"), ext, 16, torch.device("cpu"), workers=1)
-    three = fid.features(fid.file_images(files, "clean"), ext, 16, torch.device("cpu"), workers=3)
+    files = features.image_files(data["half"])[:40]
+    one = features.of_files(files, [ext], "clean", 16, torch.device("cpu"), workers=1)[0]
+    three = features.of_files(files, [ext], "clean", 16, torch.device("cpu"), workers=3)[0]
     assert one.shape == (40, extractor.RANDOM_DIM)
     np.testing.assert_array_equal(one, three)
     assert not np.array_equal(one[:20], one[20:])  # different images, different rows
@@ -135,7 +135,7 @@ def test_grid_and_other_files_in_a_sample_folder_are_not_scored(tmp_path):
     write_pngs(tmp_path, shapes(3, seed=2))
     Image.fromarray(shapes(1, seed=3, size=64)[0]).save(tmp_path / "grid.png")
     (tmp_path / "manifest.json").write_text("{}")
-    assert [p.name for p in fid.image_files(tmp_path)] == ["000000.png", "000001.png", "000002.png"]
+    assert [p.name for p in features.image_files(tmp_path)] == ["000000.png", "000001.png", "000002.png"]
 
 
 def test_changed_byte_in_statistics_is_refused(data, tmp_path):
@@ -195,7 +195,7 @@ def test_cached_statistics_are_reused_without_recomputing(data, tmp_path, monkey
     def no_features(*args, **kwargs):
         raise AssertionError("features recomputed although the cache holds them")
 
-    monkeypatch.setattr(fid, "features", no_features)
+    monkeypatch.setattr(features, "features", no_features)
     second = fid.make_ref(data["dataset"], data["ext"], mode="legacy_tensorflow", num=100, cache_dir=cache,
                           out=tmp_path / "b.npz")
     assert second.read_bytes() == first.read_bytes()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from diffrelay import extractor, fid, metrics
+from diffrelay import extractor, features, fid, metrics
 from diffrelay.errors import UserError
 from test_fid import shapes, write_pngs
 
@@ -47,7 +47,7 @@ def scored(tmp_path_factory):
     ext = extractor.build_random(root / "ext.pt", seed=0)
     loaded = extractor.load(ext)
     real = write_pngs(root / "real", imgs[:32])
-    ref_feats = fid.features(fid.file_images(sorted(real.glob("*.png")), "clean"), loaded, 16, "cpu")
+    ref_feats = features.of_files(sorted(real.glob("*.png")), [loaded], "clean", 16, "cpu")[0]
     mu, sigma = fid.statistics(ref_feats)
     np.savez(root / "edm-stats.npz", mu=mu, sigma=sigma)  # the shape of EDM's and ADM's files
     return root, ext, write_pngs(root / "fake", imgs[32:]), mu, sigma
@@ -56,7 +56,7 @@ def scored(tmp_path_factory):
 def test_reference_made_elsewhere_gives_fid_named_after_the_file_and_no_kid(scored):
     root, ext, fake, mu, sigma = scored
     r = fid.score(fake, root / "edm-stats.npz", ext)
-    feats = fid.features(fid.file_images(sorted(fake.glob("*.png")), "clean"), extractor.load(ext), 64, "cpu")
+    feats = features.of_files(sorted(fake.glob("*.png")), [extractor.load(ext)], "clean", 64, "cpu")[0]
     from cleanfid.fid import frechet_distance
 
     expected = frechet_distance(*fid.statistics(feats), mu, sigma)

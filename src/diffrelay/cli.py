@@ -88,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fid", help="FID/KID of an image folder against reference statistics (in a clean subprocess)")
     p.add_argument("--images", required=True, help="folder of generated images")
-    p.add_argument("--ref", required=True, help="reference statistics from `diffrelay fid-ref`")
-    p.add_argument("--extractor", required=True, help="the TorchScript extractor the statistics were made with")
+    p.add_argument("--extractor", required=True, action="append",
+                   help="a TorchScript extractor; repeat with --ref to score with several (images decoded once)")
+    p.add_argument("--ref", required=True, action="append",
+                   help="reference statistics made with the --extractor before it (`diffrelay fid-ref`, or a .npz "
+                   "with mu and sigma)")
     p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)

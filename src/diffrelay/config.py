@@ -138,9 +138,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         bad.append((f"model.channels={m['channels']}",
                     f"x max(model.channel_mult)={max(m['channel_mult'])} gives {width} channels at the widest level; "
                     f"keep it at most {MAX_WIDTH}"))
-    if s["first_seed"] + s["num_images"] > MAX_SEED:
-        bad.append((f"sample.first_seed={s['first_seed']}",
-                    f"plus sample.num_images={s['num_images']} passes the largest seed {MAX_SEED}; use a smaller one"))
+    from diffrelay.evaluation import check_config  # light: no torch
+
+    bad += check_config(d)
     if m["class_conditional"] and data["labels"] == "none":
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]

@@ -13,7 +13,6 @@ has no torchrun variables: scoring can never join, or wait for, a training proce
 import contextlib
 import hashlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -25,106 +24,21 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrelay import distributed, io, logs, parallel
+from diffrelay import distributed, features, io, logs, parallel
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-fid-ref/1"
 # KID draws subsets of at most 1000 rows (clean-fid's max_subset_size), so 10k reference rows are plenty,
 # and they bound the file: 10k x 2048 float32 = 80 MB for Inception.
 MAX_FEATURES = 10_000
-# clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.
-NUMBERED = re.compile(r"^\d+\.(bmp|jpg|jpeg|pgm|png|ppm|tif|tiff|webp)$", re.IGNORECASE)
 ARRAYS = ("mu", "sigma", "features", "settings")
 log = logs.get()
-
-
-# ---------------------------------------------------------------------------- images and features
-
-def image_files(folder) -> list[Path]:
-    """The numbered images of a folder (000000.png ...), sorted; at least 2 or UserError."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"{folder}: image folder not found")
-    files = sorted(p for p in folder.iterdir() if NUMBERED.match(p.name) and p.is_file())
-    if len(files) < 2:
-        raise UserError(f"{folder}: {len(files)} numbered images (000000.png ...); FID/KID need at least 2")
-    return files
 
 
 def _device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class ArrayImages:
-    """Rows of a prepared images.npy as a clean-fid dataset: what file_images gives for PNGs of the same rows.
-
-    A row is the uint8 (H, W, 3) array that a PNG of it decodes to, and it goes through clean-fid's own
-    resize for the mode (build_resizer, as set up by its ResizeDataset) and the same tensor conversion."""
-
-    def __init__(self, images, index, mode: str):
-        from cleanfid.utils import ResizeDataset
-
-        self.images, self.index = images, index
-        self.clean = ResizeDataset([], mode=mode)  # holds clean-fid's resizer and ToTensor for this mode
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i):
-        img = self.clean.custom_image_tranform(np.array(self.images[self.index[i]]))
-        out = self.clean.fn_resize(img)
-        # As clean-fid: ToTensor scales uint8 (legacy_tensorflow resizes nothing) to [0, 1]; float32 it keeps.
-        return self.clean.transforms(out) * 255 if out.dtype == np.uint8 else self.clean.transforms(out)
-
-
-def file_images(files, mode: str):
-    """Image files as clean-fid's own ResizeDataset (decode, resize, tensor), as its get_files_features makes."""
-    from cleanfid.utils import ResizeDataset
-
-    return ResizeDataset([str(f) for f in files], mode=mode)
-
-
-def features(items, ext, batch_size: int, device, workers: int = 1) -> np.ndarray:
-    """(N, D) float32 features of a clean-fid dataset (file_images or array_images).
-
-    The same batches as clean-fid's get_files_features, so the same numbers, but the items (decode and the
-    299x299 resize, which dominate) are made by `workers` threads, a few batches ahead of the extractor.
-    Threads, not DataLoader processes: PIL and torch release the GIL for this work, and a scorer killed at
-    its timeout leaves no worker processes behind."""
-    import torch
-    from cleanfid.fid import get_batch_features
-
-    window = 2 * max(workers, -(-batch_size // 8))  # chunks of 8: about two batches in flight
-    feats, batch = [], []
-    with contextlib.closing(parallel.ordered_map(items.__getitem__, range(len(items)), workers, chunk=8,
-                                                 window=window)) as tensors:
-        for t in tensors:
-            batch.append(t)
-            if len(batch) == batch_size:
-                feats.append(get_batch_features(torch.stack(batch), ext.fn, device))
-                batch = []
-    if batch:
-        feats.append(get_batch_features(torch.stack(batch), ext.fn, device))
-    return np.concatenate(feats)
-
-
-def features_or_name_bad_file(files, ext, mode: str, batch_size: int, device, workers: int = 1) -> np.ndarray:
-    """features() of image files; one that cannot be decoded is named in one line instead of a deep traceback."""
-    try:
-        return features(file_images(files, mode), ext, batch_size, device, workers)
-    except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "truncated or not an image"
-        from PIL import Image
-
-        for f in files:
-            try:
-                with Image.open(f) as im:
-                    im.load()
-            except (OSError, SyntaxError, ValueError) as bad:
-                raise UserError(f"{f}: damaged or not an image ({bad}); remake the folder "
-                                "(`diffrelay sample` remakes damaged files) and score again") from e
-        raise
 
 
 def statistics(feats: np.ndarray):
@@ -277,7 +191,9 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
 
     t0 = time.time()
     ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
-    feats = features(ArrayImages(prepared.images, index, mode), ext, batch_size, _device(), workers)
+    views = [features.view_of(ext, mode)]
+    [feats] = features.features(features.array_images(prepared.images, index, views), [ext], mode, batch_size,
+                                _device(), workers)
     mu, sigma = statistics(feats)
     if len(index) <= feats.shape[1]:
         log.warning(f"{dataset}: {len(index)} reference images for {feats.shape[1]} features: sigma is singular; "
@@ -344,20 +260,42 @@ def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
 
 
 def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers=1) -> dict:
-    """FD/KID of an image folder against reference statistics, in this process. Returns the result record."""
+    """FD/KID of an image folder against reference statistics with one extractor (see score_all)."""
+    return score_all(images, [(extractor_path, ref_path)], mode, batch_size, workers)
+
+
+def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
+    """Scores of an image folder with each (extractor, reference statistics) pair, in this process; each
+    image is decoded once for all of them. Returns the result record: its "scores" hold one entry per
+    pair, and its top-level metric, fid, kid ... repeat the first (the primary score)."""
     from diffrelay import extractor, metrics
 
     started = time.time()
-    files = image_files(images)  # cheap checks first: images, statistics, extractor hash, then the model
-    ref = load_reference(ref_path)
-    sha = extractor_sha256(extractor_path)
-    check_reference(ref, ref_path, sha, mode)
-    ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
-    if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
-        metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
-    feats = features_or_name_bad_file(files, ext, mode, batch_size, _device(), workers)
-    if len(files) <= feats.shape[1]:
-        log.warning(f"{images}: {len(files)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
+    files = features.image_files(images)  # cheap checks first: images, statistics, extractor hashes, then models
+    checked = []
+    for ext_path, ref_path in pairs:
+        ref, sha = load_reference(ref_path), extractor_sha256(ext_path)
+        check_reference(ref, ref_path, sha, mode)
+        checked.append((ext_path, ref_path, ref, sha))
+    exts = []
+    for ext_path, ref_path, ref, sha in checked:
+        ext = extractor.load(ext_path, mode, _device(), sha256=sha)
+        if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
+            metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
+        exts.append(ext)
+    feats = features.of_files(files, exts, mode, batch_size, _device(), workers)
+    scores = [_distances_record(images, ext, f, ref, ref_path) for ext, f, (_, ref_path, ref, _) in
+              zip(exts, feats, checked)]
+    finished = time.time()
+    return {**scores[0], "num_images": len(files), "mode": mode, "seconds": round(finished - started, 3),
+            "images": str(images), "started": started, "finished": finished, "scores": scores}
+
+
+def _distances_record(images, ext, feats, ref, ref_path) -> dict:
+    from diffrelay import metrics
+
+    if len(feats) <= feats.shape[1]:
+        log.warning(f"{images}: {len(feats)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
                     f"so {ext.label} is biased upward; compare only scores with equal image counts")
     fd, kid = distances(feats, ref)
     extra = {}
@@ -365,26 +303,33 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers
         extra["note"] = f"{Path(ref_path).name} holds mu and sigma only: no KID, precision or recall"
     elif min(len(feats), len(ref["features"])) > metrics.PR_NEIGHBOURS:
         extra["precision"], extra["recall"] = metrics.precision_recall(ref["features"], feats)
-    finished = time.time()
-    return {"metric": metrics.metric_name(ext.label, len(files)), "fid": fd, "kid": kid, **extra,
-            "num_images": len(files), "num_ref": ref["settings"]["num_images"], "reference": Path(ref_path).name,
-            "extractor": str(extractor_path), "extractor_sha256": sha, "mode": mode,
-            "seconds": round(finished - started, 3), "images": str(images), "ref": str(ref_path),
-            "started": started, "finished": finished}
+    return {"metric": metrics.metric_name(ext.label, len(feats)), "fid": fd, "kid": kid, **extra,
+            "num_ref": ref["settings"]["num_images"], "reference": Path(ref_path).name, "ref": str(ref_path),
+            "extractor": str(ext.path), "extractor_sha256": ext.sha256}
+
+
+def _pairs(args) -> list[tuple[str, str]]:
+    if len(args.extractor) != len(args.ref):
+        raise UserError(f"--extractor given {len(args.extractor)} times, --ref {len(args.ref)} times; give one "
+                        "--ref (the statistics made with it) after each --extractor")
+    return list(zip(args.extractor, args.ref))
 
 
 def main_fid(args) -> int:
     logs.setup()
+    pairs = _pairs(args)
     if not args.in_process:
         # Cheap checks here too, so a bad path fails before a child process is paid for.
-        image_files(args.images)
-        check_reference(load_reference(args.ref), args.ref, extractor_sha256(args.extractor), args.mode)
+        features.image_files(args.images)
+        for ext_path, ref_path in pairs:
+            check_reference(load_reference(ref_path), ref_path, extractor_sha256(ext_path), args.mode)
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
             private = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "diffrelay", "fid", "--images", args.images, "--ref", args.ref,
-                   "--extractor", args.extractor, "--mode", args.mode, "--batch-size", args.batch_size,
+            cmd = [sys.executable, "-m", "diffrelay", "fid", "--images", args.images,
+                   *[a for e, r in pairs for a in ("--extractor", e, "--ref", r)],
+                   "--mode", args.mode, "--batch-size", args.batch_size,
                    "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", private,
                    "--in-process"]
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
@@ -395,10 +340,12 @@ def main_fid(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    # --threads: the extractor's torch threads and as many threads decoding and resizing images ahead of it.
-    result = score(args.images, args.ref, args.extractor, args.mode, args.batch_size, workers=args.threads)
+    # --threads: the extractors' torch threads and as many threads decoding and resizing images ahead of them.
+    result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads)
     io.write_json(args.out, result)
-    kid = "n/a" if result["kid"] is None else f"{result['kid']:.5f}"
-    log.info(f"{args.images}: {result['metric']} {result['fid']:.4f}, KID {kid} "
-             f"({result['num_images']} images vs {result['num_ref']}, {result['seconds']:.1f}s)")
+    for r in result["scores"]:
+        kid = "n/a" if r["kid"] is None else f"{r['kid']:.5f}"
+        log.info(f"{args.images}: {r['metric']} {r['fid']:.4f}, KID {kid} "
+                 f"({result['num_images']} images vs {r['num_ref']} in {r['reference']})")
+    log.info(f"scored in {result['seconds']:.1f}s")
     return 0

@@ -1,0 +1,137 @@
+"""What the evaluation of a run consists of: which extractors, against which references, over which seed
+sets, and the optional second pass that scores the best checkpoints again with many images.
+
+Plain Python (no torch), so the Snakefile, `validate` and `report` share one reading of the config.
+
+Names of one evaluation (a sample folder and its score file): `step_0000400` plus a variant suffix,
+  _n50000  the second ("final") pass with fid.final.num_images images (none: sample.num_images)
+  _g1.5    classifier-free guidance scale (none: 1)
+  _s2      seed set 2 of sample.seed_sets (none: set 0), seeds first_seed + 2 x images + i
+in that order, e.g. step_0000400_n50000_g1.5_s2.
+"""
+
+import re
+from pathlib import Path
+
+VARIANT = r"(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
+_VARIANT = re.compile(rf"^{VARIANT}$")
+STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})$")
+
+# Extractors diffrelay can fetch or build, by the name a config uses; the value is the file's stem under
+# <run.resources>/extractors/ (random's carries the run's seed).
+DINOV2_MODELS = ("vits14", "vitb14", "vitl14", "vitg14")
+BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "dinov2": "dinov2-vitl14",
+           **{f"dinov2-{m}": f"dinov2-{m}" for m in DINOV2_MODELS}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+
+
+def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0) -> str:
+    """The suffix of one evaluation's names; "" for the first pass, guidance 1, seed set 0."""
+    return ((f"_n{count}" if count else "") + ("" if float(guidance) == 1 else f"_g{float(guidance):g}")
+            + (f"_s{seed_set}" if seed_set else ""))
+
+
+def parse_variant(suffix: str) -> tuple[int | None, float, int]:
+    """(count or None, guidance, seed set) of a variant suffix; ValueError if it is not one."""
+    m = _VARIANT.match(suffix)
+    if not m:
+        raise ValueError(f"{suffix!r}: not an evaluation variant like _n50000_g1.5_s2")
+    count, guidance, seed_set = m.groups()
+    return (int(count[2:]) if count else None, float(guidance[2:]) if guidance else 1.0,
+            int(seed_set[2:]) if seed_set else 0)
+
+
+def first_seed(first: int, num_images: int, seed_set: int) -> int:
+    """Seed of image 0 of a seed set: sets are disjoint, consecutive ranges of num_images seeds."""
+    return first + seed_set * num_images
+
+
+def guidance_scales(sample: dict) -> list[float]:
+    g = sample["guidance"]
+    return [float(x) for x in (g if isinstance(g, (list, tuple)) else [g])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Extractors and references
+
+
+def extractor_names(fid: dict) -> list[str]:
+    """The extractors as the config names them, primary (the one that picks the best checkpoint) first."""
+    if fid.get("extractors"):
+        return list(fid["extractors"])
+    e = fid.get("extractor") or "random"
+    return list(e) if isinstance(e, (list, tuple)) else [e]
+
+
+def extractor_key(name: str, seed: int) -> str:
+    """A file-name-safe key of an extractor: the fetched file's stem, or a custom file's stem."""
+    if name in BUILTIN:
+        return BUILTIN[name].format(seed=seed)
+    return re.sub(r"[^A-Za-z0-9._-]", "_", Path(name).stem) or "extractor"
+
+
+def extractor_file(name: str, seed: int, resources: str) -> str:
+    """Where an extractor's TorchScript file is: fetched into resources/, or the user's own path."""
+    if name in BUILTIN:
+        return f"{resources}/extractors/{extractor_key(name, seed)}.pt"
+    return str(Path(name).expanduser())
+
+
+def reference_file(fid: dict, name: str) -> str | None:
+    """fid.reference for one extractor: a file made elsewhere, or None (the dataset's own statistics)."""
+    ref = fid.get("reference")
+    if isinstance(ref, dict):
+        ref = ref.get(name)
+    return None if ref is None else str(Path(ref).expanduser())
+
+
+def check_config(d: dict) -> list[tuple[str, str]]:
+    """Rules across keys for the evaluation sections: (key, message) pairs, empty when all is well."""
+    from diffrelay.config import MAX_SEED
+
+    bad, f, s = [], d["fid"], d["sample"]
+    if f.get("extractors") and f.get("extractor"):
+        bad.append(("fid.extractor", "set together with fid.extractors; keep one (fid.extractors: [inception, "
+                    "dinov2] scores with both)"))
+    names = extractor_names(f)
+    keys = [extractor_key(n, d["run"]["seed"]) for n in names]
+    if len(set(keys)) < len(keys):
+        dup = next(n for n, k in zip(names, keys) if keys.count(k) > 1)
+        bad.append((f"fid.extractors={dup}", "named twice (or two files share a name); list each extractor once"))
+    ref = f.get("reference")
+    if isinstance(ref, str) and len(names) > 1:
+        bad.append((f"fid.reference={ref}", f"one file for {len(names)} extractors; give one per extractor, e.g. "
+                    f"{{{names[0]}: {ref}}} (the others then use the dataset's statistics)"))
+    if isinstance(ref, dict):
+        for key in ref:
+            if key not in names:
+                bad.append((f"fid.reference.{key}", f"not one of the extractors ({', '.join(names)}); "
+                            "key each file by an extractor's name as fid.extractors writes it"))
+    final = f["final"]
+    if final["best"] and final["num_images"] <= s["num_images"]:
+        bad.append((f"fid.final.num_images={final['num_images']}", f"not more than sample.num_images="
+                    f"{s['num_images']}; the second pass exists to score the best checkpoints with more images"))
+    most = max(s["num_images"], final["num_images"] if final["best"] else 0)
+    if s["first_seed"] + s["seed_sets"] * most > MAX_SEED:
+        bad.append((f"sample.first_seed={s['first_seed']}", f"plus {s['seed_sets']} seed set(s) of {most} images "
+                    f"passes the largest seed {MAX_SEED}; use a smaller one"))
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# The second pass
+
+
+def rank(results: list[dict], best: int) -> list[dict]:
+    """The `best` (step, guidance) pairs with the lowest primary score, averaged over seed sets.
+
+    results: score records of the first pass, each with step, guidance and the primary metric's value."""
+    by_pair: dict[tuple[int, float], list[float]] = {}
+    for r in results:
+        by_pair.setdefault((r["step"], r["guidance"]), []).append(r["fid"])
+    mean = {k: sum(v) / len(v) for k, v in by_pair.items() if all(x == x for x in v)}  # NaN scores never win
+    order = sorted(mean, key=lambda k: (mean[k], k))
+    return [{"step": k[0], "guidance": k[1], "score": mean[k]} for k in order[:best]]

@@ -1,0 +1,136 @@
+"""Features of images for FID and its relatives: each image decoded once, then shaped for every extractor.
+
+An extractor wants either clean-fid's view of an image (its resize for the mode, 299x299 in clean mode,
+then its tensor conversion: what clean-fid's own ResizeDataset makes) or the image at its native size
+(DINOv2, whose module resizes on the device, as edm2 does). Images come from numbered files of a folder
+or from the rows of a prepared images.npy; a row is the uint8 array its PNG decodes to, so both give the
+same numbers as clean-fid's folder pipeline.
+"""
+
+import contextlib
+import re
+from pathlib import Path
+
+import numpy as np
+
+from diffrelay import parallel
+from diffrelay.errors import UserError
+
+# clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.
+NUMBERED = re.compile(r"^\d+\.(bmp|jpg|jpeg|pgm|png|ppm|tif|tiff|webp)$", re.IGNORECASE)
+NATIVE = "native"
+
+
+def image_files(folder) -> list[Path]:
+    """The numbered images of a folder (000000.png ...), sorted; at least 2 or UserError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: image folder not found")
+    files = sorted(p for p in folder.iterdir() if NUMBERED.match(p.name) and p.is_file())
+    if len(files) < 2:
+        raise UserError(f"{folder}: {len(files)} numbered images (000000.png ...); FID/KID need at least 2")
+    return files
+
+
+def decode(path) -> np.ndarray:
+    """(H, W, 3) uint8 pixels of an image file, as clean-fid's ResizeDataset reads them (PIL, RGB)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.array(im.convert("RGB"))
+
+
+class CleanView:
+    """clean-fid's resize for `mode` and its tensor conversion, taken from a ResizeDataset it builds."""
+
+    def __init__(self, mode: str):
+        from cleanfid.utils import ResizeDataset
+
+        self.clean = ResizeDataset([], mode=mode)
+
+    def __call__(self, pixels: np.ndarray):
+        out = self.clean.fn_resize(self.clean.custom_image_tranform(pixels))
+        # As clean-fid: ToTensor scales uint8 (legacy_tensorflow resizes nothing) to [0, 1]; float32 it keeps.
+        return self.clean.transforms(out) * 255 if out.dtype == np.uint8 else self.clean.transforms(out)
+
+
+def native_view(pixels: np.ndarray):
+    """The image as a float (3, H, W) tensor in [0, 255], not resized."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float()
+
+
+def view_of(ext, mode: str) -> str:
+    """Which view an extractor takes: NATIVE, or clean-fid's for the mode."""
+    return NATIVE if getattr(ext, "input_size", 299) is None else mode
+
+
+class Images:
+    """Item i = {view: tensor} for image i: decoded once by `read(i)`, then shaped once per view."""
+
+    def __init__(self, read, count: int, views):
+        self.read, self.count = read, count
+        self.views = {v: native_view if v == NATIVE else CleanView(v) for v in dict.fromkeys(views)}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i) -> dict:
+        pixels = self.read(i)
+        return {v: make(pixels) for v, make in self.views.items()}
+
+
+def file_images(files, views) -> Images:
+    files = [Path(f) for f in files]
+    return Images(lambda i: decode(files[i]), len(files), views)
+
+
+def array_images(images, index, views) -> Images:
+    """Rows `index` of an (N, H, W, 3) uint8 array (a memory-mapped images.npy)."""
+    return Images(lambda i: np.array(images[index[i]]), len(index), views)
+
+
+def features(items: Images, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:
+    """(N, D) float32 features of every item for each extractor, in the order of `exts`.
+
+    The same batches as clean-fid's get_files_features, so the same numbers, but the items (decode and
+    resize, which dominate) are made by `workers` threads, a few batches ahead of the extractors. Threads,
+    not DataLoader processes: PIL and torch release the GIL for this work, and a scorer killed at its
+    timeout leaves no worker processes behind."""
+    import torch
+    from cleanfid.fid import get_batch_features
+
+    views = [view_of(e, mode) for e in exts]
+    feats, batch = [[] for _ in exts], []
+
+    def run():
+        for out, ext, view in zip(feats, exts, views):
+            out.append(get_batch_features(torch.stack([item[view] for item in batch]), ext.fn, device))
+
+    window = 2 * max(workers, -(-batch_size // 8))  # chunks of 8: about two batches in flight
+    with contextlib.closing(parallel.ordered_map(items.__getitem__, range(len(items)), workers, chunk=8,
+                                                 window=window)) as stream:
+        for item in stream:
+            batch.append(item)
+            if len(batch) == batch_size:
+                run()
+                batch = []
+    if batch:
+        run()
+    return [np.concatenate(f) for f in feats]
+
+
+def of_files(files, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:
+    """features() of image files; one that cannot be decoded is named in one line instead of a deep traceback."""
+    views = [view_of(e, mode) for e in exts]
+    try:
+        return features(file_images(files, views), exts, mode, batch_size, device, workers)
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "truncated or not an image"
+        for f in files:
+            try:
+                decode(f)
+            except (OSError, SyntaxError, ValueError) as bad:
+                raise UserError(f"{f}: damaged or not an image ({bad}); remake the folder "
+                                "(`diffrelay sample` remakes damaged files) and score again") from e
+        raise
