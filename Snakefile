@@ -19,6 +19,7 @@ include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/sample.smk"
 include: "workflow/rules/fid.smk"
+include: "workflow/rules/final.smk"
 include: "workflow/rules/report.smk"
 
 

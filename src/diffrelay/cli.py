@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scores", nargs="*", help="FID result files")
     p.set_defaults(module="diffrelay.report")
 
+    p = sub.add_parser("select-best", help="the best first-pass evaluations of a run, for the second pass (workflow)")
+    p.add_argument("--best", type=int, required=True, help="how many (step, guidance) evaluations to keep")
+    p.add_argument("--out", required=True, help="JSON file: {\"selected\": [{step, guidance, score}, ...]}")
+    p.add_argument("segments", nargs="+", help="the `diffrelay collect` files of the run's segments")
+    p.set_defaults(module="diffrelay.evaluation")
+
     p = sub.add_parser("with-gpus", help="run a command on free GPU ids of a pool (one machine; flock slots)")
     p.add_argument("--pool", required=True, help="GPU ids to share, e.g. 0,1,2,3, or auto (all visible)")
     p.add_argument("--count", type=int, required=True, help="ids this command needs")

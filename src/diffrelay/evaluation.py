@@ -135,3 +135,38 @@ def rank(results: list[dict], best: int) -> list[dict]:
     mean = {k: sum(v) / len(v) for k, v in by_pair.items() if all(x == x for x in v)}  # NaN scores never win
     order = sorted(mean, key=lambda k: (mean[k], k))
     return [{"step": k[0], "guidance": k[1], "score": mean[k]} for k in order[:best]]
+
+
+def first_pass_results(score_files) -> list[dict]:
+    """step, guidance, seed set, metric and primary score of each first-pass result file."""
+    from diffrelay import io
+    from diffrelay.errors import UserError
+
+    out = []
+    for path in map(Path, score_files):
+        m = STEP_STEM.match(path.stem)
+        count, guidance, seed_set = parse_variant(m.group(2)) if m else (None, 1.0, 0)
+        if not m or count is not None:
+            continue  # not a score of the first pass
+        rec = io.read_json(path)
+        fid = rec.get("fid") if isinstance(rec, dict) else None
+        if isinstance(fid, bool) or not isinstance(fid, (int, float)):
+            raise UserError(f"{path}: fid={fid!r}: missing or not a number; score that folder again (diffrelay fid)")
+        out.append({"step": int(m.group(1)), "guidance": guidance, "seed_set": seed_set,
+                    "metric": rec.get("metric"), "fid": float(fid)})
+    return out
+
+
+def main_select_best(args) -> int:
+    """`diffrelay select-best`: rank the first-pass scores listed by the segments' collect files."""
+    from diffrelay import io, logs
+
+    log = logs.setup()
+    files = [f for seg in args.segments for f in io.read_json(seg)["scores"]]
+    results = first_pass_results(files)
+    metrics = sorted({r["metric"] for r in results if r["metric"]})
+    selected = rank(results, args.best)
+    io.write_json(args.out, {"best": args.best, "metric": metrics, "selected": selected})
+    for s in selected:
+        log.info(f"second pass: step {s['step']}, guidance {s['guidance']:g} ({', '.join(metrics)} {s['score']:.4g})")
+    return 0

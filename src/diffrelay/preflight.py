@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from diffrelay import config, io
+from diffrelay import config, evaluation, io
 from diffrelay.errors import UserError
 
 RUN_FORMAT = "diffrelay-run/1"
@@ -73,18 +73,22 @@ def check_inputs(cfg, source: str) -> None:
                         "use at most that, or 0 for all")
     if s.num_images < 2:
         raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
-    if f.extractor not in ("inception", "random"):
-        try:
-            io.check_regular_file(Path(f.extractor).expanduser(), 1 << 34, "file",
-                                  "give an existing TorchScript file, or inception or random")
-        except UserError as e:
-            raise UserError(f"{source}: fid.extractor={e}") from e
-    if f.reference is not None:
-        try:
-            io.check_regular_file(Path(f.reference).expanduser(), 1 << 34, "file",
-                                  "give an .npz with mu and sigma, or null to use the dataset's statistics")
-        except UserError as e:
-            raise UserError(f"{source}: fid.reference={e}") from e
+    fid = cfg.to_dict()["fid"]
+    key = "fid.extractors" if fid["extractors"] else "fid.extractor"
+    for name in evaluation.extractor_names(fid):
+        if name not in evaluation.BUILTIN:
+            try:
+                io.check_regular_file(Path(name).expanduser(), 1 << 34, "file", "give an existing TorchScript "
+                                      f"file, or one of {', '.join(evaluation.BUILTIN)}")
+            except UserError as e:
+                raise UserError(f"{source}: {key}={e}") from e
+        ref = evaluation.reference_file(fid, name)
+        if ref is not None:
+            try:
+                io.check_regular_file(Path(ref), 1 << 34, "file",
+                                      "give an .npz with mu and sigma, or null to use the dataset's statistics")
+            except UserError as e:
+                raise UserError(f"{source}: fid.reference={e}") from e
     classes = num_classes(cfg)
     if cfg.model.class_conditional and not classes:
         raise UserError(f"{source}: model.class_conditional=true: the dataset has no classes (images must sit in "

@@ -3,8 +3,12 @@
 Example:
   diffrelay report --run-dir results/demo --out results/demo/report
 
-metrics.csv has one row per evaluated (step, guidance): a sweep of sample.guidance scores every step
-once per scale, in files named step_XXXXXXX_g<scale> (no suffix for guidance 1). train_loss_mean and train_images_per_s average the
+metrics.csv has one row per evaluated (step, guidance, metric). Each extractor of fid.extractors is its own
+metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
+different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
+variant (evaluation.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
+set); fid, kid, precision and recall are means over the seed sets, fid_std and fid_min their standard
+deviation and minimum. train_loss_mean and train_images_per_s average the
 training records logged after the previous evaluated step, up to and including this one (a resumed
 segment's repeated steps count once, the last record wins). The *_s columns are wall-clock seconds
 as each stage logged them: train_segment_s is the training loop of the segment holding the step
@@ -20,18 +24,21 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from diffrelay import io, logs
+from diffrelay import evaluation, io, logs
 from diffrelay.errors import UserError
 
-STEP_FILE = re.compile(r"^step_(\d{7})(_g[0-9.e+-]+)?\.json$")
-COLUMNS = ["step", "guidance", "metric", "fid", "kid", "precision", "recall", "train_loss_mean", "train_skipped_steps",
-           "train_images_per_s",
-           "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
+STEP_FILE = re.compile(rf"^step_(\d{{7}})({evaluation.VARIANT})\.json$")
+COLUMNS = ["step", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
+           "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
+           "sample_images_per_s", "fid_s"]
+# "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
+COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?$")
 
 
-def step_name(step: int, guidance: float = 1.0) -> str:
-    """Folder/file stem of one evaluation; guidance 1 has no suffix (the workflow's guidance_suffix)."""
-    return f"step_{step:07d}" + ("" if guidance == 1 else f"_g{guidance:g}")
+def family(metric: str) -> str:
+    """The metric without its image count: scores of one family share a plot panel, one curve per count."""
+    m = COUNTED.match(metric)
+    return m.group(1) + (m.group(3) or "") if m else metric
 
 
 # ---- Reading the run folder ---------------------------------------------------------------------
@@ -55,7 +62,8 @@ def _seconds(rec: dict, path: Path) -> float:
 
 
 def read_fid(run_dir: Path) -> pd.DataFrame:
-    """One row per metrics/fid/step_XXXXXXX.json: step, metric, fid, kid, fid_s."""
+    """One row per score in metrics/fid/step_XXXXXXX<variant>.json (one per extractor): step, guidance, seed
+    set, metric, its values, and the sample folder it scored."""
     folder = run_dir / "metrics" / "fid"
     files = sorted(p for p in folder.glob("step_*.json") if STEP_FILE.match(p.name)) if folder.is_dir() else []
     if not files:
@@ -66,16 +74,33 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         rec = io.read_json(path)
         if not isinstance(rec, dict):
             raise UserError(f"{path}: expected a JSON object; regenerate it with `diffrelay fid`")
-        metric = rec.get("metric")
-        if not isinstance(metric, str) or not metric:
-            raise UserError(f"{path}: metric={metric!r}: missing; regenerate it with `diffrelay fid`")
         m = STEP_FILE.match(path.name)
-        rows.append({"step": int(m.group(1)), "guidance": float(m.group(2)[2:]) if m.group(2) else 1.0, "metric": metric,
-                     "fid": _number(rec, "fid", path), "kid": _number(rec, "kid", path, required=False),
-                     "precision": _number(rec, "precision", path, required=False),
-                     "recall": _number(rec, "recall", path, required=False),
-                     "fid_s": _seconds(rec, path)})
-    return pd.DataFrame(rows).sort_values(["step", "guidance"], ignore_index=True)
+        count, guidance, seed_set = evaluation.parse_variant(m.group(2))
+        scores = rec.get("scores", [rec])  # files from before several extractors hold one score at the top
+        if not isinstance(scores, list) or not scores or not all(isinstance(r, dict) for r in scores):
+            raise UserError(f"{path}: scores={scores!r}: expected a list of results; regenerate it with `diffrelay fid`")
+        for i, score in enumerate(scores):
+            metric = score.get("metric")
+            if not isinstance(metric, str) or not metric:
+                raise UserError(f"{path}: metric={metric!r}: missing; regenerate it with `diffrelay fid`")
+            rows.append({"step": int(m.group(1)), "guidance": guidance, "seed_set": seed_set, "metric": metric,
+                         "primary": i == 0, "num_images": _number(rec, "num_images", path, required=False),
+                         "fid": _number(score, "fid", path), "kid": _number(score, "kid", path, required=False),
+                         "precision": _number(score, "precision", path, required=False),
+                         "recall": _number(score, "recall", path, required=False),
+                         "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
+                         "grid": f"step_{m.group(1)}{evaluation.variant(count, guidance)}"})
+    return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
+
+
+def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
+    """One row per (step, guidance, metric): mean, standard deviation and minimum over the seed sets."""
+    groups = fid.groupby(["step", "guidance", "metric"], sort=True)
+    out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
+                     fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
+                     precision=("precision", "mean"), recall=("recall", "mean"), fid_s=("fid_s", "mean"),
+                     primary=("primary", "any"), grid=("grid", "first"), samples=("samples", list))
+    return out.reset_index()
 
 
 def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -113,10 +138,10 @@ def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return df, pd.DataFrame(segments, columns=["start", "end", "seconds"])
 
 
-def read_sample_manifest(run_dir: Path, step: int, guidance: float = 1.0) -> dict:
-    path = run_dir / "samples" / step_name(step, guidance) / "manifest.json"
+def read_sample_manifest(run_dir: Path, name: str) -> dict:
+    path = run_dir / "samples" / name / "manifest.json"
     if not path.is_file():
-        raise UserError(f"{path}: not found, although metrics/fid/{step_name(step, guidance)}.json exists; "
+        raise UserError(f"{path}: not found, although metrics/fid/{name}.json exists; "
                         f"sample that snapshot again (diffrelay sample) or delete the stale FID result")
     rec = io.read_json(path)
     if not isinstance(rec, dict):
@@ -127,15 +152,19 @@ def read_sample_manifest(run_dir: Path, step: int, guidance: float = 1.0) -> dic
 # ---- Putting it together ------------------------------------------------------------------------
 
 def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, run_dir: Path) -> pd.DataFrame:
+    """metrics.csv's rows (COLUMNS), plus `primary` and `grid` for picking the best evaluation."""
     rows, steps = [], sorted(set(fid.step))
-    for r in fid.itertuples(index=False):
+    for r in over_seed_sets(fid).itertuples(index=False):
         i = steps.index(r.step)
         prev = steps[i - 1] if i else -1
         window = train[(train.step > prev) & (train.step <= r.step)]
         seg = segments[(segments.start < r.step) & (segments.end >= r.step)]
-        sample = read_sample_manifest(run_dir, r.step, r.guidance)
+        samples = [read_sample_manifest(run_dir, name) for name in r.samples]
+        sample_s = sum(m["sample_s"] for m in samples) / len(samples)
+        made = sum(m["num_images"] for m in samples) / len(samples)
         rows.append({
-            "step": r.step, "guidance": r.guidance, "metric": r.metric, "fid": r.fid, "kid": r.kid,
+            "step": r.step, "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
+            "seed_sets": r.seed_sets, "fid": r.fid, "fid_std": r.fid_std, "fid_min": r.fid_min, "kid": r.kid,
             "precision": r.precision, "recall": r.recall,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
             # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
@@ -143,18 +172,22 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             else math.nan,
             "train_images_per_s": window.images_per_s.mean() if len(window) else math.nan,
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
-            "sample_s": sample["sample_s"],
-            "sample_images_per_s": sample["num_images"] / sample["sample_s"] if sample["sample_s"] > 0 else math.nan,
-            "fid_s": r.fid_s,
+            "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
+            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid,
         })
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid"])
 
 
 def best_row(table: pd.DataFrame) -> pd.Series:
-    """Lowest value among results with the newest step's metric (FID and FD are not comparable)."""
-    same = table[(table.metric == table.metric.iloc[-1]) & table.fid.notna()]
+    """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
+    second pass when it ran), among results of the newest step's metric: scores of other extractors or
+    image counts are never compared."""
+    primary = table[table.primary]
+    top = primary[primary.num_images.fillna(0) == primary.num_images.fillna(0).max()]
+    metric = top.metric.iloc[-1]
+    same = top[(top.metric == metric) & top.fid.notna()]
     if same.empty:
-        raise UserError(f"every {table.metric.iloc[-1]} value in metrics/fid is NaN; the samples are broken "
+        raise UserError(f"every {metric} value in metrics/fid is NaN; the samples are broken "
                         "(check the training loss) and no step can be called best")
     return same.loc[same.fid.idxmin()]
 
@@ -166,20 +199,31 @@ def _save_png(fig: Figure, path: Path) -> None:
 
 
 def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) -> None:
-    fig = Figure(figsize=(6.4, 4), layout="constrained")
-    ax = fig.add_subplot()
-    metrics = list(dict.fromkeys(table.metric))
-    for (m, g), part in table.groupby(["metric", "guidance"], sort=True):  # one curve per guidance scale
-        ax.plot(part.step, part.fid, marker="o", label=m if table.guidance.nunique() == 1 else f"{m}, guidance {g:g}")
-    at = f"step {best.step}" + ("" if table.guidance.nunique() == 1 else f", guidance {best.guidance:g}")
-    ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
-            label=f"best: {best.fid:.4g} at {at}")
-    label = metrics[0] if len(metrics) == 1 else " / ".join(metrics)
-    ax.set(xlabel="training step", ylabel=label, title=f"{run_name}: {label} by training step (lower is better)")
-    ax.set_xlim(left=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
-    ax.grid(alpha=0.3)
-    ax.legend()
+    """One panel per metric family (FID, FD_DINOv2, ...), primary first; one curve per image count and
+    guidance scale, each labelled with its metric name; bars of one standard deviation over seed sets."""
+    families = list(dict.fromkeys(map(family, table.sort_values("primary", ascending=False, kind="stable").metric)))
+    fig = Figure(figsize=(6.4, 2.2 + 1.8 * len(families)), layout="constrained")
+    axes = fig.subplots(len(families), 1, sharex=True, squeeze=False)[:, 0]
+    several_scales = table.guidance.nunique() > 1
+    for ax, fam in zip(axes, families):
+        part = table[table.metric.map(family) == fam]
+        for (m, g), curve in part.groupby(["metric", "guidance"], sort=True):
+            label = m + (f", guidance {g:g}" if several_scales else "")
+            if curve.seed_sets.max() > 1:
+                label += f" (mean of {int(curve.seed_sets.max())} seed sets, bars: std)"
+            ax.errorbar(curve.step, curve.fid, yerr=curve.fid_std.fillna(0) if curve.seed_sets.max() > 1 else None,
+                        marker="o", capsize=3, label=label, linestyle="-" if len(curve) > 1 else "none")
+        if fam == family(best.metric):
+            at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
+            ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
+                    label=f"best {best.metric}: {best.fid:.4g} at {at}")
+        ax.set(ylabel=fam)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_title(f"{run_name}: {' / '.join(families)} by training step (lower is better)")
+    axes[-1].set(xlabel="training step")
+    axes[-1].set_xlim(left=0)
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     _save_png(fig, path)
 
 
@@ -224,19 +268,20 @@ def main(args) -> int:
     train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
     best = best_row(table)
-    grid = run_dir / "samples" / step_name(best.step, best.guidance) / "grid.png"
+    grid = run_dir / "samples" / best.grid / "grid.png"
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
-    io.write_text(out / "metrics.csv", table.to_csv(index=False, float_format="%.6g"))
+    io.write_text(out / "metrics.csv", table[COLUMNS].to_csv(index=False, float_format="%.6g"))
     plot_fid(table, best, run_dir.name, out / "fid.png")
     plot_loss(train, segments, run_dir.name, out / "loss.png")
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
         "step": int(best.step), "guidance": float(best.guidance), "metric": best.metric, "fid": float(best.fid),
-        "kid": None if math.isnan(best.kid) else float(best.kid),
-        "snapshot": str(run_dir / "snapshots" / f"{step_name(best.step)}.safetensors"),
-        "samples": str(run_dir / "samples" / step_name(best.step, best.guidance)),
+        "kid": None if math.isnan(best.kid) else float(best.kid), "seed_sets": int(best.seed_sets),
+        "fid_min": float(best.fid_min), "fid_std": None if math.isnan(best.fid_std) else float(best.fid_std),
+        "snapshot": str(run_dir / "snapshots" / f"step_{int(best.step):07d}.safetensors"),
+        "samples": str(run_dir / "samples" / best.grid),
         "grid": str(out / "best_grid.png"),
     })
     log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")

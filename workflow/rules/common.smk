@@ -14,6 +14,7 @@ from snakemake.utils import update_config
 # One schema and one validator for the Snakefile and the CLI: the package's own config module.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
+from diffrelay import evaluation  # noqa: E402
 from diffrelay import preflight  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
@@ -151,27 +152,22 @@ def trained_steps():
 
 SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
-# Guidance sweep: each scale of sample.guidance is its own sample and score job, named by a suffix
-# of the step ("" for 1, the unguided default, so those paths stay as they were; "_g1.5" otherwise).
-GUIDANCE = "{guidance}"
-
-
-def guidance_suffix(g):
-    return "" if float(g) == 1 else f"_g{float(g):g}"
-
-
-def guidance_value(suffix):
-    return float(suffix[2:]) if suffix else 1.0
-
-
-GUIDANCE_SUFFIXES = [
-    guidance_suffix(g)
-    for g in (
-        CFG.sample.guidance
-        if isinstance(CFG.sample.guidance, tuple)
-        else [CFG.sample.guidance]
-    )
+# Every evaluation of a snapshot is named by the step and a variant suffix (evaluation.py): the second
+# pass's image count (_n50000), the guidance scale (_g1.5) and the seed set (_s2), each absent for the
+# default, so a run with none of them keeps the plain step_XXXXXXX names.
+VARIANT = "{variant}"
+GUIDANCE_SCALES = evaluation.guidance_scales(CFG.to_dict()["sample"])
+SEED_SETS = range(CFG.sample.seed_sets)
+FIRST_PASS = [
+    evaluation.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS
 ]
+FINAL = CFG.fid.final
+
+
+def final_variants(guidance):
+    return [evaluation.variant(FINAL.num_images, guidance, s) for s in SEED_SETS]
+
+
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
 USE_GPU = CFG.run.device in ("auto", "cuda")
 MULTI_NODE = CFG.train.nnodes > 1
@@ -246,7 +242,7 @@ wildcard_constraints:
     # Steps are zero-padded to 7 digits; no output pattern reaches snapshots/, which training
     # writes without Snakemake knowing each file.
     step=r"\d{7}",
-    guidance=r"(_g[0-9.e+-]+)?",
+    variant=evaluation.VARIANT,
 
 
 # --- checks that need more than the schema -------------------------------------------------
@@ -260,26 +256,43 @@ if CFG.model.arch not in ("unet", "dit"):
     except UserError as e:
         fail(f"{', '.join(map(str, CONFIG_FILES))}: {e}")
 
-if CFG.fid.extractor in ("inception", "random"):
-    EXTRACTOR_NAME = (
-        "inception-2015-12-05"
-        if CFG.fid.extractor == "inception"
-        else f"random-seed{CFG.run.seed}"
-    )
-    EXTRACTOR = f"{RESOURCES}/extractors/{EXTRACTOR_NAME}.pt"
-else:
-    EXTRACTOR = CFG.fid.extractor  # checked by preflight.check_inputs
+# The extractors in config order (the first picks the best checkpoint), each under a file-name key.
+EXTRACTOR_NAMES = evaluation.extractor_names(CFG.to_dict()["fid"])
+EXTRACTOR_KEYS = [evaluation.extractor_key(n, CFG.run.seed) for n in EXTRACTOR_NAMES]
+EXTRACTOR_FILES = {
+    key: evaluation.extractor_file(name, CFG.run.seed, RESOURCES)
+    for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
+}  # custom files are checked by preflight.check_inputs
+FOREIGN_REFERENCES = {
+    key: evaluation.reference_file(CFG.to_dict()["fid"], name)
+    for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
+}
 
 
 def get_extractor(wildcards):
-    return EXTRACTOR
+    """The extractor file of one reference job ({extractor} is its key)."""
+    return EXTRACTOR_FILES[wildcards.extractor]
 
 
-def get_reference(wildcards):
-    """fid.reference (statistics made elsewhere), or the dataset's own from compute_reference."""
-    if CFG.fid.reference is not None:
-        return str(Path(CFG.fid.reference).expanduser())
-    return expand(rules.compute_reference.output.ref, run=wildcards.run)
+def get_extractors(wildcards):
+    return list(EXTRACTOR_FILES.values())
+
+
+def get_references(wildcards):
+    """Per extractor: fid.reference (statistics made elsewhere), or the dataset's own (compute_reference)."""
+    return [
+        FOREIGN_REFERENCES[key]
+        or expand(rules.compute_reference.output.ref, run=wildcards.run, extractor=key)[0]
+        for key in EXTRACTOR_KEYS
+    ]
+
+
+def get_score_args(wildcards, input):
+    """--extractor E --ref R per extractor, in config order (the first is the primary score)."""
+    return " ".join(
+        f"--extractor {shlex.quote(e)} --ref {shlex.quote(r)}"
+        for e, r in zip(input.extractors, input.refs)
+    )
 
 
 # --- targets ---------------------------------------------------------------------------------
@@ -300,13 +313,13 @@ def get_final_output():
             rules.sample_snapshot.output.samples,
             run=RUN,
             step=steps,
-            guidance=GUIDANCE_SUFFIXES,
+            variant=FIRST_PASS,
         )
         + expand(
             rules.compute_fid.output.score,
             run=RUN,
             step=steps,
-            guidance=GUIDANCE_SUFFIXES,
+            variant=FIRST_PASS,
         )
     )
 
@@ -469,8 +482,27 @@ def get_segment_scores(wildcards):
         rules.compute_fid.output.score,
         run=wildcards.run,
         step=[step_name(s) for s in steps],
-        guidance=GUIDANCE_SUFFIXES,
+        variant=FIRST_PASS,
     )
+
+
+def get_final_scores(wildcards):
+    """The second pass (fid.final.best > 0): every seed set of the best first-pass evaluations, scored
+    with fid.final.num_images images. Known only once select_best has ranked all first-pass scores."""
+    if not FINAL.best:
+        return []
+    with open(checkpoints.select_best.get(run=wildcards.run).output.selected) as f:
+        selected = json.load(f)["selected"]
+    return [
+        expand(
+            rules.compute_fid.output.score,
+            run=wildcards.run,
+            step=step_name(pick["step"]),
+            variant=v,
+        )[0]
+        for pick in selected
+        for v in final_variants(pick["guidance"])
+    ]
 
 
 def get_sample_launcher(wildcards, threads):
@@ -488,8 +520,12 @@ def get_eval_launcher(wildcards, threads):
     return with_gpus("eval", 1) + "diffrelay"
 
 
-def get_guidance(wildcards):
-    return guidance_value(wildcards.guidance)
+def get_sample_settings(wildcards):
+    """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
+    count, guidance, seed_set = evaluation.parse_variant(wildcards.variant)
+    count = count or CFG.sample.num_images
+    first = evaluation.first_seed(CFG.sample.first_seed, count, seed_set)
+    return f"--num-images {count} --first-seed {first} --guidance {guidance:g}"
 
 
 def get_sample_threads(wildcards, threads):

@@ -1,6 +1,6 @@
 # fetch_extractor: the FID feature extractor, shared by runs under resources/extractors/.
-# A local rule: on a cluster the download (inception) happens where there is internet access.
-# Not used when fid.extractor is a path to your own TorchScript file.
+# A local rule: on a cluster the download (inception, dinov2) happens where there is internet access.
+# Not used for an extractor given as a path to your own TorchScript file.
 localrules:
     fetch_extractor,
 
@@ -14,12 +14,16 @@ rule fetch_extractor:
     benchmark:
         "logs/benchmarks/fetch_extractor/{extractor}.tsv"
     wildcard_constraints:
-        extractor=r"inception-2015-12-05|random-seed\d+",
+        extractor=r"inception-2015-12-05|random-seed\d+|dinov2-vit[sblg]14",
     conda:
         "../../envs/diffrelay.yaml"
     threads: 1
     params:
-        kind=lambda wildcards: wildcards.extractor.split("-")[0],
+        kind=lambda wildcards: (
+            wildcards.extractor
+            if wildcards.extractor.startswith("dinov2")
+            else wildcards.extractor.split("-")[0]
+        ),
         seed=lambda wildcards: (
             wildcards.extractor.removeprefix("random-seed")
             if wildcards.extractor.startswith("random")

@@ -1,16 +1,17 @@
-# compute_fid: FID (or FD with random features) of one sample folder against the reference.
+# compute_fid: FID (or FD with random features, FD_DINOv2 ...) of one sample folder, with every
+# extractor of the run against its reference statistics; the images are decoded once for all.
 # `diffrelay fid` scores in a fresh subprocess with a clean environment, outside any process group.
 rule compute_fid:
     input:
         images=rules.sample_snapshot.output.samples,
-        ref=get_reference,
-        extractor=get_extractor,
+        refs=get_references,
+        extractors=get_extractors,
     output:
-        score=f"{RUN_DIR}/metrics/fid/step_{STEP}{GUIDANCE}.json",
+        score=f"{RUN_DIR}/metrics/fid/step_{STEP}{VARIANT}.json",
     log:
-        "logs/{run}/compute_fid/step_{step}{guidance}.log",
+        "logs/{run}/compute_fid/step_{step}{variant}.log",
     benchmark:
-        "logs/{run}/benchmarks/compute_fid/step_{step}{guidance}.tsv"
+        "logs/{run}/benchmarks/compute_fid/step_{step}{variant}.tsv"
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
@@ -18,15 +19,15 @@ rule compute_fid:
         **gpu_resources("eval", 1),
     params:
         launcher=get_eval_launcher,
+        pairs=get_score_args,
         mode=CFG.fid.mode,
         batch_size=CFG.fid.batch_size,
         timeout=CFG.fid.timeout_minutes,
     message:
-        "Scoring the step {wildcards.step}{wildcards.guidance} samples of {wildcards.run}"
+        "Scoring the step {wildcards.step}{wildcards.variant} samples of {wildcards.run}"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "{params.launcher} fid --images {input.images:q} --ref {input.ref:q} "
-        "--extractor {input.extractor:q} --mode {params.mode:q} "
+        "{params.launcher} fid --images {input.images:q} {params.pairs} --mode {params.mode:q} "
         "--batch-size {params.batch_size:q} --threads {threads} "
         "--timeout-minutes {params.timeout:q} --out {output.score:q}"
 

@@ -1,15 +1,16 @@
-# compute_reference: feature statistics of the dataset, the reference every FID is measured
-# against. Cached under resources/fid-ref/ by (dataset fingerprint, extractor, mode, count).
+# compute_reference: feature statistics of the dataset for one extractor, the reference its
+# scores are measured against (not run for an extractor with a file in fid.reference). Cached
+# under resources/fid-ref/ by (dataset fingerprint, extractor, mode, count).
 rule compute_reference:
     input:
         dataset=rules.prepare_dataset.output.dataset,
         extractor=get_extractor,
     output:
-        ref=f"{RUN_DIR}/fid/reference.npz",
+        ref=f"{RUN_DIR}/fid/reference_{{extractor}}.npz",
     log:
-        "logs/{run}/compute_reference/compute_reference.log",
+        "logs/{run}/compute_reference/{extractor}.log",
     benchmark:
-        "logs/{run}/benchmarks/compute_reference/compute_reference.tsv"
+        "logs/{run}/benchmarks/compute_reference/{extractor}.tsv"
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
@@ -21,8 +22,10 @@ rule compute_reference:
         num=CFG.fid.ref_images,
         batch_size=CFG.fid.batch_size,
         cache_dir=f"{CFG.run.resources}/fid-ref",
+    wildcard_constraints:
+        extractor="|".join(map(re.escape, EXTRACTOR_KEYS)),
     message:
-        "Computing reference statistics of the {wildcards.run} dataset"
+        "Computing {wildcards.extractor} reference statistics of the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} fid-ref --dataset {input.dataset:q} --extractor {input.extractor:q} "

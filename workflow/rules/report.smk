@@ -4,7 +4,9 @@ rule build_report:
     input:
         segments=get_segment_outputs,
         # Known before any checkpoint exists, so it is computed while the first segment trains.
-        reference=get_reference,
+        references=get_references,
+        # The second pass (fid.final), once select_best has picked the checkpoints.
+        final=get_final_scores,
     output:
         metrics=report(
             f"{RUN_DIR}/report/metrics.csv",

@@ -1,6 +1,7 @@
 # sample_snapshot: generate images from one snapshot in a standalone process (no process group;
 # torchrun only when sample.nproc > 1). The settings that change the pixels are params, so
-# changing them resamples (and rescores) without retraining; batch size and thread counts do not
+# changing them resamples (and rescores) without retraining; the image count, first seed and
+# guidance come from the evaluation's variant (evaluation.py); batch size and thread counts do not
 # change the pixels and come from the config file or from `threads`.
 rule sample_snapshot:
     input:
@@ -8,16 +9,16 @@ rule sample_snapshot:
         checkpoint=get_snapshot_checkpoint,
     output:
         samples=report(
-            directory(f"{RUN_DIR}/samples/step_{STEP}{GUIDANCE}"),
+            directory(f"{RUN_DIR}/samples/step_{STEP}{VARIANT}"),
             patterns=["{name,grid}.png"],
             caption="../report/grid.rst",
             category="Samples",
-            labels={"step": "{step}", "guidance": "{guidance}"},
+            labels={"step": "{step}", "variant": "{variant}"},
         ),
     log:
-        "logs/{run}/sample_snapshot/step_{step}{guidance}.log",
+        "logs/{run}/sample_snapshot/step_{step}{variant}.log",
     benchmark:
-        "logs/{run}/benchmarks/sample_snapshot/step_{step}{guidance}.tsv"
+        "logs/{run}/benchmarks/sample_snapshot/step_{step}{variant}.tsv"
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.sample.nproc * CFG.sample.threads
@@ -27,20 +28,18 @@ rule sample_snapshot:
         config=get_config_args,
         launcher=get_sample_launcher,
         threads=get_sample_threads,
-        num_images=CFG.sample.num_images,
-        first_seed=CFG.sample.first_seed,
+        settings=get_sample_settings,
         steps=CFG.sample.steps,
         solver=CFG.sample.solver,
         weights=CFG.sample.weights,
         class_labels=CFG.sample.class_labels,
         precision=CFG.sample.precision,
-        guidance=get_guidance,
     message:
-        "Sampling {params.num_images} images at step {wildcards.step} of {wildcards.run}, guidance {params.guidance}"
+        "Sampling the step {wildcards.step}{wildcards.variant} images of {wildcards.run}"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} sample {params.config} --snapshot {input.snapshot:q} "
-        "--out {output.samples:q} --num-images {params.num_images:q} "
-        "--first-seed {params.first_seed:q} --steps {params.steps:q} --solver {params.solver:q} "
+        "--out {output.samples:q} {params.settings} "
+        "--steps {params.steps:q} --solver {params.solver:q} "
         "--weights {params.weights:q} --class-labels {params.class_labels:q} "
-        "--precision {params.precision:q} --guidance {params.guidance:q} --threads {params.threads}"
+        "--precision {params.precision:q} --threads {params.threads}"
