@@ -282,7 +282,9 @@ def get_references(wildcards):
     """Per extractor: fid.reference (statistics made elsewhere), or the dataset's own (compute_reference)."""
     return [
         FOREIGN_REFERENCES[key]
-        or expand(rules.compute_reference.output.ref, run=wildcards.run, extractor=key)[0]
+        or expand(rules.compute_reference.output.ref, run=wildcards.run, extractor=key)[
+            0
+        ]
         for key in EXTRACTOR_KEYS
     ]
 
@@ -488,7 +490,8 @@ def get_segment_scores(wildcards):
 
 def get_final_scores(wildcards):
     """The second pass (fid.final.best > 0): every seed set of the best first-pass evaluations, scored
-    with fid.final.num_images images. Known only once select_best has ranked all first-pass scores."""
+    with fid.final.num_images images. Known only once select_best has ranked all first-pass scores.
+    """
     if not FINAL.best:
         return []
     with open(checkpoints.select_best.get(run=wildcards.run).output.selected) as f:

@@ -11,6 +11,8 @@ rule compute_reference:
         "logs/{run}/compute_reference/{extractor}.log",
     benchmark:
         "logs/{run}/benchmarks/compute_reference/{extractor}.tsv"
+    wildcard_constraints:
+        extractor="|".join(map(re.escape, EXTRACTOR_KEYS)),
     conda:
         "../../envs/diffrelay.yaml"
     threads: CFG.fid.threads
@@ -22,8 +24,6 @@ rule compute_reference:
         num=CFG.fid.ref_images,
         batch_size=CFG.fid.batch_size,
         cache_dir=f"{CFG.run.resources}/fid-ref",
-    wildcard_constraints:
-        extractor="|".join(map(re.escape, EXTRACTOR_KEYS)),
     message:
         "Computing {wildcards.extractor} reference statistics of the {wildcards.run} dataset"
     shell:
