@@ -70,9 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(module="diffrelay.sample")
 
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
-    p.add_argument("--extractor", required=True, help="inception | random | a TorchScript file")
+    p.add_argument("--extractor", required=True,
+                   help="inception | random | dinov2 (= dinov2-vitl14) | dinov2-vits14 | dinov2-vitb14 | "
+                        "dinov2-vitg14 | a TorchScript file")
     p.add_argument("--out", required=True, help="where the extractor file goes")
     p.add_argument("--seed", type=int, default=0, help="seed of the random extractor")
+    p.add_argument("--weights", metavar="PTH", help="dinov2: the official dinov2_<model>_pretrain.pth, already "
+                                                    "downloaded [default: that name next to --out, else download]")
     p.set_defaults(module="diffrelay.extractor")
 
     p = sub.add_parser("fid-ref", help="reference statistics of a dataset (cached by fingerprint)")

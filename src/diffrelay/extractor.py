@@ -1,13 +1,16 @@
-"""FID feature extractors as TorchScript files: clean-fid's Inception, a seeded random CNN, or the user's own.
+"""FID feature extractors as TorchScript files: clean-fid's Inception, a seeded random CNN, DINOv2
+(dinov2.py), or the user's own.
 
 Examples:
   diffrelay fetch-extractor --extractor inception --out resources/extractors/inception-2015-12-05.pt
   diffrelay fetch-extractor --extractor random --seed 0 --out resources/extractors/random-seed0.pt
+  diffrelay fetch-extractor --extractor dinov2 --out resources/extractors/dinov2-vitl14.pt
   diffrelay fetch-extractor --extractor my_features.pt --out resources/extractors/my_features.pt
 
 Call convention (clean-fid's custom_feat_extractor): float images in [0, 255], shape (B, 3, H, W), where
 H = W = 299 in "clean" mode (clean-fid resizes first) and the native size in "legacy_tensorflow" mode;
-the result is (B, D) features.
+the result is (B, D) features. DINOv2 files take the images at their own size in both modes and resize
+inside (Extractor.input_size None).
 """
 
 import contextlib
@@ -36,23 +39,26 @@ INCEPTION_URL = os.environ.get(
     "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt")
 INCEPTION_DIM = 2048
 RANDOM_DIM = 128  # below the few hundred images a run scores, so the covariance can have full rank
-META = "diffrelay.json"  # extra file inside our own TorchScript archives: {"kind": "random", "seed": N}
+META = "diffrelay.json"  # extra file inside our own TorchScript archives: {"kind": "random" | "dinov2", ...}
 log = logs.get()
 
 
 @dataclass(frozen=True)
 class Extractor:
     fn: Callable[[torch.Tensor], torch.Tensor]  # (B, 3, H, W) in [0, 255] -> (B, D)
-    kind: str  # inception | random | custom
+    kind: str  # inception | random | custom | dinov2
     path: Path
     sha256: str
     label: str  # the metric's name in every result: "FID" only for Inception features
+    # Side the scorer resizes images to before fn: 299 (clean-fid's resize, clean mode), or None to feed
+    # the images at their own size (legacy_tensorflow mode, and DINOv2, which resizes inside its forward).
+    input_size: int | None = 299
 
 
 # ---------------------------------------------------------------------------- the random extractor
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """Hide torch 2.14's deprecation notice on every TorchScript call: clean-fid's Inception is TorchScript."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -85,15 +91,15 @@ def build_random(out, seed: int = 0) -> Path:
     """Write the seeded random extractor to `out` (TorchScript, atomically); a valid one already there is kept."""
     out = Path(out)
     if out.exists():
-        meta = _meta(out)
+        meta = read_meta(out)
         if meta.get("kind") == "random" and meta.get("seed") == seed:
             log.info(f"{out}: random extractor (seed {seed}) already present; kept as is")
             return out
         raise UserError(f"{out}: exists but is not the random extractor with seed={seed} (found {meta or 'another file'}); "
                         "delete it or choose another --out")
-    with _quiet():
+    with quiet():
         module = torch.jit.script(RandomFeatures(seed).eval())
-    with io.atomic_write(out, "w+b") as f, _quiet():
+    with io.atomic_write(out, "w+b") as f, quiet():
         torch.jit.save(module, f, _extra_files={META: json.dumps({"kind": "random", "seed": seed, "dim": RANDOM_DIM})})
     log.info(f"{out}: random extractor (seed {seed}, {RANDOM_DIM} features) written")
     return out
@@ -122,7 +128,7 @@ def _is_inception(module) -> bool:
 def _jit_load(path: Path, device="cpu", fileobj=None):
     extra = {META: ""}
     try:
-        with _quiet():
+        with quiet():
                 module = torch.jit.load(fileobj or str(path), map_location=device, _extra_files=extra)
     except FileNotFoundError as e:
         raise UserError(f"{path}: extractor file not found; run `diffrelay fetch-extractor --out {path}`") from e
@@ -136,7 +142,7 @@ def _jit_load(path: Path, device="cpu", fileobj=None):
     return module.eval(), meta
 
 
-def _meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
     try:
         return _jit_load(path)[1]
     except UserError:
@@ -152,12 +158,16 @@ def load(path, mode: str = "clean", device="cpu", sha256: str | None = None, fil
         raise UserError(f"{path}: extractor file not found; run `diffrelay fetch-extractor --out {path}`")
     module, meta = _jit_load(path, device, fileobj)
     sha256 = sha256 or io.sha256_file(path)
+    size = 299 if mode == "clean" else None
+    if meta.get("kind") == "dinov2":
+        # edm2's protocol in the module itself (resize to 224 inside), whatever the mode: native images in.
+        return Extractor(module, "dinov2", path, sha256, "FD_DINOv2", None)
     if meta.get("kind") == "random":
-        return Extractor(module, "random", path, sha256, "FD (random features)")
+        return Extractor(module, "random", path, sha256, "FD (random features)", size)
     if _is_inception(module):
         fn = InceptionFile(module, resize_inside=(mode == "legacy_tensorflow")).eval()
-        return Extractor(fn, "inception", path, sha256, "FID")
-    return Extractor(module, "custom", path, sha256, f"FD ({path.name})")
+        return Extractor(fn, "inception", path, sha256, "FID", size)
+    return Extractor(module, "custom", path, sha256, f"FD ({path.name})", size)
 
 
 def check(ext: Extractor, want_dim: int | None = None) -> int:
@@ -241,13 +251,20 @@ def copy_custom(src, out) -> Path:
 
 def main(args) -> int:
     logs.setup()
+    weights = getattr(args, "weights", None)
+    if weights and not args.extractor.startswith("dinov2"):
+        raise UserError(f"--weights={weights}: only for --extractor dinov2[-MODEL]; drop it or change --extractor")
     if args.extractor == "inception":
         out = fetch_inception(args.out)
     elif args.extractor == "random":
         out = build_random(args.out, args.seed)
+    elif args.extractor == "dinov2" or args.extractor.startswith("dinov2-"):
+        from diffrelay import dinov2  # imports this module; only needed here
+        out = dinov2.fetch(dinov2.parse(args.extractor), args.out, weights)
     elif Path(args.extractor).is_file():
         out = copy_custom(args.extractor, args.out)
     else:
-        raise UserError(f"--extractor={args.extractor}: not 'inception', 'random' or an existing TorchScript file")
+        raise UserError(f"--extractor={args.extractor}: not 'inception', 'random', 'dinov2[-MODEL]' "
+                        "or an existing TorchScript file")
     print(f"{out}\t{io.sha256_file(out)}")
     return 0
