@@ -14,11 +14,17 @@ def test_empty_config_gets_every_default():
     assert cfg.model.channel_mult == (1, 2, 2) and cfg.train.betas == (0.9, 0.99)
     assert cfg.fid.extractor == "random" and cfg.sample.class_labels == "balanced"
     schema = config.load_schema()
-    for section, spec in schema["properties"].items():
+
+    def check(spec, filled, where):
         for key, prop in spec["properties"].items():
-            assert key in cfg.to_dict()[section], f"{section}.{key} has no default"
-            if "default" in prop:
-                assert cfg.to_dict()[section][key] == prop["default"]
+            assert key in filled, f"{where}.{key} has no default"
+            if "properties" in prop:  # a nested group (fid.final): each of its keys has its own default
+                check(prop, filled[key], f"{where}.{key}")
+            elif "default" in prop:
+                assert filled[key] == prop["default"]
+
+    for section, spec in schema["properties"].items():
+        check(spec, cfg.to_dict()[section], section)
 
 
 def test_given_values_win_over_defaults(write_config):

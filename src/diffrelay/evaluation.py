@@ -62,8 +62,7 @@ def extractor_names(fid: dict) -> list[str]:
     """The extractors as the config names them, primary (the one that picks the best checkpoint) first."""
     if fid.get("extractors"):
         return list(fid["extractors"])
-    e = fid.get("extractor") or "random"
-    return list(e) if isinstance(e, (list, tuple)) else [e]
+    return [fid.get("extractor") or "random"]
 
 
 def extractor_key(name: str, seed: int) -> str:
@@ -93,9 +92,6 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     from diffrelay.config import MAX_SEED
 
     bad, f, s = [], d["fid"], d["sample"]
-    if f.get("extractors") and f.get("extractor"):
-        bad.append(("fid.extractor", "set together with fid.extractors; keep one (fid.extractors: [inception, "
-                    "dinov2] scores with both)"))
     names = extractor_names(f)
     keys = [extractor_key(n, d["run"]["seed"]) for n in names]
     if len(set(keys)) < len(keys):

@@ -62,8 +62,9 @@ def native_view(pixels: np.ndarray):
 
 
 def view_of(ext, mode: str) -> str:
-    """Which view an extractor takes: NATIVE, or clean-fid's for the mode."""
-    return NATIVE if getattr(ext, "input_size", 299) is None else mode
+    """Which view an extractor takes: NATIVE for DINOv2 (it resizes inside), else clean-fid's for the mode,
+    even where that resizes nothing (legacy_tensorflow), so the tensors are exactly clean-fid's."""
+    return NATIVE if ext.kind == "dinov2" else mode
 
 
 class Images:

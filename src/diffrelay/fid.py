@@ -284,26 +284,29 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
             metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
         exts.append(ext)
     feats = features.of_files(files, exts, mode, batch_size, _device(), workers)
-    scores = [_distances_record(images, ext, f, ref, ref_path) for ext, f, (_, ref_path, ref, _) in
-              zip(exts, feats, checked)]
+    labels = [e.label for e in exts]
+    # Two extractors of one kind (two random seeds, two files of one name) would give one metric name twice.
+    labels = [f"{lab} [{e.path.name}]" if labels.count(lab) > 1 else lab for lab, e in zip(labels, exts)]
+    scores = [_distances_record(images, ext, label, f, ref, ref_path) for ext, label, f, (_, ref_path, ref, _) in
+              zip(exts, labels, feats, checked)]
     finished = time.time()
     return {**scores[0], "num_images": len(files), "mode": mode, "seconds": round(finished - started, 3),
             "images": str(images), "started": started, "finished": finished, "scores": scores}
 
 
-def _distances_record(images, ext, feats, ref, ref_path) -> dict:
+def _distances_record(images, ext, label, feats, ref, ref_path) -> dict:
     from diffrelay import metrics
 
     if len(feats) <= feats.shape[1]:
         log.warning(f"{images}: {len(feats)} images for {feats.shape[1]} features: the covariance is rank-deficient, "
-                    f"so {ext.label} is biased upward; compare only scores with equal image counts")
+                    f"so {label} is biased upward; compare only scores with equal image counts")
     fd, kid = distances(feats, ref)
     extra = {}
     if ref["features"] is None:
         extra["note"] = f"{Path(ref_path).name} holds mu and sigma only: no KID, precision or recall"
     elif min(len(feats), len(ref["features"])) > metrics.PR_NEIGHBOURS:
         extra["precision"], extra["recall"] = metrics.precision_recall(ref["features"], feats)
-    return {"metric": metrics.metric_name(ext.label, len(feats)), "fid": fd, "kid": kid, **extra,
+    return {"metric": metrics.metric_name(label, len(feats)), "fid": fd, "kid": kid, **extra,
             "num_ref": ref["settings"]["num_images"], "reference": Path(ref_path).name, "ref": str(ref_path),
             "extractor": str(ext.path), "extractor_sha256": ext.sha256}
 

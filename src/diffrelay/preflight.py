@@ -74,7 +74,7 @@ def check_inputs(cfg, source: str) -> None:
     if s.num_images < 2:
         raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
     fid = cfg.to_dict()["fid"]
-    key = "fid.extractors" if fid["extractors"] else "fid.extractor"
+    key = "fid.extractors" if fid.get("extractors") else "fid.extractor"
     for name in evaluation.extractor_names(fid):
         if name not in evaluation.BUILTIN:
             try:
