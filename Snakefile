@@ -26,7 +26,7 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        get_final_output(),
+        get_final_output,
 
 
 onstart:

@@ -3,6 +3,8 @@
 import csv
 import json
 
+import numpy as np
+
 import pytest
 from conftest import run_cli
 from PIL import Image
@@ -167,3 +169,54 @@ def test_skipped_windows_show_as_no_loss_and_skipped_steps_are_counted(run_dir, 
     assert rows[4]["train_loss_mean"] == ""  # both windows of (2, 4] were skipped: no loss, not 0
     assert float(rows[2]["train_loss_mean"]) == pytest.approx((LOSS[1] + LOSS[2]) / 2)
     assert [rows[s]["train_skipped_steps"] for s in (2, 4, 6, 8)] == ["0", "2", "2", "2"]
+
+
+def _protocol_run(root):
+    """make_run's training log, evaluated with two extractors over two seed sets, and a second pass
+    (64 images) of steps 4 and 6 in which step 6 wins although step 4 won the first pass."""
+    run = make_run(root)
+    for p in (run / "metrics" / "fid").iterdir():
+        p.unlink()
+    first = {(2, 0): 80.0, (2, 1): 84.0, (4, 0): 30.0, (4, 1): 34.0, (6, 0): 45.0, (6, 1): 41.0, (8, 0): 35.0,
+             (8, 1): 37.0}
+    final = {(4, 0): 20.0, (4, 1): 22.0, (6, 0): 18.0, (6, 1): 19.0}
+    for values, count in ((first, None), (final, 64)):
+        n = count or 8
+        for (step, seed_set), fd in values.items():
+            name = f"step_{step:07d}" + (f"_n{count}" if count else "") + (f"_s{seed_set}" if seed_set else "")
+            scores = [{"metric": f"FD-{n} (random features)", "fid": fd, "kid": fd / 1000},
+                      {"metric": f"FD_DINOv2-{n}", "fid": 10 * fd, "kid": None}]
+            (run / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
+                {**scores[0], "scores": scores, "num_images": n, "seconds": 1.0}))
+            samples = run / "samples" / name
+            samples.mkdir(parents=True, exist_ok=True)
+            (samples / "manifest.json").write_text(json.dumps({"num_images": n, "seconds": 2.0}))
+            Image.new("RGB", (34, 34), (step * 20, seed_set * 100, n)).save(samples / "grid.png")
+    return run
+
+
+def test_seed_sets_extractors_and_the_second_pass_are_separate_rows_and_the_best_comes_from_the_second(tmp_path):
+    run = _protocol_run(tmp_path)
+    run_cli("report", "--run-dir", run, "--out", run / "report")
+    fields, rows = _rows(run / "report")
+    assert fields == COLUMNS
+    by = {(int(r["step"]), r["metric"]): r for r in rows}
+    assert len(rows) == 2 * 4 + 2 * 2  # (2 metrics) x (4 first-pass steps + 2 second-pass steps)
+    r = by[(4, "FD-8 (random features)")]
+    assert (int(r["seed_sets"]), float(r["fid"]), float(r["fid_min"])) == (2, 32.0, 30.0)
+    assert float(r["fid_std"]) == pytest.approx(np.std([30.0, 34.0], ddof=1), rel=1e-5)  # CSV keeps 6 digits
+    assert float(by[(4, "FD_DINOv2-8")]["fid"]) == 320.0 and by[(4, "FD_DINOv2-8")]["kid"] == ""
+    assert int(by[(6, "FD-64 (random features)")]["num_images"]) == 64
+    assert (2, "FD-64 (random features)") not in by
+    best = json.loads((run / "report" / "best.json").read_text())
+    assert (best["step"], best["metric"], best["fid"], best["fid_min"]) == (6, "FD-64 (random features)", 18.5, 18.0)
+    assert best["samples"].endswith("samples/step_0000006_n64")
+    assert (run / "report" / "best_grid.png").read_bytes() == (run / "samples/step_0000006_n64/grid.png").read_bytes()
+    with Image.open(run / "report" / "fid.png") as im:
+        assert im.height > 600  # one panel per metric family
+
+
+def test_report_of_a_run_scored_before_several_extractors_still_reads(good_report):
+    # make_run's files hold one score at the top level, without "scores" (the format before).
+    _, out = good_report
+    assert json.loads((out / "best.json").read_text())["seed_sets"] == 1

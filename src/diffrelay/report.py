@@ -217,10 +217,11 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
             at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
             ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
                     label=f"best {best.metric}: {best.fid:.4g} at {at}")
-        ax.set(ylabel=fam)
+        ax.set(ylabel=fam.split(" ")[0])
+        ax.set_title(fam, fontsize="medium")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    axes[0].set_title(f"{run_name}: {' / '.join(families)} by training step (lower is better)")
+    fig.suptitle(f"{run_name}: scores by training step (lower is better)")
     axes[-1].set(xlabel="training step")
     axes[-1].set_xlim(left=0)
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))

@@ -298,9 +298,10 @@ def get_score_args(wildcards, input):
 
 
 # --- targets ---------------------------------------------------------------------------------
-def get_final_output():
-    """The report, plus the samples and scores of segments already trained: Snakemake does not
-    remake a deleted intermediate file by itself, only a missing target."""
+def get_final_output(wildcards):
+    """The report, plus the samples and scores of segments already trained and of the second pass:
+    Snakemake does not remake a deleted intermediate file by itself, only a missing target.
+    """
     done = [
         end
         for end in SEGMENT_ENDS
@@ -323,6 +324,14 @@ def get_final_output():
             step=steps,
             variant=FIRST_PASS,
         )
+        + [
+            expand(out, run=RUN, step=s, variant=v)[0]
+            for s, v in final_evaluations(RUN)
+            for out in (
+                rules.sample_snapshot.output.samples,
+                rules.compute_fid.output.score,
+            )
+        ]
     )
 
 
@@ -488,23 +497,25 @@ def get_segment_scores(wildcards):
     )
 
 
-def get_final_scores(wildcards):
-    """The second pass (fid.final.best > 0): every seed set of the best first-pass evaluations, scored
-    with fid.final.num_images images. Known only once select_best has ranked all first-pass scores.
-    """
+def final_evaluations(run):
+    """(step, variant) of the second pass (fid.final.best > 0): every seed set of the best first-pass
+    evaluations, with fid.final.num_images images. Known once select_best has ranked all first-pass
+    scores (asking for them before makes Snakemake run it first)."""
     if not FINAL.best:
         return []
-    with open(checkpoints.select_best.get(run=wildcards.run).output.selected) as f:
+    with open(checkpoints.select_best.get(run=run).output.selected) as f:
         selected = json.load(f)["selected"]
     return [
-        expand(
-            rules.compute_fid.output.score,
-            run=wildcards.run,
-            step=step_name(pick["step"]),
-            variant=v,
-        )[0]
+        (step_name(pick["step"]), v)
         for pick in selected
         for v in final_variants(pick["guidance"])
+    ]
+
+
+def get_final_scores(wildcards):
+    return [
+        expand(rules.compute_fid.output.score, run=wildcards.run, step=s, variant=v)[0]
+        for s, v in final_evaluations(wildcards.run)
     ]
 
 
