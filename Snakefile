@@ -26,7 +26,8 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        get_final_output,
+        get_final_output(),
+        second_pass=get_second_pass_targets,
 
 
 onstart:

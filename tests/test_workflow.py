@@ -396,3 +396,59 @@ def test_custom_network_in_the_working_directory_trains_samples_and_sweeps_guida
     cfg.write_text(yaml.safe_dump(d, sort_keys=False))
     plan = job_counts(snakemake(tmp_path, "-n", "--configfile", cfg).stdout)
     assert plan.get("sample_snapshot") == 2 and plan.get("compute_fid") == 2 and "train_segment" not in plan
+
+
+# --- the evaluation protocol: extractors, seed sets, the second pass ------------------------------
+def test_each_extractor_gets_its_own_fetch_and_reference_and_the_second_pass_is_planned(tmp_path, write_config):
+    cfg = write_config({"fid": {"extractors": ["random", "dinov2"], "final": {"best": 1, "num_images": 16}},
+                        "sample": {"seed_sets": 2}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg)
+    plan = job_counts(p.stdout)
+    assert plan["fetch_extractor"] == 2 and plan["compute_reference"] == 2 and plan["select_best"] == 1, plan
+    assert "resources/extractors/dinov2-vitl14.pt" in p.stdout and "fid/reference_dinov2-vitl14.npz" in p.stdout
+    assert "fetch-extractor --extractor dinov2-vitl14" in p.stdout
+
+
+def test_a_reference_file_for_one_extractor_replaces_only_its_statistics(tmp_path, write_config):
+    ref = tmp_path / "cifar10-32x32.npz"
+    np.savez(ref, mu=np.zeros(2048), sigma=np.eye(2048))
+    cfg = write_config({"fid": {"extractors": ["random", "inception"], "reference": {"inception": str(ref)}}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg)
+    assert job_counts(p.stdout)["compute_reference"] == 1 and "reference_random-seed0.npz" in p.stdout
+    assert "reference_inception" not in p.stdout
+
+
+@pytest.mark.slow
+def test_seed_sets_two_extractors_and_a_second_pass_run_end_to_end(tmp_path, write_config):
+    """Every checkpoint scored over 2 seed sets with 2 extractors (images decoded once per job); the best
+    one sampled and scored again with more images once all first-pass scores exist; a rerun does nothing,
+    and a larger fid.final.best plans only the new second-pass jobs."""
+    other = run_cli("fetch-extractor", "--extractor", "random", "--seed", "7", "--out", tmp_path / "other.pt")
+    assert other.returncode == 0
+    over = {"sample": {"seed_sets": 2}, "fid": {"extractors": ["random", str(tmp_path / "other.pt")],
+                                                 "final": {"best": 1, "num_images": 12}}}
+    cfg = write_config(over)
+    out = snakemake(tmp_path, "--configfile", cfg)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["train_segment"] == 2 and ran["select_best"] == 1
+    assert ran["sample_snapshot"] == 2 * 2 + 2 and ran["compute_fid"] == 2 * 2 + 2  # + the 2 seed sets of the best
+    run = run_folder(tmp_path)
+    [pick] = json.loads((run / "metrics/final/selected.json").read_text())["selected"]
+    best_name = f"step_{pick['step']:07d}_n12"
+    assert (run / "samples" / best_name).is_dir() and (run / "samples" / f"{best_name}_s1").is_dir()
+    assert len(list((run / "samples" / f"{best_name}_s1").glob("0*.png"))) == 12
+    rec = json.loads((run / "metrics/fid" / f"{best_name}_s1.json").read_text())
+    assert [s["metric"] for s in rec["scores"]] == ["FD-12 (random features) [random-seed0.pt]",
+                                                    "FD-12 (random features) [other.pt]"]
+    # Seed set 1 starts where set 0 ends: its images are not set 0's.
+    assert (run / "samples/step_0000006/000000.png").read_bytes() != (run / "samples/step_0000006_s1/000000.png").read_bytes()
+    best = json.loads((run / "report/best.json").read_text())
+    assert best["metric"] == "FD-12 (random features) [random-seed0.pt]" and best["seed_sets"] == 2
+    assert "Nothing to be done" in snakemake(tmp_path, "-n", "--configfile", cfg).stdout
+
+    over["fid"]["final"]["best"] = 2
+    again = snakemake(tmp_path, "--configfile", write_config(over))
+    ran = finished_rules(again.stdout + again.stderr)
+    assert "train_segment" not in ran and "prepare_dataset" not in ran and ran["select_best"] == 1
+    assert ran["sample_snapshot"] == 2 and ran["compute_fid"] == 2  # the new pick's 2 seed sets only
+    assert len(list((run / "metrics/fid").glob("*_n12*.json"))) == 4

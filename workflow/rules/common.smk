@@ -298,10 +298,9 @@ def get_score_args(wildcards, input):
 
 
 # --- targets ---------------------------------------------------------------------------------
-def get_final_output(wildcards):
-    """The report, plus the samples and scores of segments already trained and of the second pass:
-    Snakemake does not remake a deleted intermediate file by itself, only a missing target.
-    """
+def get_final_output():
+    """The report, plus the samples and scores of segments already trained: Snakemake does not
+    remake a deleted intermediate file by itself, only a missing target."""
     done = [
         end
         for end in SEGMENT_ENDS
@@ -324,15 +323,21 @@ def get_final_output(wildcards):
             step=steps,
             variant=FIRST_PASS,
         )
-        + [
-            expand(out, run=RUN, step=s, variant=v)[0]
-            for s, v in final_evaluations(RUN)
-            for out in (
-                rules.sample_snapshot.output.samples,
-                rules.compute_fid.output.score,
-            )
-        ]
     )
+
+
+def get_second_pass_targets(wildcards):
+    """The second pass's samples and scores as targets too (see get_final_output). A separate input
+    of the all rule, since they are unknown until select_best has run and the rest of the DAG must not wait.
+    """
+    return [
+        expand(out, run=RUN, step=s, variant=v)[0]
+        for s, v in final_evaluations(RUN)
+        for out in (
+            rules.sample_snapshot.output.samples,
+            rules.compute_fid.output.score,
+        )
+    ]
 
 
 def get_segment_outputs(wildcards):
