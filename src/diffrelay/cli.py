@@ -5,7 +5,7 @@ Examples:
   torchrun --standalone --nproc-per-node 2 -m diffrelay train --config config/config.yaml --until-step 400
   diffrelay sample --config config/config.yaml --snapshot results/demo/snapshots/step_0000400.safetensors \\
       --out results/demo/samples/step_0000400
-  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference.npz \\
+  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference_random-seed0.npz \\
       --extractor resources/extractors/random.pt --out results/demo/metrics/fid/step_0000400.json
 """
 

@@ -2,8 +2,8 @@
 
 Examples:
   diffrelay fid-ref --dataset results/demo/dataset --extractor resources/extractors/random-seed0.pt \\
-      --cache-dir resources/fid-ref --out results/demo/fid/reference.npz
-  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference.npz \\
+      --cache-dir resources/fid-ref --out results/demo/fid/reference_random-seed0.npz
+  diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference_random-seed0.npz \\
       --extractor resources/extractors/random-seed0.pt --out results/demo/metrics/fid/step_0000400.json
 
 `diffrelay fid` re-runs itself with --in-process as a fresh child through `run_clean`, whose environment
