@@ -26,10 +26,7 @@ Offline, place the official file next to --out under its own name (or pass --wei
 import json
 import os
 import pickle
-import shutil
 import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,13 +315,7 @@ def fetch(model: str, out, weights=None) -> Path:
         raise UserError(f"{out.parent}: cannot write ({e.strerror}); check the folder's permissions") from e
     with f:
         log.info(f"downloading {url} (about {_size_text(model)}) -> {out}")
-        try:
-            with urllib.request.urlopen(url, timeout=60) as response:
-                shutil.copyfileobj(response, f, 1 << 20)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise UserError(f"{out}: cannot download {url} ({reason}); offline? fetch that URL elsewhere and "
-                            f"place the file at {placed.resolve()}") from e
+        extractor.download(url, f, out, place_at=placed)
         return convert(f, url, model, out)
 
 

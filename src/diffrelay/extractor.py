@@ -211,6 +211,18 @@ def _check_inception(path: Path, sha256: str | None = None, fileobj=None) -> Ext
     return ext
 
 
+def download(url: str, f, out: Path, place_at: Path) -> None:
+    """Copy `url` into the open file `f`; failing (offline), one line naming the URL and where a copy fetched
+    elsewhere goes (`place_at`)."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            shutil.copyfileobj(response, f, 1 << 20)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"{out}: cannot download {url} ({reason}); offline? fetch that URL elsewhere "
+                        f"and place the file at {place_at.resolve()}") from e
+
+
 def fetch_inception(out) -> Path:
     """Download clean-fid's Inception to `out` (temp file, check, rename); a file already there is checked and kept."""
     out = Path(out)
@@ -221,13 +233,7 @@ def fetch_inception(out) -> Path:
         return out
     log.info(f"downloading {INCEPTION_URL} -> {out}")
     with io.atomic_write(out, "w+b") as f:
-        try:
-            with urllib.request.urlopen(INCEPTION_URL, timeout=60) as response:
-                shutil.copyfileobj(response, f, 1 << 20)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise UserError(f"{out}: cannot download {INCEPTION_URL} ({reason}); offline? fetch that URL elsewhere "
-                            f"and place the file at {out.resolve()}") from e
+        download(INCEPTION_URL, f, out, place_at=out)
         # Check the temp file before the rename, so a bad download never appears under the final name.
         sha256 = io.sha256_fileobj(f)
         f.seek(0)
