@@ -6,7 +6,7 @@ and writes both every train.phema.every steps to <run>/phema/step_XXXXXXX.safete
 the stored averages, and writes it as an ordinary snapshot (ema weights only):
 
   diffrelay phema --run-dir results/demo --sigma-rel 0.08 --until-step 1200 \\
-      --out results/demo/snapshots/phema/step_0001200_ema0.080.safetensors
+      --out results/demo/snapshots/phema/step_0001200_ema0.08.safetensors
 
 A profile is a function of the training time tau (here in optimizer steps): the EMA at time t weighs the
 weights of time tau by p(tau) = (gamma + 1) tau^gamma / t^(gamma + 1) on 0 < tau <= t, and its standard
@@ -204,7 +204,8 @@ def main(args) -> int:
     until = args.until_step if args.until_step is not None else max(stored_steps(run_dir), default=0)
     if until <= 0:
         raise UserError(f"{run_dir / 'phema'}: no post-hoc EMA files; train with train.phema.every > 0 first")
-    out = args.out or run_dir / "snapshots" / "phema" / f"{checkpoint.step_name(until)}_ema{args.sigma_rel:.3f}.safetensors"
+    name = f"{checkpoint.step_name(until)}_ema{args.sigma_rel:g}.safetensors"  # the workflow's name
+    out = args.out or run_dir / "snapshots" / "phema" / name
     reconstruct(run_dir, args.sigma_rel, until, out)
     log.info(f"wrote {out} (sigma_rel {args.sigma_rel:g} at step {until})")
     return 0
