@@ -1,6 +1,7 @@
 """Post-hoc EMA: the profile math, K segments = one run with the profiles, reconstruction, config keys."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -230,3 +231,17 @@ def test_damaged_or_missing_phema_file_is_a_one_line_error_naming_it(trained, tm
                 check=False)
     assert p.returncode == 2 and f"{bad}: unreadable post-hoc EMA file" in p.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_workflow_reconstructs_each_requested_width_after_the_last_segment(tmp_path, write_config):
+    from test_workflow import job_counts, snakemake
+
+    cfg = write_config({"train": {"phema": {"every": 3}}, "sample": {"phema": [0.08, 0.125]}})
+    p = snakemake(tmp_path, "-n", "--configfile", cfg)
+    assert job_counts(p.stdout)["reconstruct_phema"] == 2
+    assert job_counts(p.stdout)["train_segment"] == 2
+    for sigma in ("0.08", "0.125"):
+        assert re.search(rf"diffrelay phema --run-dir \S+/results/tiny --sigma-rel {sigma} --until-step 6 "
+                         rf"--out \S+/snapshots/phema/step_0000006_ema{sigma}\.safetensors", p.stdout), p.stdout
+    p = snakemake(tmp_path, "-n", "--configfile", write_config({"train": {"phema": {"every": 3}}}))
+    assert "reconstruct_phema" not in job_counts(p.stdout)
