@@ -125,7 +125,7 @@ def test_phema_off_leaves_the_trajectory_hash_of_existing_configs_alone():
     ({"train": {"phema": {"every": 100, "profiles": [0.3]}}}, "train.phema.profiles.0=0.3: must be less than"),
 ])
 def test_bad_phema_settings_are_one_line_errors(over, words):
-    with pytest.raises(UserError, match=None) as e:
+    with pytest.raises(UserError) as e:
         config.validate(over, source="c.yaml")
     assert str(e.value).startswith("c.yaml: ") and words in str(e.value) and "\n" not in str(e.value)
 
