@@ -20,6 +20,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/sample.smk"
 include: "workflow/rules/fid.smk"
 include: "workflow/rules/final.smk"
+include: "workflow/rules/phema.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -28,6 +29,7 @@ rule all:
     input:
         get_final_output(),
         second_pass=get_second_pass_targets,
+        phema=get_phema_snapshots(),
 
 
 onstart:

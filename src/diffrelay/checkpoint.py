@@ -118,15 +118,61 @@ def _digest(tensors: dict, meta: dict) -> str:
     return h.hexdigest()
 
 
-def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict) -> Path:
-    """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ..."""
+def write_signed(path, tensors: dict, meta: dict) -> Path:
+    """One .safetensors file carrying `meta` (with its "format") and a sha256 of tensors and meta, atomically."""
     # safetensors stores row-major bytes: channels_last weights (train.channels_last) are copied to that order.
-    tensors = {f"ema.{k}": v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in ema_state.items()}
-    tensors |= {f"raw.{k}": v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in raw_state.items()}
-    meta = {"format": SNAPSHOT_FORMAT, **meta}
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     blob = save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True), "sha256": _digest(tensors, meta)})
     io.write_bytes(path, blob)
     return Path(path)
+
+
+def _header(path, what: str, fix: str) -> tuple[dict, dict]:
+    """(stored metadata, meta) from a write_signed file's header, without reading the tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found; {fix}")
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_len, 100_000_000)))
+        stored = header["__metadata__"]
+        meta = json.loads(stored["meta"])
+        stored["sha256"], meta["format"]  # noqa: B018 -- a KeyError here means "not ours"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); it is truncated or not a "
+                        f"diffrelay {what}; {fix}") from e
+    return stored, meta
+
+
+def read_signed_meta(path, fmt: str, what: str, fix: str = "check the path") -> dict:
+    """The meta of a write_signed file of format `fmt` (header only: cheap, not verified)."""
+    meta = _header(path, what, fix)[1]
+    if meta.get("format") != fmt:
+        raise UserError(f"{path}: format={meta.get('format')!r}; expected {fmt}")
+    return meta
+
+
+def read_signed(path, fmt: str, what: str, fix: str) -> tuple[dict, dict]:
+    """(tensors, meta) of a write_signed file of format `fmt` after checking its sha256; else a UserError
+    naming the file, `what` it is and the `fix`."""
+    stored, meta = _header(path, what, fix)
+    if meta.get("format") != fmt:
+        raise UserError(f"{path}: format={meta.get('format')!r}; expected {fmt}")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); it is truncated or not a "
+                        f"diffrelay {what}; {fix}") from e
+    if _digest(tensors, meta) != stored["sha256"]:
+        raise UserError(f"{path}: sha256 of the weights does not match the file's record (corrupt or altered); {fix}")
+    return tensors, meta
+
+
+def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict) -> Path:
+    """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ..."""
+    tensors = {f"ema.{k}": v for k, v in ema_state.items()} | {f"raw.{k}": v for k, v in raw_state.items()}
+    return write_signed(path, tensors, {"format": SNAPSHOT_FORMAT, **meta})
 
 
 def read_snapshot(path) -> tuple[dict, dict]:
@@ -134,22 +180,7 @@ def read_snapshot(path) -> tuple[dict, dict]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: snapshot not found; train to that step first or check the path")
-    try:
-        tensors = load_file(path)
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        stored = header["__metadata__"]
-        meta = json.loads(stored["meta"])
-    except (SafetensorError, OSError, ValueError, KeyError) as e:
-        raise UserError(f"{path}: unreadable snapshot ({type(e).__name__}); it is truncated or not a "
-                        "diffrelay snapshot; re-create it from its checkpoint or rerun training") from e
-    if meta.get("format") != SNAPSHOT_FORMAT:
-        raise UserError(f"{path}: format={meta.get('format')!r}; expected {SNAPSHOT_FORMAT}")
-    if _digest(tensors, meta) != stored["sha256"]:
-        raise UserError(f"{path}: sha256 of the weights does not match the file's record (corrupt or altered); "
-                        "rerun training of that segment")
-    return tensors, meta
+    return read_signed(path, SNAPSHOT_FORMAT, "snapshot", "re-create it from its checkpoint or rerun training")
 
 
 def same_network(recorded: dict, wanted: dict) -> str | None:
@@ -186,6 +217,9 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
                             "sample it with the config it was trained with")
     prefix = weights + "."
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not state:
+        raise UserError(f"{path}: holds no {weights} weights (a post-hoc EMA reconstruction has ema only); "
+                        "sample it with --weights ema")
     _, h, w = meta["image_shape"]
     net = edm.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
     net.load_state_dict(state)

@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.set_defaults(module="diffrelay.sample")
 
+    p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")
+    p.add_argument("--run-dir", required=True, help="results/<run>, holding phema/step_XXXXXXX.safetensors")
+    p.add_argument("--sigma-rel", type=float, required=True, help="width of the EMA to build, e.g. 0.08")
+    p.add_argument("--until-step", type=int, help="the step to build it at (a stored one) [default: the last stored]")
+    p.add_argument("--out", help="snapshot file to write [default: <run-dir>/snapshots/phema/"
+                                 "step_XXXXXXX_ema<sigma>.safetensors]")
+    p.set_defaults(module="diffrelay.phema")
+
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
     p.add_argument("--extractor", required=True,
                    help="inception | random | dinov2 (= dinov2-vitl14) | dinov2-vits14 | dinov2-vitb14 | "

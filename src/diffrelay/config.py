@@ -127,6 +127,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         if n and t["segment_steps"] % n:
             bad.append((f"train.{key}={n}",
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
+    bad += _check_phema(t, s)
     bad += _check_network(m, data["resolution"])
     from diffrelay.gpus import check_pool  # light: no torch
 
@@ -157,6 +158,18 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     if isinstance(cl, int) and cl < 0:
         bad.append((f"sample.class_labels={cl}", "a class index must be 0 or more"))
     return bad
+
+
+def _check_phema(t: dict, s: dict) -> list[tuple[str, str]]:
+    every, want = t["phema"]["every"], f"sample.phema={s['phema']}"
+    if every and t["segment_steps"] % every:
+        return [(f"train.phema.every={every}",
+                 f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0")]
+    if s["phema"] and not every:
+        return [(want, f"needs the stored EMA profiles; set train.phema.every (e.g. {t['segment_steps']}) "
+                 "or sample.phema: []")]
+    return [(want, "reconstructions are EMA weights; set sample.weights: ema or sample.phema: []")] \
+        if s["phema"] and s["weights"] != "ema" else []
 
 
 def non_finite(d, prefix="") -> str | None:
@@ -366,6 +379,11 @@ def trajectory(cfg) -> dict:
     """Everything that changes the weights, by section: what a run folder is made from."""
     d = cfg.to_dict() if isinstance(cfg, Config) else cfg
     train = {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}
+    # Off, post-hoc EMA drops out, so runs from before it keep their hash; on, its profiles are part of
+    # the checkpoints' state (every only says how often they are stored).
+    phema = train.pop("phema", None) or {}
+    if phema.get("every"):
+        train["phema"] = {"profiles": phema["profiles"]}
     if train["lr_schedule"] != "cosine":
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import augment, checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, preflight, speed
+from diffrelay import (augment, checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, phema,
+                       preflight, speed)
 from diffrelay.errors import UserError
 from diffrelay.sampler import DataOrder, step_seed
 
@@ -176,6 +177,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     net = edm.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
     net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
     ema = optim.EMA(net, t.ema_decays)
+    pema = phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None  # post-hoc EMA profiles
     opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
     sched = optim.build_schedule(opt, t)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -190,6 +192,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             log.warning(f"{start_path}: made with different training settings; continuing from it as asked")
         net.load_state_dict(state["net"])
         ema.load_state_dict(state["ema"])
+        if pema:
+            pema.load_state_dict(state.get("phema"), start_path)
         optim.load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["schedule"])
         scaler.load_state_dict(state["scaler"])
@@ -209,6 +213,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         state = {"net": net.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                  "schedule": sched.state_dict(), "scaler": scaler.state_dict(), "order": order.state_dict(),
                  "skipped": skipped_total, "consecutive_skipped": consecutive, "step": at_step}
+        if pema:  # absent when off, so such checkpoints are byte for byte what they were before
+            state["phema"] = pema.state_dict()
         checkpoint.save_checkpoint(path, state, _meta(cfg, at_step, data, traj) | extra_meta)
 
     # ---- Where this call stops, and what it writes on the way -----------------------------------
@@ -269,6 +275,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             window["loss"] += mean_loss
             window["gnorm"] += gnorm.detach()  # stays on the device until a logging step reads it
             window["n"] += 1
+        if pema:
+            # Skipped steps too: the profiles are functions of the step count, and the weights held still.
+            pema.update(net, step)
         opt.zero_grad(set_to_none=True)
         step += 1
         window["steps"] += 1
@@ -294,6 +303,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
                             "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
         if distributed.is_main() and step in snapshots:
             _snapshot(run_dir, step, net, ema, cfg, data, traj)
+        if distributed.is_main() and pema and (step % t.phema.every == 0 or step == t.total_steps):
+            # The run's last step always, so the workflow can reconstruct there whatever the length.
+            pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj))
         recover = t.recovery_every and step % t.recovery_every == 0 and step < until
         if distributed.is_main() and (recover or (any_stop and step < until)):
             save(run_dir / "recovery" / checkpoint.step_name(step), step)

@@ -550,3 +550,14 @@ def get_sample_settings(wildcards):
 def get_sample_threads(wildcards, threads):
     # Per process; Snakemake may lower `threads` to --cores, never the process count.
     return max(1, threads // CFG.sample.nproc)
+
+
+# --- post-hoc EMA (phema.smk) -----------------------------------------------------------------
+def get_phema_snapshots():
+    """The sample.phema reconstructions at the run's last step (none when the list is empty)."""
+    return expand(
+        rules.reconstruct_phema.output.snapshot,
+        run=RUN,
+        step=step_name(CFG.train.total_steps),
+        sigma=[f"{s:g}" for s in CFG.sample.phema],
+    )

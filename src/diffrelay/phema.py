@@ -1,0 +1,211 @@
+"""Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
+
+Training keeps power-function EMAs of the weights (train.phema.profiles, each a relative width sigma_rel)
+and writes both every train.phema.every steps to <run>/phema/step_XXXXXXX.safetensors. Afterwards
+`diffrelay phema` builds the EMA of any other width at a stored step as a least-squares combination of
+the stored averages, and writes it as an ordinary snapshot (ema weights only):
+
+  diffrelay phema --run-dir results/demo --sigma-rel 0.08 --until-step 1200 \\
+      --out results/demo/snapshots/phema/step_0001200_ema0.08.safetensors
+
+A profile is a function of the training time tau (here in optimizer steps): the EMA at time t weighs the
+weights of time tau by p(tau) = (gamma + 1) tau^gamma / t^(gamma + 1) on 0 < tau <= t, and its standard
+deviation divided by t is sigma_rel.
+"""
+
+import copy
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffrelay import checkpoint
+from diffrelay.errors import UserError
+
+FORMAT = "diffrelay-phema/1"
+FILE = re.compile(r"^step_(\d{7})\.safetensors$")
+WHAT, FIX = "post-hoc EMA file", "move it out of phema/ to reconstruct from the others, or retrain from an earlier checkpoint"
+MAX_SIGMA_REL = 12 ** -0.5  # gamma = 0, a plain average of all weights so far; wider has gamma < 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The math of power-function profiles
+
+
+def gamma_to_sigma(gamma: float) -> float:
+    """sigma_rel of the profile tau^gamma: its variance over t^2 is (g+1) / ((g+2)^2 (g+3))."""
+    g = float(gamma)
+    return float(np.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3))))
+
+
+def sigma_to_gamma(sigma_rel: float) -> float:
+    """The exponent with gamma_to_sigma(gamma) == sigma_rel, gamma > 0 (0 < sigma_rel < MAX_SIGMA_REL).
+
+    s^2 (g+2)^2 (g+3) = g+1 is a cubic in g; of its real roots the largest is the one on the branch where
+    a larger gamma means a narrower profile."""
+    s = float(sigma_rel)
+    if not 0 < s < MAX_SIGMA_REL:
+        raise ValueError(f"sigma_rel={s}: must be between 0 and {MAX_SIGMA_REL:.4f}")
+    inv = s ** -2
+    roots = np.roots([1.0, 7.0, 16.0 - inv, 12.0 - inv])
+    return float(max(r.real for r in roots if abs(r.imag) < 1e-9 * max(1.0, abs(r))))
+
+
+def beta(gamma: float, t: int) -> float:
+    """Weight kept by the running average at its t-th update (t = 1, 2, ...): the first update copies the
+    weights, and (1 - 1/t)^(gamma + 1) keeps the sum of tau^gamma weights in proportion."""
+    return (1.0 - 1.0 / t) ** (gamma + 1.0)
+
+
+def profile(t: float, gamma: float, tau) -> np.ndarray:
+    """p(tau) of the EMA at time t (its density over the training time tau)."""
+    tau = np.asarray(tau, dtype=np.float64)
+    inside = (tau > 0) & (tau <= t)
+    return np.where(inside, (gamma + 1) * np.clip(tau, 0, None) ** gamma / float(t) ** (gamma + 1), 0.0)
+
+
+def inner(t_a, gamma_a, t_b, gamma_b) -> np.ndarray:
+    """Integral of p_a(tau) p_b(tau) for profiles ending at t_a and t_b (broadcasts).
+
+    With t_lo <= t_hi the product lives on (0, t_lo]; integrating tau^(ga+gb) there gives
+    (ga+1)(gb+1) / (ga+gb+1) * t_lo^(g_hi) / t_hi^(g_hi+1), g_hi the exponent of the later profile."""
+    t_a, g_a, t_b, g_b = (np.asarray(x, dtype=np.float64) for x in (t_a, gamma_a, t_b, gamma_b))
+    a_first = t_a <= t_b
+    t_lo, t_hi = np.where(a_first, t_a, t_b), np.where(a_first, t_b, t_a)
+    g_hi = np.where(a_first, g_b, g_a)
+    return (g_a + 1) * (g_b + 1) / (g_a + g_b + 1) * (t_lo / t_hi) ** g_hi / t_hi
+
+
+def solve(steps, gammas, out_step: int, out_gamma: float) -> np.ndarray:
+    """Coefficients x (one per stored average) with sum_i x_i p_i closest to the target profile in L2.
+
+    The normal equations of that least-squares problem are A x = b, A_ij = <p_i, p_j>, b_i = <p_i, p_out>;
+    the result is scaled to sum to 1, so the combined weights stay an average."""
+    steps, gammas = np.asarray(steps, dtype=np.float64), np.asarray(gammas, dtype=np.float64)
+    a = inner(steps[:, None], gammas[:, None], steps[None, :], gammas[None, :])
+    b = inner(steps, gammas, float(out_step), float(out_gamma))
+    x = np.linalg.lstsq(a, b, rcond=None)[0]
+    return x / x.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: the running averages
+
+
+class PowerEMA:
+    """One power-function EMA of the weights per sigma_rel, updated after every optimizer step."""
+
+    def __init__(self, net: torch.nn.Module, sigma_rels):
+        self.sigma_rels = [float(s) for s in sigma_rels]
+        self.gammas = [sigma_to_gamma(s) for s in self.sigma_rels]
+        self.nets = [copy.deepcopy(net).eval().requires_grad_(False) for _ in self.sigma_rels]
+
+    @torch.no_grad()
+    def update(self, net: torch.nn.Module, step: int) -> None:
+        """After the update of `step` (0-based), i.e. the (step + 1)-th average."""
+        for gamma, avg in zip(self.gammas, self.nets):
+            keep = beta(gamma, step + 1)
+            for pa, p in zip(avg.parameters(), net.parameters()):
+                pa.lerp_(p.detach(), 1 - keep)
+            for ba, b in zip(avg.buffers(), net.buffers()):
+                ba.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"sigma_rel": list(self.sigma_rels), "nets": [avg.state_dict() for avg in self.nets]}
+
+    def load_state_dict(self, state: dict, source) -> None:
+        if state is None:
+            raise UserError(f"{source}: has no post-hoc EMA state (made with train.phema off); "
+                            "start a new run.name to train with train.phema")
+        if [float(s) for s in state["sigma_rel"]] != self.sigma_rels:
+            raise UserError(f"{source}: keeps post-hoc EMA profiles {state['sigma_rel']}, the config "
+                            f"train.phema.profiles={self.sigma_rels}; use the same profiles or a new run.name")
+        for avg, s in zip(self.nets, state["nets"], strict=True):
+            avg.load_state_dict(s)
+
+    def save(self, path, meta: dict) -> Path:
+        """Both averages in one verified file; `meta` as a snapshot's (step, model, image_shape, ...)."""
+        tensors = {f"p{i}.{k}": v for i, avg in enumerate(self.nets) for k, v in avg.state_dict().items()}
+        meta = {**meta, "format": FORMAT, "sigma_rel": self.sigma_rels, "gamma": self.gammas}
+        return checkpoint.write_signed(path, tensors, meta)
+
+
+def file_path(run_dir, step: int) -> Path:
+    return Path(run_dir) / "phema" / f"{checkpoint.step_name(step)}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconstruction
+
+
+def stored_steps(run_dir) -> list[int]:
+    folder = Path(run_dir) / "phema"
+    found = [int(m.group(1)) for p in folder.iterdir() if (m := FILE.match(p.name))] if folder.is_dir() else []
+    return sorted(found)
+
+
+def read(path) -> tuple[dict, dict]:
+    return checkpoint.read_signed(path, FORMAT, WHAT, FIX)
+
+
+def plan(run_dir, until_step: int, sigma_rel: float) -> list[tuple[Path, list[float]]]:
+    """(file, one coefficient per profile in it) for the files of steps <= until_step, from their records."""
+    steps = [s for s in stored_steps(run_dir) if 0 < s <= until_step]
+    last = file_path(run_dir, until_step)
+    if until_step not in steps:
+        raise UserError(f"{last}: post-hoc EMA file not found; reconstruct at a step that train.phema.every "
+                        "stored (see the phema/ folder) or train to that step first")
+    metas = [(file_path(run_dir, s), checkpoint.read_signed_meta(file_path(run_dir, s), FORMAT, WHAT, FIX))
+             for s in steps]
+    traj = metas[-1][1].get("trajectory")
+    for path, meta in metas:
+        if meta.get("trajectory") != traj or int(meta.get("step", -1)) != int(FILE.match(path.name).group(1)):
+            raise UserError(f"{path}: from another training run (trajectory or step differs from {last}); "
+                            "move it out of the phema/ folder")
+    flat = [(i, meta["step"], g) for i, (_, meta) in enumerate(metas) for g in meta["gamma"]]
+    x = solve([f[1] for f in flat], [f[2] for f in flat], until_step, sigma_to_gamma(sigma_rel))
+    coefs = [[] for _ in metas]
+    for (i, _, _), c in zip(flat, x):
+        coefs[i].append(float(c))
+    return [(path, c) for (path, _), c in zip(metas, coefs)]
+
+
+def reconstruct(run_dir, sigma_rel: float, until_step: int, out) -> Path:
+    """Write the EMA of width sigma_rel at until_step as a snapshot file (ema weights only)."""
+    combined, meta = {}, None
+    for path, coefs in plan(run_dir, until_step, sigma_rel):
+        tensors, meta = read(path)
+        for i, c in enumerate(coefs):
+            prefix = f"p{i}."
+            for k, v in tensors.items():
+                if not k.startswith(prefix):
+                    continue
+                name = k[len(prefix):]
+                if v.is_floating_point():  # float64 sums: the coefficients have both signs and can be large
+                    combined[name] = combined.get(name, 0) + c * v.double()
+                else:
+                    combined[name] = v  # integer buffers: the latest file's
+    dtypes = {k[3:]: v.dtype for k, v in tensors.items() if k.startswith("p0.")}
+    ema = {k: v.to(dtypes[k]) for k, v in combined.items()}
+    info = {"sigma_rel": float(sigma_rel), "gamma": sigma_to_gamma(sigma_rel), "step": until_step}
+    snap_meta = {k: v for k, v in meta.items() if k not in ("format", "sigma_rel", "gamma")} | {"phema": info}
+    return checkpoint.save_snapshot(out, ema, {}, snap_meta)
+
+
+def main(args) -> int:
+    from diffrelay import logs
+
+    log = logs.setup()
+    if not 0 < args.sigma_rel < MAX_SIGMA_REL:
+        raise UserError(f"--sigma-rel {args.sigma_rel}: must be between 0 and {MAX_SIGMA_REL:.4f} (exclusive); "
+                        "edm2's good values are about 0.05 to 0.15")
+    run_dir = Path(args.run_dir)
+    until = args.until_step if args.until_step is not None else max(stored_steps(run_dir), default=0)
+    if until <= 0:
+        raise UserError(f"{run_dir / 'phema'}: no post-hoc EMA files; train with train.phema.every > 0 first")
+    name = f"{checkpoint.step_name(until)}_ema{args.sigma_rel:g}.safetensors"  # the workflow's name
+    out = args.out or run_dir / "snapshots" / "phema" / name
+    reconstruct(run_dir, args.sigma_rel, until, out)
+    log.info(f"wrote {out} (sigma_rel {args.sigma_rel:g} at step {until})")
+    return 0
