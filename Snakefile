@@ -29,7 +29,7 @@ rule all:
     input:
         get_final_output(),
         second_pass=get_second_pass_targets,
-        phema=get_phema_snapshots(),
+        phema=get_phema_targets(),
 
 
 onstart:

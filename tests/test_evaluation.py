@@ -23,6 +23,13 @@ def test_variant_names_round_trip(count, guidance, seed_set, name):
     assert evaluation.parse_variant(name) == (count, guidance, seed_set)
 
 
+def test_a_post_hoc_ema_variant_names_its_width_first():
+    name = evaluation.variant(None, 1.5, 1, ema=0.08)
+    assert name == "_ema0.08_g1.5_s1"
+    assert evaluation.variant_ema(name) == 0.08 and evaluation.parse_variant(name) == (None, 1.5, 1)
+    assert evaluation.variant_ema("_n64_s1") is None
+
+
 def test_a_name_that_is_no_variant_is_refused():
     with pytest.raises(ValueError):
         evaluation.parse_variant("_s1_g2")  # the order is fixed: count, guidance, seed set

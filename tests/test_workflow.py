@@ -452,3 +452,22 @@ def test_seed_sets_two_extractors_and_a_second_pass_run_end_to_end(tmp_path, wri
     assert "train_segment" not in ran and "prepare_dataset" not in ran and ran["select_best"] == 1
     assert ran["sample_snapshot"] == 2 and ran["compute_fid"] == 2  # the new pick's 2 seed sets only
     assert len(list((run / "metrics/fid").glob("*_n12*.json"))) == 4
+
+
+@pytest.mark.slow
+def test_post_hoc_ema_widths_are_reconstructed_sampled_and_scored_after_the_last_segment(tmp_path, write_config):
+    cfg = write_config({"train": {"phema": {"every": 3}}, "sample": {"phema": [0.08]}})
+    out = snakemake(tmp_path, "--configfile", cfg)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["reconstruct_phema"] == 1 and ran["sample_snapshot"] == 3 and ran["compute_fid"] == 3
+    run = run_folder(tmp_path)
+    assert (run / "snapshots/phema/step_0000006_ema0.08.safetensors").is_file()
+    manifest = json.loads((run / "samples/step_0000006_ema0.08/manifest.json").read_text())
+    assert manifest["snapshot"].endswith("snapshots/phema/step_0000006_ema0.08.safetensors")
+    rows = [r.split(",") for r in (run / "report/metrics.csv").read_text().splitlines()]
+    header = rows[0]
+    assert [r[header.index("phema")] for r in rows[1:] if r[0] == "6"] == ["0.08", ""]
+    # The reconstruction's images differ from the training EMA's at the same step and seeds.
+    assert (run / "samples/step_0000006_ema0.08/000000.png").read_bytes() != \
+        (run / "samples/step_0000006/000000.png").read_bytes()
+    assert "Nothing to be done" in snakemake(tmp_path, "-n", "--configfile", cfg).stdout

@@ -4,16 +4,17 @@ sets, and the optional second pass that scores the best checkpoints again with m
 Plain Python (no torch), so the Snakefile, `validate` and `report` share one reading of the config.
 
 Names of one evaluation (a sample folder and its score file): `step_0000400` plus a variant suffix,
+  _ema0.08 a post-hoc EMA reconstruction of that width (sample.phema; none: the training's EMA)
   _n50000  the second ("final") pass with fid.final.num_images images (none: sample.num_images)
   _g1.5    classifier-free guidance scale (none: 1)
   _s2      seed set 2 of sample.seed_sets (none: set 0), seeds first_seed + 2 x images + i
-in that order, e.g. step_0000400_n50000_g1.5_s2.
+in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1.
 """
 
 import re
 from pathlib import Path
 
-VARIANT = r"(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
+VARIANT = r"(_ema[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
 _VARIANT = re.compile(rf"^{VARIANT}$")
 STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})$")
 
@@ -28,20 +29,30 @@ BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "
 # Variants
 
 
-def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0) -> str:
-    """The suffix of one evaluation's names; "" for the first pass, guidance 1, seed set 0."""
-    return ((f"_n{count}" if count else "") + ("" if float(guidance) == 1 else f"_g{float(guidance):g}")
-            + (f"_s{seed_set}" if seed_set else ""))
+def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, ema: float | None = None) -> str:
+    """The suffix of one evaluation's names; "" for the training's EMA, first pass, guidance 1, seed set 0."""
+    return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_n{count}" if count else "")
+            + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else ""))
+
+
+def _groups(suffix: str):
+    m = _VARIANT.match(suffix)
+    if not m:
+        raise ValueError(f"{suffix!r}: not an evaluation variant like _n50000_g1.5_s2")
+    return m.groups()
 
 
 def parse_variant(suffix: str) -> tuple[int | None, float, int]:
     """(count or None, guidance, seed set) of a variant suffix; ValueError if it is not one."""
-    m = _VARIANT.match(suffix)
-    if not m:
-        raise ValueError(f"{suffix!r}: not an evaluation variant like _n50000_g1.5_s2")
-    count, guidance, seed_set = m.groups()
+    _, count, guidance, seed_set = _groups(suffix)
     return (int(count[2:]) if count else None, float(guidance[2:]) if guidance else 1.0,
             int(seed_set[2:]) if seed_set else 0)
+
+
+def variant_ema(suffix: str) -> float | None:
+    """sigma_rel of a post-hoc EMA variant (_ema0.08...), None for the training's own EMA."""
+    ema = _groups(suffix)[0]
+    return float(ema[4:]) if ema else None
 
 
 def first_seed(first: int, num_images: int, seed_set: int) -> int:
@@ -142,8 +153,8 @@ def first_pass_results(score_files) -> list[dict]:
     for path in map(Path, score_files):
         m = STEP_STEM.match(path.stem)
         count, guidance, seed_set = parse_variant(m.group(2)) if m else (None, 1.0, 0)
-        if not m or count is not None:
-            continue  # not a score of the first pass
+        if not m or count is not None or variant_ema(m.group(2)) is not None:
+            continue  # not a score of the first pass (the second pass, or a post-hoc EMA at the end)
         rec = io.read_json(path)
         fid = rec.get("fid") if isinstance(rec, dict) else None
         if isinstance(fid, bool) or not isinstance(fid, (int, float)):

@@ -553,11 +553,54 @@ def get_sample_threads(wildcards, threads):
 
 
 # --- post-hoc EMA (phema.smk) -----------------------------------------------------------------
-def get_phema_snapshots():
-    """The sample.phema reconstructions at the run's last step (none when the list is empty)."""
+# Each width of sample.phema is reconstructed at the run's last step and evaluated like a snapshot,
+# under the variant _ema<width> (every guidance scale and seed set of the first pass).
+PHEMA_STEP = step_name(CFG.train.total_steps)
+PHEMA_VARIANTS = [
+    evaluation.variant(None, g, s, ema)
+    for ema in CFG.sample.phema
+    for g in GUIDANCE_SCALES
+    for s in SEED_SETS
+]
+
+
+def get_snapshot(wildcards):
+    """The weights one evaluation samples: the step's snapshot, or a post-hoc EMA reconstruction."""
+    ema = evaluation.variant_ema(wildcards.variant)
+    if ema is None:
+        return expand(
+            f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",
+            run=wildcards.run,
+            step=wildcards.step,
+        )
     return expand(
         rules.reconstruct_phema.output.snapshot,
-        run=RUN,
-        step=step_name(CFG.train.total_steps),
-        sigma=[f"{s:g}" for s in CFG.sample.phema],
+        run=wildcards.run,
+        step=wildcards.step,
+        sigma=f"{ema:g}",
     )
+
+
+def get_phema_scores(wildcards):
+    """Scores of the post-hoc EMA reconstructions; the report waits for them (none when off)."""
+    return expand(
+        rules.compute_fid.output.score,
+        run=wildcards.run,
+        step=PHEMA_STEP,
+        variant=PHEMA_VARIANTS,
+    )
+
+
+def get_phema_targets():
+    """Their samples and scores as targets once the last segment is trained (see get_final_output)."""
+    last = Path(RUN_DIR_NAME) / "checkpoints" / f"step_{PHEMA_STEP}/manifest.json"
+    if not PHEMA_VARIANTS or not last.is_file():
+        return []
+    return [
+        expand(out, run=RUN, step=PHEMA_STEP, variant=v)[0]
+        for v in PHEMA_VARIANTS
+        for out in (
+            rules.sample_snapshot.output.samples,
+            rules.compute_fid.output.score,
+        )
+    ]

@@ -1,8 +1,8 @@
 # reconstruct_phema: post-hoc EMA (train.phema, sample.phema). Once the last segment has trained, one
 # snapshot per sample.phema width, combined from the stored profiles in phema/ by `diffrelay phema`.
-# These snapshots hold ema weights only; sampling and scoring them is not part of the DAG yet
-# (sample them with `diffrelay sample --snapshot`). Output under snapshots/phema/, which training
-# never writes, so no pattern here reaches the files training makes.
+# These snapshots hold ema weights only; they are sampled and scored as the evaluations
+# step_<last>_ema<width>... (common.smk, get_snapshot). Output under snapshots/phema/, which
+# training never writes, so no pattern here reaches the files training makes.
 rule reconstruct_phema:
     input:
         trained=f"{RUN_DIR}/trained/step_{STEP}.json",

@@ -7,6 +7,8 @@ rule build_report:
         references=get_references,
         # The second pass (fid.final), once select_best has picked the checkpoints.
         final=get_final_scores,
+        # Post-hoc EMA reconstructions at the last step (sample.phema).
+        phema=get_phema_scores,
     output:
         metrics=report(
             f"{RUN_DIR}/report/metrics.csv",

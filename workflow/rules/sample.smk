@@ -5,7 +5,7 @@
 # change the pixels and come from the config file or from `threads`.
 rule sample_snapshot:
     input:
-        snapshot=f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",
+        snapshot=get_snapshot,
         checkpoint=get_snapshot_checkpoint,
     output:
         samples=report(
