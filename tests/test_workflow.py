@@ -1,6 +1,7 @@
 """The Snakemake workflow: formatting, lint, the DAG it plans, config errors, and real tiny runs."""
 
 import collections
+import csv
 import json
 import re
 import shlex
@@ -383,10 +384,12 @@ def test_custom_network_in_the_working_directory_trains_samples_and_sweeps_guida
     ran = finished_rules(out.stdout + out.stderr)
     assert ran["train_segment"] == 2 and ran["sample_snapshot"] == 4 and ran["compute_fid"] == 4
     report = run_folder(tmp_path) / "report"
-    rows = (report / "metrics.csv").read_text().splitlines()[1:]
-    per_step = collections.Counter(r.split(",")[0] for r in rows)
+
+    with open(report / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    per_step = collections.Counter(r["step"] for r in rows)
     assert per_step == {"3": 2, "6": 2}
-    assert sorted({float(r.split(",")[1]) for r in rows}) == [1.0, 2.0]
+    assert sorted({float(r["guidance"]) for r in rows}) == [1.0, 2.0]
     best = json.loads((report / "best.json").read_text())
     assert best["guidance"] in (1.0, 2.0) and best["step"] in (3, 6)
     grids = sorted(p.name for p in (run_folder(tmp_path) / "samples").iterdir())
