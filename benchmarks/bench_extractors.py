@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 

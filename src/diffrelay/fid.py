@@ -10,7 +10,6 @@ Examples:
 has no torchrun variables: scoring can never join, or wait for, a training process group.
 """
 
-import contextlib
 import hashlib
 import json
 import shutil

@@ -152,9 +152,9 @@ def trained_steps():
 
 SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
-# Every evaluation of a snapshot is named by the step and a variant suffix (evaluation.py): the second
-# pass's image count (_n50000), the guidance scale (_g1.5) and the seed set (_s2), each absent for the
-# default, so a run with none of them keeps the plain step_XXXXXXX names.
+# Every evaluation of a snapshot is named by the step and a variant suffix (evaluation.py): a post-hoc
+# EMA width (_ema0.08), the second pass's image count (_n50000), the guidance scale (_g1.5) and the seed
+# set (_s2), each absent for the default, so a run with none of them keeps the plain step_XXXXXXX names.
 VARIANT = "{variant}"
 GUIDANCE_SCALES = evaluation.guidance_scales(CFG.to_dict()["sample"])
 SEED_SETS = range(CFG.sample.seed_sets)
