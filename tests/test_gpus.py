@@ -2,6 +2,7 @@
 dies, a full pool waits; and a workflow whose evaluation runs beside training on other ids."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -52,24 +53,49 @@ def test_concurrent_commands_never_share_an_id(tmp_path):
     assert all(ids <= {"0", "1", "2"} for ids, _, _ in records)
 
 
+def holds_ids(proc, timeout=60):
+    """Wait until `proc` (a with-gpus wrapper) has locked its ids and exec'd its command (which then
+    sees CUDA_VISIBLE_DEVICES): the ids are held from here on, whatever the machine's load."""
+    deadline = time.time() + timeout
+    while "CUDA_VISIBLE_DEVICES" not in Path(f"/proc/{proc.pid}/environ").read_bytes().decode(errors="replace"):
+        assert proc.poll() is None and time.time() < deadline, "the wrapped command never started"
+        time.sleep(0.05)
+
+
+def wait_for_text(path, text, proc, timeout=60):
+    deadline = time.time() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None and time.time() < deadline, f"{text!r} never appeared in {path}"
+        time.sleep(0.05)
+
+
 def test_a_full_pool_waits_then_runs(tmp_path):
-    out = tmp_path / "held.jsonl"
-    first = wrapped(tmp_path / "locks", "0,1", 2, *record_cmd(out, 2))
-    time.sleep(0.8)
-    second = wrapped(tmp_path / "locks", "0,1", 1, *record_cmd(out, 0))
+    """Ordered by events, not by sleeps: the first command holds both ids until it is told to go, and
+    it is told only once the second has said that it waits."""
+    out, go = tmp_path / "held.jsonl", tmp_path / "go"
+    hold = ("import json, os, pathlib, sys, time\n"
+            "t0 = time.time()\n"
+            "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.02)\n"
+            "line = json.dumps([os.environ['CUDA_VISIBLE_DEVICES'], t0, time.time()])\n"
+            "open(sys.argv[1], 'a').write(line + '\\n')\n")
+    first = wrapped(tmp_path / "locks", "0,1", 2, "python", "-c", hold, out, go)
+    holds_ids(first)
+    err = tmp_path / "second.err"
+    with open(err, "w") as f:
+        second = subprocess.Popen([str(BIN / "diffrelay"), "with-gpus", "--pool", "0,1", "--count", "1",
+                                   "--lock-dir", str(tmp_path / "locks"), "--", *record_cmd(out, 0)],
+                                  stdout=subprocess.DEVNULL, stderr=f, text=True)
+    wait_for_text(err, "waiting for 1 free GPU id(s) of pool 0,1", second)
+    go.touch()
     assert second.wait(timeout=60) == 0 and first.wait(timeout=60) == 0
     (ids1, _, end1), (ids2, start2, _) = read_records(out)
     assert ids1 == {"0", "1"} and ids2 <= {"0", "1"} and start2 >= end1
-    log = second.stderr.read()
-    assert "waiting for 1 free GPU id(s) of pool 0,1" in log and "CUDA_VISIBLE_DEVICES=" in log
+    assert "CUDA_VISIBLE_DEVICES=" in err.read_text()
 
 
 def test_a_sigkilled_holder_frees_its_ids(tmp_path):
     holder = wrapped(tmp_path / "locks", "3,5", 2, "sleep", "60")
-    deadline = time.time() + 30
-    while "CUDA_VISIBLE_DEVICES" not in Path(f"/proc/{holder.pid}/environ").read_bytes().decode(errors="replace") \
-            and time.time() < deadline:  # exec'd into sleep with the ids set
-        time.sleep(0.05)
+    holds_ids(holder)  # exec'd into sleep with the ids set
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     out = tmp_path / "held.jsonl"
@@ -111,6 +137,27 @@ def test_pools_split_training_and_evaluation():
     assert pools() == ([], [])
 
 
+# A `diffrelay` in front of the real one on PATH. The training job of segment (40, 80] and the
+# sampling job of checkpoint 40 each leave a mark, then wait for the other's before they start: both
+# get past this only if Snakemake ran them at the same time, each holding its GPU ids. Every other
+# command passes straight through.
+MEET = """#!/bin/sh
+case " $* " in
+  *" launch "*" --until-step 80 "*) me=train; other=sample ;;
+  *" sample "*" --out "*"/samples/step_0000040 "*) me=sample; other=train ;;
+  *) exec "$REAL_DIFFRELAY" "$@" ;;
+esac
+touch "$MEET_DIR/$me"
+i=0
+while [ ! -e "$MEET_DIR/$other" ]; do
+  i=$((i + 1))
+  if [ $i -gt 6000 ]; then echo "meet: $me waited 10 min for $other" >&2; exit 1; fi
+  sleep 0.1
+done
+exec "$REAL_DIFFRELAY" "$@"
+"""
+
+
 @pytest.mark.slow
 def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
     d = deep_merge(TINY, {"run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources"),
@@ -119,8 +166,15 @@ def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
                           "sample": {"num_images": 256, "steps": 20, "batch_size": 64}})
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+    shim, meet = tmp_path / "shim", tmp_path / "meet"
+    shim.mkdir()
+    meet.mkdir()
+    (shim / "diffrelay").write_text(MEET)
+    (shim / "diffrelay").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}", "MEET_DIR": str(meet),
+           "REAL_DIFFRELAY": str(BIN / "diffrelay")}
     run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", tmp_path, "--cores", 2,
-            "--configfile", cfg, timeout=900)
+            "--configfile", cfg, timeout=1500, env=env)
     logs = tmp_path / "logs" / "tiny"
 
     def ids(log):
@@ -131,9 +185,6 @@ def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
     for rule in ("sample_snapshot", "compute_fid", "compute_reference"):
         for log in (logs / rule).glob("*.log"):
             assert len(ids(log)) == 1 and ids(log) <= {"1", "2"}, log
-    # Sampling of checkpoint 40 ran while segment (40, 80] trained, on other ids.
-    events = [json.loads(line) for line in (tmp_path / "results/tiny/metrics/train.jsonl").read_text().splitlines()]
-    start = next(e["time"] for e in events if e.get("event") == "segment_start" and e["step"] == 40)
-    end = next(e["time"] for e in events if e.get("event") == "segment_end" and e["step"] == 80)
-    manifest = json.loads((tmp_path / "results/tiny/samples/step_0000040/manifest.json").read_text())
-    assert manifest["started"] < end and manifest["finished"] > start
+    # Sampling of checkpoint 40 and segment (40, 80] met: each waited for the other to start (MEET),
+    # so they ran at the same time, on other ids.
+    assert sorted(p.name for p in meet.iterdir()) == ["sample", "train"]
