@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_fid import shapes  # noqa: E402
 
-from diffrelay import dinov2, extractor, features, fid  # noqa: E402
+from diffrelay.evaluation import dinov2, extractor, features, fid  # noqa: E402
 
 
 def inception_file(out: Path) -> Path:

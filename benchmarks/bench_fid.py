@@ -97,7 +97,8 @@ def main():
     import torch
     from cleanfid.fid import frechet_distance, get_folder_features, kernel_distance
 
-    from diffrelay import extractor, fid, io
+    from diffrelay import io
+    from diffrelay.evaluation import extractor, fid
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -141,7 +142,7 @@ def main():
                 results[name].append(fn())
 
         imports = {}
-        for name, code in (("parent_cli", "import diffrelay.fid"), ("child", "import torch, cleanfid.fid")):
+        for name, code in (("parent_cli", "import diffrelay.evaluation.fid"), ("child", "import torch, cleanfid.fid")):
             imports[name] = statistics.median(timed([sys.executable, "-c", code])[0] for _ in range(2))
 
     med = {k: statistics.median(r[0] for r in v) for k, v in results.items()}

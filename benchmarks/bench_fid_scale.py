@@ -48,7 +48,8 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
 
-    from diffrelay import extractor, io
+    from diffrelay import io
+    from diffrelay.evaluation import extractor
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_fid_scale.") as tmp:

@@ -62,7 +62,7 @@ def step_flops(net, batch, res, classes) -> int:
     """FLOPs of one training step's forward and backward (the optimizer's are negligible)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrelay import edm
+    from diffrelay.objectives import edm
 
     x = torch.randn(batch, 3, res, res, device="cuda")
     labels = torch.randint(0, classes, (batch,), device="cuda")
@@ -76,7 +76,11 @@ def bare_loop(model_cfg, data_dir, args) -> tuple[float, int]:
     """(steady steps/s, FLOPs per step) of the plainest loop doing the same work on the GPU."""
     import numpy as np
 
-    from diffrelay import config, datasets, edm, optim, speed
+    from diffrelay import config
+    from diffrelay.data import datasets
+    from diffrelay.objectives import edm
+    from diffrelay.runtime import speed
+    from diffrelay.training import optim
 
     t = config.Config(config.validate({"train": {"batch_size": args.batch, "precision": "bf16", **FAST}})).train
     speed.set_backends(torch.device("cuda"), t.tf32)

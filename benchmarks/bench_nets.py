@@ -24,7 +24,8 @@ RECIPES = ["config/examples/cifar10-unet.yaml", "config/examples/dit-s2.yaml", "
 
 
 def measure(recipe: str, args) -> dict:
-    from diffrelay import config, edm
+    from diffrelay import config
+    from diffrelay.objectives import edm
     from diffrelay.nets import registry
 
     files = [REPO / "config/config.yaml"] + ([REPO / recipe] if recipe != "config/config.yaml" else [])

@@ -103,7 +103,8 @@ def main():
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
 
-    from diffrelay import config, datasets, io
+    from diffrelay import config, io
+    from diffrelay.data import datasets
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_prepare.") as tmp:

@@ -33,7 +33,9 @@ NUM_CLASSES = 4
 
 
 def make_snapshot(path, resolution):
-    from diffrelay import checkpoint, config, edm
+    from diffrelay import config
+    from diffrelay.objectives import edm
+    from diffrelay.training import checkpoint
 
     model = config.validate({"model": {"channels": 32, "channel_mult": [1, 2, 2], "class_conditional": True}})["model"]
     net = edm.build(model, resolution, NUM_CLASSES)
@@ -48,7 +50,8 @@ def make_snapshot(path, resolution):
 
 def bare_seconds(snapshot, s) -> tuple[float, float]:
     """Same forward passes (count, rows, dtype, labels) with no seeding, ODE bookkeeping or files."""
-    from diffrelay import checkpoint, sample
+    from diffrelay.sampling import sample
+    from diffrelay.training import checkpoint
 
     net, meta = checkpoint.load_snapshot(snapshot)
     rows, batches = sample.forward_rows(s), math.ceil(s.num_images / s.batch_size)
@@ -64,7 +67,8 @@ def bare_seconds(snapshot, s) -> tuple[float, float]:
 
 def inprocess_seconds(snapshot, out, s) -> tuple[float, float, float]:
     """Wall and CPU seconds of sample.run(), and the wall seconds spent inside network forwards during it."""
-    from diffrelay import edm, sample
+    from diffrelay.objectives import edm
+    from diffrelay.sampling import sample
 
     forward, inside = edm.Denoiser.forward, [0.0]
 
@@ -118,7 +122,8 @@ def main():
     ap.add_argument("--out", default=str(HERE / "results" / "sample.json"))
     args = ap.parse_args()
 
-    from diffrelay import io, sample
+    from diffrelay import io
+    from diffrelay.sampling import sample
 
     facts = machine()
     torch.set_num_threads(args.threads)

@@ -43,8 +43,8 @@ SEED = 0
 
 
 def host_step_ms(data, per_process: int, steps: int) -> list[float]:
-    from diffrelay.loader import BatchMaker
-    from diffrelay.sampler import DataOrder
+    from diffrelay.data.loader import BatchMaker
+    from diffrelay.data.order import DataOrder
 
     order = DataOrder(SEED, data.count, per_process)
     maker = BatchMaker(data, SEED, per_process, rank=0, world=1, grad_accum=1, device="cpu")
@@ -58,8 +58,8 @@ def host_step_ms(data, per_process: int, steps: int) -> list[float]:
 
 def before_step_ms(data, per_process: int, steps: int) -> list[float]:
     """The previous code's host work: permutation rebuilt every step, a generator per image."""
-    from diffrelay.loader import read_rows, to_float
-    from diffrelay.sampler import derive_seed, global_indices
+    from diffrelay.data.loader import read_rows, to_float
+    from diffrelay.data.order import derive_seed, global_indices
 
     shape = (3, data.resolution, data.resolution)
     times = []
@@ -89,7 +89,9 @@ def memory_status() -> dict:
 
 TRAIN = """
 import json, sys
-from diffrelay import config, loader, train
+from diffrelay import config
+from diffrelay.data import loader
+from diffrelay.training import train
 sys.path.insert(0, sys.argv[3])
 from bench_scale import memory_status
 seen, close = [], loader.Prefetcher.close
@@ -104,8 +106,8 @@ print(json.dumps(seen[0]))
 EPOCH = """
 import json, sys
 import torch
-from diffrelay import datasets, loader
-from diffrelay.sampler import DataOrder
+from diffrelay.data import datasets, loader
+from diffrelay.data.order import DataOrder
 sys.path.insert(0, sys.argv[3])
 from bench_scale import memory_status
 torch.set_num_threads(1)
@@ -123,7 +125,8 @@ print(json.dumps({**memory_status(), "steps": steps}))
 IMPORTS = """
 import json, sys
 import torch
-from diffrelay import datasets, loader, train
+from diffrelay.data import datasets, loader
+from diffrelay.training import train
 sys.path.insert(0, sys.argv[1])
 from bench_scale import memory_status
 print(json.dumps(memory_status()))
@@ -162,8 +165,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     steps, before_steps, train_steps = (40, 3, 30) if args.quick else (300, 10, 100)
-    from diffrelay import datasets
-    from diffrelay.sampler import epoch_permutation
+    from diffrelay.data import datasets
+    from diffrelay.data.order import epoch_permutation
 
     result = {"settings": {**vars(args), "steps": steps, "before_steps": before_steps},
               "host_ms_per_step": {}, "host_ms_per_step_median": {}, "before_ms_per_step": {},

@@ -46,7 +46,9 @@ def bare_loop(data_dir, args) -> float:
     """Steady steps/s of the plainest loop that does the same work."""
     import numpy as np
 
-    from diffrelay import datasets, edm, optim
+    from diffrelay.data import datasets
+    from diffrelay.objectives import edm
+    from diffrelay.training import optim
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -76,7 +78,10 @@ def bare_scale_loop(data_dir, cfg_path, threads) -> float:
     """Steady steps/s of the scale case's bare loop: same network, loss, optimizer, clipping and EMA."""
     import numpy as np
 
-    from diffrelay import config, datasets, edm, optim
+    from diffrelay import config
+    from diffrelay.data import datasets
+    from diffrelay.objectives import edm
+    from diffrelay.training import optim
 
     t = config.load(cfg_path).train
     torch.set_num_threads(threads)
@@ -176,7 +181,8 @@ def main():
 
 
 def demo_case(args) -> dict:
-    from diffrelay import checkpoint, logs
+    from diffrelay import logs
+    from diffrelay.training import checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -44,7 +44,10 @@ def workflow_run(cfg_path: Path, tmp: Path, cores: int) -> dict:
 
 def in_loop_run(cfg: dict, tmp: Path, cores: int) -> dict:
     """Train a segment, then sample and score it, in this one process; repeat."""
-    from diffrelay import config, extractor, fid, sample, train
+    from diffrelay import config
+    from diffrelay.evaluation import extractor, fid
+    from diffrelay.sampling import sample
+    from diffrelay.training import train
 
     cfg = {**cfg, "run": {**cfg["run"], "results": str(tmp / "results"), "resources": str(tmp / "resources")}}
     for section in ("train", "sample", "fid"):
@@ -74,7 +77,8 @@ def in_loop_run(cfg: dict, tmp: Path, cores: int) -> dict:
 
 
 def _prepare(c):
-    from diffrelay import config, datasets, io
+    from diffrelay import config, io
+    from diffrelay.data import datasets
 
     with io.atomic_dir(config.run_dir(c) / "dataset") as tmp:
         datasets.build(datasets.plan(c.data), tmp, workers=c.fid.threads)  # every core, as fid above

@@ -58,7 +58,7 @@ def edm2_steps(x):
 
 
 def compare(name, src_vits, src_layers, seed=0):
-    from diffrelay import dinov2
+    from diffrelay.evaluation import dinov2
 
     if name in SHAPES:
         dim, depth, heads, ffn = SHAPES[name]

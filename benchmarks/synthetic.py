@@ -8,7 +8,8 @@ import numpy as np
 def write_dataset(folder, count: int, resolution: int = 8, classes: int = 10, chunk: int = 1 << 16) -> Path:
     """images.npy (memory-mapped, written a chunk at a time), labels.npy and dataset.json in
     datasets.open_prepared's format; the fingerprint names the synthetic content."""
-    from diffrelay import datasets, io
+    from diffrelay import io
+    from diffrelay.data import datasets
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,7 @@ def altered_checkpoint(tmp_path, write_config):
     """A prepared tiny run plus a checkpoint folder whose state.pt no longer matches its manifest."""
     import torch
 
-    from diffrelay import checkpoint
+    from diffrelay.training import checkpoint
 
     cfg = write_config()
     run_cli("prepare", "--config", cfg)

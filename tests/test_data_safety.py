@@ -18,7 +18,9 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, run_cli
-from diffrelay import checkpoint, config, io, logs, sample
+from diffrelay import config, io, logs
+from diffrelay.sampling import sample
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from test_sample import make_snapshot, settings
 
@@ -385,7 +387,7 @@ def children(pid: int) -> list[int]:
 
 
 def test_killing_fid_kills_its_scoring_child_and_leaves_no_result(tmp_path):
-    from diffrelay import extractor, fid
+    from diffrelay.evaluation import extractor, fid
     from test_fid import shapes, write_dataset, write_pngs
 
     imgs = shapes(24, seed=0)
@@ -413,7 +415,7 @@ def test_killing_fid_kills_its_scoring_child_and_leaves_no_result(tmp_path):
 
 
 def test_fid_names_an_undecodable_image_instead_of_a_traceback(tmp_path):
-    from diffrelay import extractor, fid
+    from diffrelay.evaluation import extractor, fid
     from test_fid import shapes, write_dataset, write_pngs
 
     imgs = shapes(24, seed=0)

@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from diffrelay import config, datasets, io
+from diffrelay import config, io
+from diffrelay.data import datasets
 from diffrelay.errors import UserError
 
 

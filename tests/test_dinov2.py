@@ -14,7 +14,8 @@ import torch
 from conftest import run_cli
 from torch.nn import functional as F
 
-from diffrelay import cli, dinov2, extractor, io
+from diffrelay import cli, io
+from diffrelay.evaluation import dinov2, extractor
 from diffrelay.errors import UserError
 
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused

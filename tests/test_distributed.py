@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from diffrelay import distributed
+from diffrelay.runtime import distributed
 from diffrelay.errors import GroupFailure
 
 

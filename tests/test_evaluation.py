@@ -10,7 +10,8 @@ from test_dinov2 import TINY as TINY_VIT
 from test_dinov2 import official_state
 from test_fid import shapes, write_dataset, write_pngs
 
-from diffrelay import config, dinov2, evaluation, extractor, features, fid
+from diffrelay import config
+from diffrelay.evaluation import dinov2, extractor, features, fid, protocol
 from diffrelay.errors import UserError
 
 
@@ -19,24 +20,24 @@ from diffrelay.errors import UserError
     (None, 1.0, 0, ""), (50000, 1.0, 0, "_n50000"), (None, 1.5, 0, "_g1.5"), (None, 1.0, 2, "_s2"),
     (50000, 2.0, 1, "_n50000_g2_s1"), (None, 0.0, 3, "_g0_s3")])
 def test_variant_names_round_trip(count, guidance, seed_set, name):
-    assert evaluation.variant(count, guidance, seed_set) == name
-    assert evaluation.parse_variant(name) == (count, guidance, seed_set)
+    assert protocol.variant(count, guidance, seed_set) == name
+    assert protocol.parse_variant(name) == (count, guidance, seed_set)
 
 
 def test_a_post_hoc_ema_variant_names_its_width_first():
-    name = evaluation.variant(None, 1.5, 1, ema=0.08)
+    name = protocol.variant(None, 1.5, 1, ema=0.08)
     assert name == "_ema0.08_g1.5_s1"
-    assert evaluation.variant_ema(name) == 0.08 and evaluation.parse_variant(name) == (None, 1.5, 1)
-    assert evaluation.variant_ema("_n64_s1") is None
+    assert protocol.variant_ema(name) == 0.08 and protocol.parse_variant(name) == (None, 1.5, 1)
+    assert protocol.variant_ema("_n64_s1") is None
 
 
 def test_a_name_that_is_no_variant_is_refused():
     with pytest.raises(ValueError):
-        evaluation.parse_variant("_s1_g2")  # the order is fixed: count, guidance, seed set
+        protocol.parse_variant("_s1_g2")  # the order is fixed: count, guidance, seed set
 
 
 def test_seed_sets_are_disjoint_consecutive_ranges():
-    ranges = [set(range(evaluation.first_seed(7, 100, j), evaluation.first_seed(7, 100, j) + 100)) for j in range(3)]
+    ranges = [set(range(protocol.first_seed(7, 100, j), protocol.first_seed(7, 100, j) + 100)) for j in range(3)]
     assert ranges[0] == set(range(7, 107)) and not (ranges[0] & ranges[1] or ranges[1] & ranges[2])
 
 
@@ -62,20 +63,20 @@ def test_evaluation_settings_that_cannot_work_are_one_line_errors(over, key, wor
 
 def test_extractors_list_replaces_the_single_extractor_and_keys_files():
     d = _validate({"fid": {"extractors": ["inception", "dinov2", "/x/my feats.pt"], "reference": {"inception": "r.npz"}}})
-    names = evaluation.extractor_names(d["fid"])
+    names = protocol.extractor_names(d["fid"])
     assert names == ["inception", "dinov2", "/x/my feats.pt"]
-    assert [evaluation.extractor_key(n, 0) for n in names] == ["inception-2015-12-05", "dinov2-vitl14", "my_feats"]
-    assert evaluation.extractor_file("dinov2", 0, "res") == "res/extractors/dinov2-vitl14.pt"
-    assert [evaluation.reference_file(d["fid"], n) for n in names] == ["r.npz", None, None]
-    assert evaluation.extractor_names(_validate({})["fid"]) == ["random"]
+    assert [protocol.extractor_key(n, 0) for n in names] == ["inception-2015-12-05", "dinov2-vitl14", "my_feats"]
+    assert protocol.extractor_file("dinov2", 0, "res") == "res/extractors/dinov2-vitl14.pt"
+    assert [protocol.reference_file(d["fid"], n) for n in names] == ["r.npz", None, None]
+    assert protocol.extractor_names(_validate({})["fid"]) == ["random"]
 
 
 def test_ranking_uses_the_mean_over_seed_sets_and_never_picks_nan():
     results = [{"step": 2, "guidance": 1.0, "fid": 5.0}, {"step": 2, "guidance": 1.0, "fid": 1.0},  # mean 3
                {"step": 4, "guidance": 1.0, "fid": 2.0}, {"step": 4, "guidance": 1.0, "fid": 4.5},  # mean 3.25
                {"step": 4, "guidance": 2.0, "fid": 2.5}, {"step": 6, "guidance": 1.0, "fid": float("nan")}]
-    assert [(r["step"], r["guidance"]) for r in evaluation.rank(results, 2)] == [(4, 2.0), (2, 1.0)]
-    assert len(evaluation.rank(results, 10)) == 3
+    assert [(r["step"], r["guidance"]) for r in protocol.rank(results, 2)] == [(4, 2.0), (2, 1.0)]
+    assert len(protocol.rank(results, 10)) == 3
 
 
 def test_select_best_reads_first_pass_scores_from_the_segment_lists(tmp_path):

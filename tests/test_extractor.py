@@ -9,7 +9,8 @@ from conftest import run_cli
 from torch import nn
 from torch.nn import functional as F
 
-from diffrelay import cli, extractor, io
+from diffrelay import cli, io
+from diffrelay.evaluation import extractor
 from diffrelay.errors import UserError
 
 DEAD_URL = "http://127.0.0.1:9/inception-2015-12-05.pt"  # the discard port: nothing listens, the connection is refused

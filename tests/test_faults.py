@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from conftest import BIN, run_cli
-from diffrelay import checkpoint, io, logs
+from diffrelay import io, logs
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 
 LONG = {"train": {"total_steps": 400, "segment_steps": 400, "log_every": 1, "warmup_steps": 5}}

@@ -12,7 +12,9 @@ from PIL import Image
 from torch import nn
 from torch.nn import functional as F
 
-from diffrelay import cli, distributed, extractor, features, fid, io
+from diffrelay import cli, io
+from diffrelay.evaluation import extractor, features, fid
+from diffrelay.runtime import distributed
 from diffrelay.errors import UserError
 
 N = 128  # images per folder: enough for ordering, small enough for seconds

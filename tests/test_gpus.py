@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, TINY, deep_merge, run_cli
-from diffrelay import config, gpus
+from diffrelay import config
+from diffrelay.runtime import gpus
 from diffrelay.errors import UserError
 
 # Each wrapped command records which ids it got and when it held them.

@@ -13,9 +13,11 @@ import torch
 
 from conftest import BIN, run_cli
 from test_train import assert_tensors_equal
-from diffrelay import checkpoint, datasets, io, loader, logs
-from diffrelay.loader import DEPTH, BatchMaker, Prefetcher
-from diffrelay.sampler import DataOrder
+from diffrelay import io, logs
+from diffrelay.data import datasets, loader
+from diffrelay.training import checkpoint
+from diffrelay.data.loader import DEPTH, BatchMaker, Prefetcher
+from diffrelay.data.order import DataOrder
 
 
 def write_prepared(folder, n, res=4, classes=3):
@@ -133,7 +135,9 @@ def test_a_failed_read_reaches_the_loop_and_the_thread_ends(tmp_path, monkeypatc
 SPY = """
 import json, os, sys, threading
 from pathlib import Path
-from diffrelay import config, loader, train
+from diffrelay import config
+from diffrelay.data import loader
+from diffrelay.training import train
 from diffrelay.errors import UserError
 
 during, take = [], loader.Prefetcher.next

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from diffrelay import extractor, features, fid, metrics
+from diffrelay.evaluation import extractor, features, fid, metrics
 from diffrelay.errors import UserError
 from test_fid import shapes, write_pngs
 

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from diffrelay import augment, checkpoint, config, edm, io, sample
+from diffrelay import config, io
+from diffrelay.data import augment
+from diffrelay.objectives import edm
+from diffrelay.sampling import sample
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from diffrelay.nets import dit, registry
 

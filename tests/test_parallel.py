@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from diffrelay import parallel
+from diffrelay.runtime import parallel
 
 
 def slow_square(x):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from diffrelay import checkpoint, config, phema
+from diffrelay import config
+from diffrelay.training import checkpoint, phema
 from diffrelay.errors import UserError
 
 

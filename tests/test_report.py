@@ -10,7 +10,7 @@ from conftest import run_cli
 from PIL import Image
 
 from diffrelay import cli
-from diffrelay.report import COLUMNS
+from diffrelay.evaluation.report import COLUMNS
 
 # Evaluated steps and their FD; step 4 is the best (neither the first nor the last).
 FD = {2: 80.0, 4: 30.0, 6: 45.0, 8: 35.0}

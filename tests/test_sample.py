@@ -12,7 +12,10 @@ import torch
 from PIL import Image
 
 from conftest import BIN, run_cli
-from diffrelay import checkpoint, cli, config, edm, io, logs, sample
+from diffrelay import cli, config, io, logs
+from diffrelay.objectives import edm
+from diffrelay.sampling import sample
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 
 CLASS_NAMES = ["circle", "square", "triangle"]

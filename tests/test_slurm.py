@@ -226,7 +226,7 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
             "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
             timeout=TIMEOUT)
-    from diffrelay import checkpoint
+    from diffrelay.training import checkpoint
     a, _ = checkpoint.load_checkpoint(results / "stopped" / "checkpoints" / f"step_{steps:07d}")
     b, _ = checkpoint.load_checkpoint(results / "whole" / "checkpoints" / f"step_{steps:07d}")
     flat_a, flat_b = flatten(a), flatten(b)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, deep_merge, run_cli
 
-from diffrelay import checkpoint
+from diffrelay.training import checkpoint
 
 ENABLE = ("needs the local two-node SLURM cluster; enable with: sudo bash tests/slurm/cluster.sh install && "
           "sudo bash tests/slurm/cluster.sh start && sudo bash tests/slurm/two-nodes.sh start && "

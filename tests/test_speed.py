@@ -9,7 +9,10 @@ import torch
 import yaml
 
 from conftest import run_cli
-from diffrelay import config, optim, sample, speed
+from diffrelay import config
+from diffrelay.runtime import speed
+from diffrelay.sampling import sample
+from diffrelay.training import optim
 from diffrelay.errors import UserError
 from test_sample import make_snapshot
 from test_train import assert_tensors_equal, load_state

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from diffrelay import checkpoint, io
+from diffrelay import io
+from diffrelay.training import checkpoint
 
 TRAIN = ["-m", "diffrelay", "train"]
 
@@ -246,7 +247,8 @@ HOST_READS = """
 import json, sys
 from collections import Counter
 import torch
-from diffrelay import config, train
+from diffrelay import config
+from diffrelay.training import train
 
 reads = Counter()
 

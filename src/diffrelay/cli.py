@@ -35,13 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a config and print it with defaults filled in")
     _config(p)
-    p.set_defaults(module="diffrelay.config_cli")
+    p.set_defaults(module="diffrelay.validate")
 
     p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, dataset.json)")
     _config(p)
     p.add_argument("--out", help="dataset folder [default: <results>/<run>/dataset]")
     p.add_argument("--workers", type=_non_negative, help="decoding processes; 0 = one per core [default: data.workers]")
-    p.set_defaults(module="diffrelay.prepare")
+    p.set_defaults(module="diffrelay.data.prepare")
 
     p = sub.add_parser("train", help="train one segment: resume, run to --until-step, checkpoint, exit")
     _config(p)
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="append the dataset indices of every step to this JSONL file (tests)")
     p.add_argument("--record", help="when the segment's checkpoint is complete, write this JSON record of it "
                                     "(the workflow's output for the segment)")
-    p.set_defaults(module="diffrelay.train")
+    p.set_defaults(module="diffrelay.training.train")
 
     p = sub.add_parser("sample", help="generate PNGs from a snapshot; no dataset, no process group needed")
     _config(p, required=False)
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int)
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
-    p.set_defaults(module="diffrelay.sample")
+    p.set_defaults(module="diffrelay.sampling.sample")
 
     p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")
     p.add_argument("--run-dir", required=True, help="results/<run>, holding phema/step_XXXXXXX.safetensors")
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-step", type=int, help="the step to build it at (a stored one) [default: the last stored]")
     p.add_argument("--out", help="snapshot file to write [default: <run-dir>/snapshots/phema/"
                                  "step_XXXXXXX_ema<sigma>.safetensors]")
-    p.set_defaults(module="diffrelay.phema")
+    p.set_defaults(module="diffrelay.training.phema")
 
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
     p.add_argument("--extractor", required=True,
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random extractor")
     p.add_argument("--weights", metavar="PTH", help="dinov2: the official dinov2_<model>_pretrain.pth, already "
                                                     "downloaded [default: that name next to --out, else download]")
-    p.set_defaults(module="diffrelay.extractor")
+    p.set_defaults(module="diffrelay.evaluation.extractor")
 
     p = sub.add_parser("fid-ref", help="reference statistics of a dataset (cached by fingerprint)")
     p.add_argument("--dataset", required=True, help="dataset folder made by `diffrelay prepare`")
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir", help="reuse statistics cached here by (fingerprint, extractor, mode, count)")
     p.add_argument("--out", required=True, help="statistics file (.npz)")
-    p.set_defaults(module="diffrelay.fid")
+    p.set_defaults(module="diffrelay.evaluation.fid")
 
     p = sub.add_parser("fid", help="FID/KID of an image folder against reference statistics (in a clean subprocess)")
     p.add_argument("--images", required=True, help="folder of generated images")
@@ -111,36 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-minutes", type=float, default=60)
     p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
     p.add_argument("--out", required=True, help="result JSON")
-    p.set_defaults(module="diffrelay.fid")
+    p.set_defaults(module="diffrelay.evaluation.fid")
 
     p = sub.add_parser("launch", help="torchrun that keeps exit status 75 (stopped, resumable), handles SIGUSR1 "
                                       "and reports failed ranks in one line; takes torchrun's options",
                        add_help=False)
     p.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun options and program")
-    p.set_defaults(module="diffrelay.distributed")
+    p.set_defaults(module="diffrelay.runtime.distributed")
 
     p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
     p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
     p.add_argument("scores", nargs="*", help="FID result files")
-    p.set_defaults(module="diffrelay.report")
+    p.set_defaults(module="diffrelay.evaluation.report")
 
     p = sub.add_parser("select-best", help="the best first-pass evaluations of a run, for the second pass (workflow)")
     p.add_argument("--best", type=int, required=True, help="how many (step, guidance) evaluations to keep")
     p.add_argument("--out", required=True, help="JSON file: {\"selected\": [{step, guidance, score}, ...]}")
     p.add_argument("segments", nargs="+", help="the `diffrelay collect` files of the run's segments")
-    p.set_defaults(module="diffrelay.evaluation")
+    p.set_defaults(module="diffrelay.evaluation.protocol")
 
     p = sub.add_parser("with-gpus", help="run a command on free GPU ids of a pool (one machine; flock slots)")
     p.add_argument("--pool", required=True, help="GPU ids to share, e.g. 0,1,2,3, or auto (all visible)")
     p.add_argument("--count", type=int, required=True, help="ids this command needs")
     p.add_argument("--lock-dir", default="resources/gpu-locks", help="one lock file per id; shared by all jobs")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
-    p.set_defaults(module="diffrelay.gpus")
+    p.set_defaults(module="diffrelay.runtime.gpus")
 
     p = sub.add_parser("report", help="metrics.csv, fid.png, loss.png and best.json of a run")
     p.add_argument("--run-dir", required=True, help="results/<run>")
     p.add_argument("--out", required=True, help="report folder")
-    p.set_defaults(module="diffrelay.report")
+    p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
         # Everything after `launch` is torchrun's, options included: argparse would claim them.
-        args = argparse.Namespace(command="launch", module="diffrelay.distributed", torchrun=argv[1:])
+        args = argparse.Namespace(command="launch", module="diffrelay.runtime.distributed", torchrun=argv[1:])
     else:
         args = build_parser().parse_args(argv)
     try:

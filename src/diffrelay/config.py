@@ -129,7 +129,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
     bad += _check_phema(t, s)
     bad += _check_network(m, data["resolution"])
-    from diffrelay.gpus import check_pool  # light: no torch
+    from diffrelay.runtime.gpus import check_pool  # light: no torch
 
     bad += check_pool(d)
     if data["kind"] == "folder" and not data["path"]:
@@ -139,7 +139,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         bad.append((f"model.channels={m['channels']}",
                     f"x max(model.channel_mult)={max(m['channel_mult'])} gives {width} channels at the widest level; "
                     f"keep it at most {MAX_WIDTH}"))
-    from diffrelay.evaluation import check_config  # light: no torch
+    from diffrelay.evaluation.protocol import check_config  # light: no torch
 
     bad += check_config(d)
     if m["class_conditional"] and data["labels"] == "none":

@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from diffrelay import config, evaluation, io
+from diffrelay import config, io
+from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
 RUN_FORMAT = "diffrelay-run/1"
@@ -22,7 +23,7 @@ RUN_FILE = "run.json"
 
 def count_images(root: Path, enough: int) -> int:
     """Images under `root` (the extensions prepare reads), counted up to `enough`: stays cheap on 1 M files."""
-    from diffrelay.datasets import EXTENSIONS
+    from diffrelay.data.datasets import EXTENSIONS
 
     n = 0
     for dirpath, dirnames, filenames in os.walk(root):
@@ -39,7 +40,7 @@ def num_classes(cfg) -> int:
     if d.labels == "none":
         return 0
     if d.kind == "shapes":
-        from diffrelay.datasets import SHAPE_NAMES
+        from diffrelay.data.datasets import SHAPE_NAMES
 
         return len(SHAPE_NAMES)
     prepared = config.run_dir(cfg) / "dataset" / "dataset.json"
@@ -47,7 +48,7 @@ def num_classes(cfg) -> int:
         return int(io.read_json(prepared)["num_classes"])
     except (UserError, KeyError, TypeError, ValueError):
         pass
-    from diffrelay.datasets import EXTENSIONS
+    from diffrelay.data.datasets import EXTENSIONS
 
     entries = [e for e in os.scandir(Path(d.path).expanduser()) if not e.name.startswith(".")]
     if any(e.is_file() and e.name.lower().endswith(EXTENSIONS) for e in entries):
@@ -75,14 +76,14 @@ def check_inputs(cfg, source: str) -> None:
         raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
     fid = cfg.to_dict()["fid"]
     key = "fid.extractors" if fid.get("extractors") else "fid.extractor"
-    for name in evaluation.extractor_names(fid):
-        if name not in evaluation.BUILTIN:
+    for name in protocol.extractor_names(fid):
+        if name not in protocol.BUILTIN:
             try:
                 io.check_regular_file(Path(name).expanduser(), 1 << 34, "file", "give an existing TorchScript "
-                                      f"file, or one of {', '.join(evaluation.BUILTIN)}")
+                                      f"file, or one of {', '.join(protocol.BUILTIN)}")
             except UserError as e:
                 raise UserError(f"{source}: {key}={e}") from e
-        ref = evaluation.reference_file(fid, name)
+        ref = protocol.reference_file(fid, name)
         if ref is not None:
             try:
                 io.check_regular_file(Path(ref), 1 << 34, "file",
@@ -110,7 +111,7 @@ def _recorded(run_dir: Path) -> tuple[dict, Path] | None:
         if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or not isinstance(d.get("trajectory"), dict):
             raise UserError(f"{record}: not a {RUN_FORMAT} file; restore it, or use a new run.name")
         return d["trajectory"], record
-    from diffrelay.checkpoint import list_checkpoints
+    from diffrelay.training.checkpoint import list_checkpoints
 
     for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
         try:

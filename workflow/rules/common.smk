@@ -14,7 +14,7 @@ from snakemake.utils import update_config
 # One schema and one validator for the Snakefile and the CLI: the package's own config module.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
-from diffrelay import evaluation  # noqa: E402
+from diffrelay.evaluation import protocol  # noqa: E402
 from diffrelay import preflight  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
@@ -152,20 +152,20 @@ def trained_steps():
 
 SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
-# Every evaluation of a snapshot is named by the step and a variant suffix (evaluation.py): a post-hoc
+# Every evaluation of a snapshot is named by the step and a variant suffix (protocol.py): a post-hoc
 # EMA width (_ema0.08), the second pass's image count (_n50000), the guidance scale (_g1.5) and the seed
 # set (_s2), each absent for the default, so a run with none of them keeps the plain step_XXXXXXX names.
 VARIANT = "{variant}"
-GUIDANCE_SCALES = evaluation.guidance_scales(CFG.to_dict()["sample"])
+GUIDANCE_SCALES = protocol.guidance_scales(CFG.to_dict()["sample"])
 SEED_SETS = range(CFG.sample.seed_sets)
 FIRST_PASS = [
-    evaluation.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS
+    protocol.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS
 ]
 FINAL = CFG.fid.final
 
 
 def final_variants(guidance):
-    return [evaluation.variant(FINAL.num_images, guidance, s) for s in SEED_SETS]
+    return [protocol.variant(FINAL.num_images, guidance, s) for s in SEED_SETS]
 
 
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
@@ -182,7 +182,7 @@ def resolve_gpu_pools():
         return [], []
     d = CFG.to_dict()
     if CFG.run.gpus == "auto":
-        from diffrelay.gpus import visible_ids
+        from diffrelay.runtime.gpus import visible_ids
 
         d["run"]["gpus"] = visible_ids()
         if not d["run"]["gpus"]:
@@ -193,7 +193,7 @@ def resolve_gpu_pools():
             drconfig.validate(d, source=", ".join(map(str, CONFIG_FILES)))
         except UserError as e:
             fail(f"{e} (run.gpus=auto found ids {d['run']['gpus']})")
-    from diffrelay.gpus import gpu_pools
+    from diffrelay.runtime.gpus import gpu_pools
 
     return gpu_pools(d)
 
@@ -242,14 +242,14 @@ wildcard_constraints:
     # Steps are zero-padded to 7 digits; no output pattern reaches snapshots/, which training
     # writes without Snakemake knowing each file.
     step=r"\d{7}",
-    variant=evaluation.VARIANT,
+    variant=protocol.VARIANT,
 
 
 # --- checks that need more than the schema -------------------------------------------------
 # A network of the user's own is imported, built on the meta device and run once here, so a bad
 # module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema).
 if CFG.model.arch not in ("unet", "dit"):
-    from diffrelay.config_cli import check_network
+    from diffrelay.validate import check_network
 
     try:
         check_network(CFG)
@@ -257,14 +257,14 @@ if CFG.model.arch not in ("unet", "dit"):
         fail(f"{', '.join(map(str, CONFIG_FILES))}: {e}")
 
 # The extractors in config order (the first picks the best checkpoint), each under a file-name key.
-EXTRACTOR_NAMES = evaluation.extractor_names(CFG.to_dict()["fid"])
-EXTRACTOR_KEYS = [evaluation.extractor_key(n, CFG.run.seed) for n in EXTRACTOR_NAMES]
+EXTRACTOR_NAMES = protocol.extractor_names(CFG.to_dict()["fid"])
+EXTRACTOR_KEYS = [protocol.extractor_key(n, CFG.run.seed) for n in EXTRACTOR_NAMES]
 EXTRACTOR_FILES = {
-    key: evaluation.extractor_file(name, CFG.run.seed, RESOURCES)
+    key: protocol.extractor_file(name, CFG.run.seed, RESOURCES)
     for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
 }  # custom files are checked by preflight.check_inputs
 FOREIGN_REFERENCES = {
-    key: evaluation.reference_file(CFG.to_dict()["fid"], name)
+    key: protocol.reference_file(CFG.to_dict()["fid"], name)
     for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
 }
 
@@ -541,9 +541,9 @@ def get_eval_launcher(wildcards, threads):
 
 def get_sample_settings(wildcards):
     """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
-    count, guidance, seed_set = evaluation.parse_variant(wildcards.variant)
+    count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
     count = count or CFG.sample.num_images
-    first = evaluation.first_seed(CFG.sample.first_seed, count, seed_set)
+    first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
     return f"--num-images {count} --first-seed {first} --guidance {guidance:g}"
 
 
@@ -557,7 +557,7 @@ def get_sample_threads(wildcards, threads):
 # under the variant _ema<width> (every guidance scale and seed set of the first pass).
 PHEMA_STEP = step_name(CFG.train.total_steps)
 PHEMA_VARIANTS = [
-    evaluation.variant(None, g, s, ema)
+    protocol.variant(None, g, s, ema)
     for ema in CFG.sample.phema
     for g in GUIDANCE_SCALES
     for s in SEED_SETS
@@ -566,7 +566,7 @@ PHEMA_VARIANTS = [
 
 def get_snapshot(wildcards):
     """The weights one evaluation samples: the step's snapshot, or a post-hoc EMA reconstruction."""
-    ema = evaluation.variant_ema(wildcards.variant)
+    ema = protocol.variant_ema(wildcards.variant)
     if ema is None:
         return expand(
             f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffrelay import edm
+from diffrelay.objectives import edm
 from diffrelay.errors import UserError
-from diffrelay.sampler import DataOrder, noise_seed
+from diffrelay.data.order import DataOrder, noise_seed
 
 # Bumped whenever the same checkpoint would go on to different noise: 1 = one generator per sample,
 # 2 = one generator per step drawing the whole global batch (this module).

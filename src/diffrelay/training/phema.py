@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrelay import checkpoint
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-phema/1"

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from diffrelay.sampler import DataOrder, derive_seed, epoch_permutation, global_indices, rank_slice, step_seed
+from diffrelay.data.order import DataOrder, derive_seed, epoch_permutation, global_indices, rank_slice, step_seed
 
 
 def test_global_stream_is_consecutive_epoch_permutations():

@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from diffrelay import edm, io, nets
+from diffrelay import io, nets
+from diffrelay.objectives import edm
 from diffrelay.errors import UserError
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"

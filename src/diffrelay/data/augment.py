@@ -1,14 +1,14 @@
 """Per-sample training draws keyed by global stream position: label dropout (for guidance) and x-flips.
 
 Each step draws one uniform per sample of the whole global batch from a generator seeded by
-(seed, tag, step); a process keeps its rows with sampler.rank_slice. The draws therefore depend on
+(seed, tag, step); a process keeps its rows with order.rank_slice. The draws therefore depend on
 neither the process count nor grad_accum, and a resumed segment redraws exactly what one run drew.
 """
 
 import numpy as np
 import torch
 
-from diffrelay.sampler import derive_seed, rank_slice
+from diffrelay.data.order import derive_seed, rank_slice
 
 LABEL_DROPOUT, XFLIP = 0x1AB3, 0xF11B  # tags that keep the two draws independent
 

@@ -265,7 +265,7 @@ def main(args) -> int:
     elif args.extractor == "random":
         out = build_random(args.out, args.seed)
     elif args.extractor == "dinov2" or args.extractor.startswith("dinov2-"):
-        from diffrelay import dinov2  # imports this module; only needed here
+        from diffrelay.evaluation import dinov2  # imports this module; only needed here
         out = dinov2.fetch(dinov2.parse(args.extractor), args.out, weights)
     elif Path(args.extractor).is_file():
         out = copy_custom(args.extractor, args.out)

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from diffrelay import extractor, io, logs
+from diffrelay import io, logs
+from diffrelay.evaluation import extractor
 from diffrelay.errors import UserError
 
 BASE_URL = "https://dl.fbaipublicfiles.com/dinov2"

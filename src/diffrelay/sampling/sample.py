@@ -23,9 +23,13 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrelay import checkpoint, config, distributed, edm, guidance, io, logs, speed
+from diffrelay import config, io, logs
+from diffrelay.objectives import edm
+from diffrelay.runtime import distributed, speed
+from diffrelay.sampling import guidance
+from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
-from diffrelay.sample_folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
+from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
                                      up_to_date, work_dir)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrelay import parallel
+from diffrelay.runtime import parallel
 from diffrelay.errors import UserError
 
 # clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.

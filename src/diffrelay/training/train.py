@@ -19,10 +19,13 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import (augment, checkpoint, config, datasets, distributed, edm, io, loader, logs, optim, phema,
-                       preflight, speed)
+from diffrelay import config, io, logs, preflight
+from diffrelay.data import augment, datasets, loader
+from diffrelay.objectives import edm
+from diffrelay.runtime import distributed, speed
+from diffrelay.training import checkpoint, optim, phema
 from diffrelay.errors import UserError
-from diffrelay.sampler import DataOrder, step_seed
+from diffrelay.data.order import DataOrder, step_seed
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resumes from the recovery checkpoint
 

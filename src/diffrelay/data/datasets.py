@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
-from diffrelay import io, logs, parallel
+from diffrelay import io, logs
+from diffrelay.runtime import parallel
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-dataset/1"

@@ -7,7 +7,7 @@ metrics.csv has one row per evaluated (step, phema, guidance, metric); phema is 
 reconstruction (sample.phema), empty for the training's own EMA. Each extractor of fid.extractors is its own
 metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
 different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
-variant (evaluation.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
+variant (protocol.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
 set); fid, kid, precision and recall are means over the seed sets, fid_std and fid_min their standard
 deviation and minimum. train_loss_mean and train_images_per_s average the
 training records logged after the previous evaluated step, up to and including this one (a resumed
@@ -25,10 +25,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from diffrelay import evaluation, io, logs
+from diffrelay import io, logs
+from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
-STEP_FILE = re.compile(rf"^step_(\d{{7}})({evaluation.VARIANT})\.json$")
+STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json$")
 COLUMNS = ["step", "phema", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
            "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
            "sample_images_per_s", "fid_s"]
@@ -76,8 +77,8 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         if not isinstance(rec, dict):
             raise UserError(f"{path}: expected a JSON object; regenerate it with `diffrelay fid`")
         m = STEP_FILE.match(path.name)
-        count, guidance, seed_set = evaluation.parse_variant(m.group(2))
-        ema = evaluation.variant_ema(m.group(2))
+        count, guidance, seed_set = protocol.parse_variant(m.group(2))
+        ema = protocol.variant_ema(m.group(2))
         scores = rec.get("scores", [rec])  # files from before several extractors hold one score at the top
         if not isinstance(scores, list) or not scores or not all(isinstance(r, dict) for r in scores):
             raise UserError(f"{path}: scores={scores!r}: expected a list of results; regenerate it with `diffrelay fid`")
@@ -91,7 +92,7 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "precision": _number(score, "precision", path, required=False),
                          "recall": _number(score, "recall", path, required=False),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
-                         "grid": f"step_{m.group(1)}{evaluation.variant(count, guidance, 0, ema)}"})
+                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrelay import distributed, features, io, logs, parallel
+from diffrelay import io, logs
+from diffrelay.evaluation import features
+from diffrelay.runtime import distributed, parallel
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-fid-ref/1"
@@ -79,7 +81,7 @@ def _kid(feats, ref) -> float:
 def load_reference(path) -> dict:
     """Statistics from `diffrelay fid-ref` (verified by its digest), or a file made elsewhere
     (EDM/ADM/clean-fid `.npz` with mu and sigma; settings["foreign"] is then true)."""
-    from diffrelay import metrics
+    from diffrelay.evaluation import metrics
 
     path = Path(path)
     if not path.is_file():
@@ -160,7 +162,8 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
              workers=1) -> Path:
     """Reference statistics of a prepared dataset's images.npy, computed once per (fingerprint, extractor, mode,
     count) in cache_dir; equal to clean-fid's statistics of the same images saved as PNG files."""
-    from diffrelay import datasets, extractor
+    from diffrelay.data import datasets
+    from diffrelay.evaluation import extractor
 
     dataset, out = Path(dataset), Path(out)
     prepared = datasets.open_prepared(dataset)
@@ -267,7 +270,7 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
     """Scores of an image folder with each (extractor, reference statistics) pair, in this process; each
     image is decoded once for all of them. Returns the result record: its "scores" hold one entry per
     pair, and its top-level metric, fid, kid ... repeat the first (the primary score)."""
-    from diffrelay import extractor, metrics
+    from diffrelay.evaluation import extractor, metrics
 
     started = time.time()
     files = features.image_files(images)  # cheap checks first: images, statistics, extractor hashes, then models
@@ -294,7 +297,7 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
 
 
 def _distances_record(images, ext, label, feats, ref, ref_path) -> dict:
-    from diffrelay import metrics
+    from diffrelay.evaluation import metrics
 
     if len(feats) <= feats.shape[1]:
         log.warning(f"{images}: {len(feats)} images for {feats.shape[1]} features: the covariance is rank-deficient, "

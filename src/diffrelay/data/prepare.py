@@ -7,7 +7,9 @@ Example:
 import time
 from pathlib import Path
 
-from diffrelay import config, datasets, io, logs, parallel, preflight
+from diffrelay import config, io, logs, preflight
+from diffrelay.data import datasets
+from diffrelay.runtime import parallel
 
 
 def main(args) -> int:

@@ -1,0 +1,7 @@
+"""Evaluation: what an evaluation consists of (`protocol`), feature extractors (`extractor`, `dinov2`),
+image decoding and views (`features`), FID/KID and reference statistics (`fid`, the `fid` and `fid-ref`
+stages), precision/recall and metric names (`metrics`) and the run's report (`report`).
+
+Imports the base modules, runtime and data. Never training or sampling: it scores image folders and
+reads their manifests, so a score does not depend on how the images were made.
+"""

@@ -1,0 +1,5 @@
+"""Sampling: images from a snapshot in a standalone process (`sample`, the `sample` stage), the sample
+folder and its manifest (`folder`) and classifier-free guidance (`guidance`).
+
+Imports the base modules, config, runtime, nets, objectives and training (to read snapshots).
+"""
