@@ -30,6 +30,83 @@ def test_layout_covers_the_networks_package():
     assert {"nets/__init__.py", "nets/registry.py", "nets/unet.py", "nets/dit.py"} <= names
 
 
+# What each package may import besides the base modules and itself (its __init__ says the same). Library
+# code never reads the config: only a stage's entry module (one with `main`) imports config or preflight.
+BASE = {"errors", "io", "logs"}
+ALLOWED = {
+    "runtime": set(),
+    "nets": set(),
+    "objectives": {"nets"},
+    "data": {"runtime", "nets", "objectives"},
+    "evaluation": {"runtime", "data"},
+    "training": {"runtime", "nets", "objectives", "data"},
+    "sampling": {"runtime", "nets", "objectives", "training"},
+}
+FRONT = {"config", "preflight"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """diffrelay modules `path` imports anywhere in the file (in functions too), relative to the package."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "diffrelay":
+            base = node.module.removeprefix("diffrelay").lstrip(".")
+            for alias in node.names:
+                sub = f"{base}.{alias.name}".lstrip(".")
+                out.add(sub if sub in known else base)
+        elif isinstance(node, ast.Import):
+            out |= {a.name.removeprefix("diffrelay.") for a in node.names if a.name.startswith("diffrelay.")}
+    return {m for m in out if m}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = {module_name(p) for p in MODULES}
+    return {module_name(p): imports_of(p, known) - {module_name(p)} for p in MODULES}
+
+
+def test_no_import_circles():
+    graph, done, stack = import_graph(), set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_each_package_imports_only_what_its_folder_allows():
+    for path in MODULES:
+        name = module_name(path)
+        package = name.split(".")[0]
+        imported = {m.split(".")[0] for m in imports_of(path, set(import_graph()))} - {package}
+        if name in BASE:
+            assert imported <= BASE, f"{name} is a base module and imports {imported - BASE}"
+        if package not in ALLOWED:
+            continue
+        is_stage = "def main(" in path.read_text()
+        allowed = BASE | ALLOWED[package] | (FRONT if is_stage else set())
+        assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}; {package}/ may import {sorted(allowed)}"
+
+
+def test_every_package_says_what_it_may_import():
+    for package in ALLOWED:
+        doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text()))
+        assert doc and "Imports" in doc, package
+
+
 def test_modules_are_small_and_say_what_they_hold():
     for path in MODULES:
         tree = ast.parse(path.read_text())

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random extractor")
     p.add_argument("--weights", metavar="PTH", help="dinov2: the official dinov2_<model>_pretrain.pth, already "
                                                     "downloaded [default: that name next to --out, else download]")
-    p.set_defaults(module="diffrelay.evaluation.extractor")
+    p.set_defaults(module="diffrelay.evaluation.fetch")
 
     p = sub.add_parser("fid-ref", help="reference statistics of a dataset (cached by fingerprint)")
     p.add_argument("--dataset", required=True, help="dataset folder made by `diffrelay prepare`")

@@ -16,7 +16,6 @@ from diffrelay.errors import UserError
 SCHEMA_FILE = "config.schema.yaml"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything bigger is a wrong path
 MAX_WIDTH = 16384  # channels at a UNet's widest level; more is a typo, not a model
-MAX_SEED = 2**63 - 1  # seeds go through numpy's SeedSequence and torch.manual_seed
 MAX_CONFIG_VALUES = 100_000  # values after YAML aliases are expanded (a "billion laughs" file stops here)
 
 

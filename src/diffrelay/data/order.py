@@ -8,6 +8,8 @@ same global batch continues the very same global sequence, mid-epoch or not.
 
 import numpy as np
 
+MAX_SEED = 2**63 - 1  # seeds go through numpy's SeedSequence and torch.manual_seed
+
 
 def derive_seed(*parts: int) -> int:
     """A stable 63-bit seed from several integers (never `seed + epoch`, which collides)."""

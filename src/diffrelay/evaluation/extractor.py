@@ -253,24 +253,3 @@ def copy_custom(src, out) -> Path:
             shutil.copyfileobj(s, f, 1 << 20)
     log.info(f"{out}: extractor {src.name} verified ({dim} features per image), reported as {ext.label!r}")
     return out
-
-
-def main(args) -> int:
-    logs.setup()
-    weights = getattr(args, "weights", None)
-    if weights and not args.extractor.startswith("dinov2"):
-        raise UserError(f"--weights={weights}: only for --extractor dinov2[-MODEL]; drop it or change --extractor")
-    if args.extractor == "inception":
-        out = fetch_inception(args.out)
-    elif args.extractor == "random":
-        out = build_random(args.out, args.seed)
-    elif args.extractor == "dinov2" or args.extractor.startswith("dinov2-"):
-        from diffrelay.evaluation import dinov2  # imports this module; only needed here
-        out = dinov2.fetch(dinov2.parse(args.extractor), args.out, weights)
-    elif Path(args.extractor).is_file():
-        out = copy_custom(args.extractor, args.out)
-    else:
-        raise UserError(f"--extractor={args.extractor}: not 'inception', 'random', 'dinov2[-MODEL]' "
-                        "or an existing TorchScript file")
-    print(f"{out}\t{io.sha256_file(out)}")
-    return 0

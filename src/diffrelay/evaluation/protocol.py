@@ -100,7 +100,7 @@ def reference_file(fid: dict, name: str) -> str | None:
 
 def check_config(d: dict) -> list[tuple[str, str]]:
     """Rules across keys for the evaluation sections: (key, message) pairs, empty when all is well."""
-    from diffrelay.config import MAX_SEED
+    from diffrelay.data.order import MAX_SEED
 
     bad, f, s = [], d["fid"], d["sample"]
     names = extractor_names(f)

@@ -16,6 +16,7 @@ config/ is found there). Only names written in the config are imported, never na
 checkpoint or snapshot (see edm.build).
 
 This module is torch-free (config validation uses it at Snakefile parse time); nets.registry builds.
+Imports the base modules only (errors).
 """
 
 BUILTIN = ("unet", "dit")
