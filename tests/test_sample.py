@@ -239,17 +239,31 @@ def test_fixed_label_on_unconditional_model_is_refused(uncond_snap, tmp_path):
 
 def test_grid_has_eight_columns_with_class_names_under_enlarged_tiles(snap, uncond_snap, tmp_path):
     sample.run(snap, tmp_path / "cond", settings(num_images=20))
-    with Image.open(tmp_path / "cond" / "grid.png") as im:  # 3 rows of 64 px tiles + 12 px names
-        assert im.size == (8 * 64, 3 * (64 + sample.LABEL_PX))
+    top = sample.TITLE_PX  # a title line, then 3 rows of 64 px tiles + 12 px names
+    with Image.open(tmp_path / "cond" / "grid.png") as im:
+        assert im.size == (8 * 64, top + 3 * (64 + sample.LABEL_PX))
         grid = np.asarray(im.convert("RGB"))
     first = np.asarray(Image.open(tmp_path / "cond" / "000009.png"))  # row 1, column 1
-    assert np.array_equal(grid[76:140:4, 64:128:4], first)
-    assert (grid[64:76, 0:64] < 128).any()  # a name is written under the first tile
+    assert np.array_equal(grid[top + 76:top + 140:4, 64:128:4], first)
+    assert (grid[top + 64:top + 76, 0:64] < 128).any()  # a name is written under the first tile
+    assert (grid[:top] < 128).any()  # the title
 
     m = sample.run(uncond_snap, tmp_path / "uncond", settings(num_images=5))
     assert m["num_classes"] == 0
     with Image.open(tmp_path / "uncond" / "grid.png") as im:
-        assert im.size == (5 * 64, 64)
+        assert im.size == (5 * 64, top + 64)
+
+
+def test_grid_title_names_the_step_guidance_and_weights():
+    s = sample.default_settings(guidance=1.5)
+    meta = {"step": 400, "config": {"train": {"ema_decays": [0.999, 0.9999]}}}
+    assert sample.grid_title(meta, s) == "step 400 | guidance 1.5 | EMA 0.999"
+    assert sample.grid_title({"step": 6, "phema": {"sigma_rel": 0.08}}, s).endswith("post-hoc EMA sigma_rel 0.08")
+    assert sample.grid_title(meta, sample.default_settings(weights="raw")) == "step 400 | guidance 1 | raw weights"
+    # The title is drawn: two grids that differ only in their titles differ in pixels.
+    tiles = [np.zeros((8, 8, 3), np.uint8)] * 2
+    a, b = (np.asarray(sample.make_grid(tiles, None, t)) for t in ("step 1", "step 2"))
+    assert a.shape == b.shape and not np.array_equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
               "guidance")
-GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX = 64, 8, 64, 12
+GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX, TITLE_PX = 64, 8, 64, 12, 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +168,37 @@ def is_valid_png(path: Path, shape) -> bool:
         return False
 
 
-def make_grid(images: list[np.ndarray], names: list[str] | None) -> Image.Image:
-    """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath."""
+def grid_title(meta: dict, s: Settings) -> str:
+    """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
+    if s.weights == "raw":
+        weights = "raw weights"
+    elif "phema" in meta:
+        weights = f"post-hoc EMA sigma_rel {meta['phema']['sigma_rel']:g}"
+    else:
+        decays = ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []
+        weights = f"EMA {decays[0]:g}" if decays else "EMA"
+    return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
+
+
+def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | None = None) -> Image.Image:
+    """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath,
+    and a title line above (a grid copied into a report or a paper draft still says what it shows)."""
     h, w = images[0].shape[:2]
     scale = max(1, math.ceil(GRID_TILE_PX / max(h, w)))
     th, tw = h * scale, w * scale
     label_h = LABEL_PX if names else 0
+    title_h = TITLE_PX if title else 0
     cols = min(GRID_COLUMNS, len(images))
     rows = math.ceil(len(images) / cols)
-    grid = Image.new("RGB", (cols * tw, rows * (th + label_h)), "white")
+    grid = Image.new("RGB", (cols * tw, title_h + rows * (th + label_h)), "white")
     draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
+    if title:
+        text = title
+        while text and draw.textlength(text, font=font) > cols * tw - 2:
+            text = text[:-1]
+        draw.text((1, 1), text, fill="black", font=font)
     for k, pixels in enumerate(images):
-        x, y = (k % cols) * tw, (k // cols) * (th + label_h)
+        x, y = (k % cols) * tw, title_h + (k // cols) * (th + label_h)
         tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert("RGB")
         grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
         if names:
@@ -205,7 +224,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         labels, known = class_labels(first, meta, s.class_labels), meta.get("class_names") or []
         names = None if labels is None else [str(known[c]) if c < len(known) else str(c) for c in labels]
         buf = bytes_io.BytesIO()
-        make_grid(tiles, names).save(buf, format="PNG")
+        make_grid(tiles, names, grid_title(meta, s)).save(buf, format="PNG")
         io.write_bytes(work / "grid.png", buf.getvalue())
         # Rate of this launch: images made (not skipped) by all ranks over this process's wall time.
         generated = sum((_read_json_or_none(_marker(work, r, world)) or {}).get("generated", 0) for r in range(world))
