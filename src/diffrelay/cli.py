@@ -6,13 +6,14 @@ Examples:
   diffrelay sample --config config/config.yaml --snapshot results/demo/snapshots/step_0000400.safetensors \\
       --out results/demo/samples/step_0000400
   diffrelay fid --images results/demo/samples/step_0000400 --ref results/demo/fid/reference_random-seed0.npz \\
-      --extractor resources/extractors/random.pt --out results/demo/metrics/fid/step_0000400.json
+      --extractor resources/extractors/random-seed0.pt --out results/demo/metrics/fid/step_0000400.json
 """
 
 import argparse
 import importlib
 import sys
 
+from diffrelay import __version__
 from diffrelay.errors import UserError
 
 
@@ -31,6 +32,7 @@ def _non_negative(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"diffrelay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="STAGE")
 
     p = sub.add_parser("validate", help="check a config and print it with defaults filled in")
