@@ -1,4 +1,4 @@
-"""Our DINOv2 (diffrelay.dinov2) against the official implementation, on the same random weights.
+"""Our DINOv2 (diffrelay.evaluation.dinov2) against the official implementation, on the same random weights.
 
   python benchmarks/check_dinov2_equivalence.py --dinov2-src /tmp/dinov2src [--models tiny tiny-swiglu vits14]
 

@@ -17,7 +17,7 @@ def test_clean_env_removes_every_process_group_variable():
 
 
 def test_plain_python_is_a_world_of_one_with_working_collectives():
-    code = ("import torch; from diffrelay import distributed as d\n"
+    code = ("import torch; from diffrelay.runtime import distributed as d\n"
             "d.init(d.pick_device('cpu'))\n"
             "print(d.rank(), d.world(), d.is_main(), d.all_reduce_sum(torch.tensor(3.0)).item()); d.barrier()\n"
             "d.teardown()")

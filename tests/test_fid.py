@@ -257,7 +257,7 @@ def test_fid_child_started_inside_torchrun_sees_no_group_variables(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(
         "import json, os, sys\n"
-        "from diffrelay import fid\n"
+        "from diffrelay.evaluation import fid\n"
         "out = sys.argv[1]\n"
         "json.dump(dict(os.environ), open(out + '.parent', 'w'))\n"
         "child = 'import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], \"w\"))'\n"

@@ -150,7 +150,7 @@ def test_snapshot_loads_and_runs_in_a_fresh_process_without_dataset(runs, tmp_pa
     snap = tmp_path / "s.safetensors"
     shutil.copy(out["two"][1] / "snapshots/step_0000003.safetensors", snap)
     code = (
-        "import sys, torch; from diffrelay import checkpoint\n"
+        "import sys, torch; from diffrelay.training import checkpoint\n"
         "net, meta = checkpoint.load_snapshot(sys.argv[1])\n"
         "c, h, w = meta['image_shape']\n"
         "y = net(torch.randn(2, c, h, w), torch.ones(2), torch.zeros(2, dtype=torch.long))\n"
