@@ -1,6 +1,7 @@
 """Feature extractors: the seeded random CNN, fetching/verifying Inception offline, and user TorchScript files."""
 
 import os
+from pathlib import Path
 import warnings
 
 import pytest
@@ -159,3 +160,17 @@ def test_file_that_is_not_torchscript_is_refused_in_one_line(tmp_path):
 def test_unknown_extractor_name_is_refused(tmp_path, capsys):
     assert cli.main(["fetch-extractor", "--extractor", "inceptoin", "--out", str(tmp_path / "x.pt")]) == 2
     assert "--extractor=inceptoin" in capsys.readouterr().err
+
+
+def test_test_batches_are_made_on_the_extractors_device():
+    """On a GPU the extractor loads on cuda: a test batch made on the CPU would fail in the first conv
+    (and be reported as a broken extractor). The meta device stands in for cuda here."""
+    seen = []
+
+    def fn(x):
+        seen.append(x.device)
+        return torch.zeros(x.shape[0], 4)
+
+    ext = extractor.Extractor(fn, "custom", Path("mine.pt"), "0" * 64, "FD (mine.pt)", 299, device=torch.device("meta"))
+    assert extractor.check(ext) == 4
+    assert seen == [torch.device("meta")]

@@ -53,6 +53,8 @@ class Extractor:
     # Side the scorer resizes images to before fn: 299 (clean-fid's resize, clean mode), or None to feed
     # the images at their own size (legacy_tensorflow mode, and DINOv2, which resizes inside its forward).
     input_size: int | None = 299
+    # Where fn's weights live: test batches are made there (a CPU batch into a CUDA module fails).
+    device: torch.device = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------- the random extractor
@@ -161,13 +163,13 @@ def load(path, mode: str = "clean", device="cpu", sha256: str | None = None, fil
     size = 299 if mode == "clean" else None
     if meta.get("kind") == "dinov2":
         # edm2's protocol in the module itself (resize to 224 inside), whatever the mode: native images in.
-        return Extractor(module, "dinov2", path, sha256, "FD_DINOv2", None)
+        return Extractor(module, "dinov2", path, sha256, "FD_DINOv2", None, device=torch.device(device))
     if meta.get("kind") == "random":
-        return Extractor(module, "random", path, sha256, "FD (random features)", size)
+        return Extractor(module, "random", path, sha256, "FD (random features)", size, device=torch.device(device))
     if _is_inception(module):
         fn = InceptionFile(module, resize_inside=(mode == "legacy_tensorflow")).eval()
-        return Extractor(fn, "inception", path, sha256, "FID", size)
-    return Extractor(module, "custom", path, sha256, f"FD ({path.name})", size)
+        return Extractor(fn, "inception", path, sha256, "FID", size, device=torch.device(device))
+    return Extractor(module, "custom", path, sha256, f"FD ({path.name})", size, device=torch.device(device))
 
 
 def check(ext: Extractor, want_dim: int | None = None) -> int:
@@ -178,7 +180,7 @@ def check(ext: Extractor, want_dim: int | None = None) -> int:
     dims = set()
     g = torch.Generator().manual_seed(0)
     for size in (299,) if ext.kind == "custom" else (299, 32):
-        x = torch.rand((2, 3, size, size), generator=g) * 255
+        x = (torch.rand((2, 3, size, size), generator=g) * 255).to(ext.device)
         fn = ext.fn
         if ext.kind == "inception":
             fn = InceptionFile(ext.fn.base, resize_inside=(size != 299))
