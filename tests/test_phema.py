@@ -246,3 +246,29 @@ def test_workflow_reconstructs_each_requested_width_after_the_last_segment(tmp_p
                          rf"--out \S+/snapshots/phema/step_0000006_ema{sigma}\.safetensors", p.stdout), p.stdout
     p = snakemake(tmp_path, "-n", "--configfile", write_config({"train": {"phema": {"every": 3}}}))
     assert "reconstruct_phema" not in job_counts(p.stdout)
+
+
+def test_ema_and_power_ema_update_all_tensors_in_one_foreach_call(monkeypatch):
+    """One kernel launch per average and step, not one per tensor (393 for the cifar10 UNet on a GPU);
+    the result equals the per-tensor lerp exactly."""
+    from diffrelay.training import optim
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    ema, power = optim.EMA(net, [0.9, 0.99]), phema.PowerEMA(net, [0.05, 0.10])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p))
+        net[1].running_mean.add_(1.0)
+    want = [[pe.detach().clone().lerp_(p.detach(), 1 - min(d, 1 / 10)) for pe, p in zip(e.parameters(), net.parameters())]
+            for d, e in zip(ema.decays, ema.nets)]
+    calls = []
+    real = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a: calls.append(len(a[0])) or real(*a))
+    ema.update(net, 0)
+    power.update(net, 0)
+    n = len(list(net.parameters()))
+    assert calls == [n] * 4
+    for got, exp in zip(ema.nets, want):
+        assert all(torch.equal(a, b) for a, b in zip(got.parameters(), exp))
+        assert all(torch.equal(a, b) for a, b in zip(got.buffers(), net.buffers()))

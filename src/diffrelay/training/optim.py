@@ -49,6 +49,17 @@ def build_schedule(opt, t) -> torch.optim.lr_scheduler.LambdaLR:
         opt, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.lr_schedule))
 
 
+@torch.no_grad()
+def lerp_towards(avg: torch.nn.Module, net: torch.nn.Module, weight: float) -> None:
+    """avg's parameters move `weight` of the way to net's, and its buffers become net's. One foreach call for
+    all tensors, not one kernel per tensor (393 a step for the cifar10 UNet): on a GPU the launches would
+    cost more than the arithmetic. On the CPU foreach runs the same per-tensor lerp, bit for bit."""
+    torch._foreach_lerp_(list(avg.parameters()), [p.detach() for p in net.parameters()], weight)
+    buffers = list(avg.buffers())
+    if buffers:
+        torch._foreach_copy_(buffers, list(net.buffers()))
+
+
 class EMA:
     """One exponential moving average of the weights per decay rate."""
 
@@ -61,10 +72,7 @@ class EMA:
         for decay, ema in zip(self.decays, self.nets):
             # Ramp the decay up early so the average is not dominated by the random initial weights.
             d = min(decay, (1 + step) / (10 + step))
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p.detach(), 1 - d)
-            for be, b in zip(ema.buffers(), net.buffers()):
-                be.copy_(b)
+            lerp_towards(ema, net, 1 - d)
 
     def state_dict(self) -> list[dict]:
         return [ema.state_dict() for ema in self.nets]

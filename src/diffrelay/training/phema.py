@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrelay.training import checkpoint
+from diffrelay.training import checkpoint, optim
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-phema/1"
@@ -105,11 +105,7 @@ class PowerEMA:
     def update(self, net: torch.nn.Module, step: int) -> None:
         """After the update of `step` (0-based), i.e. the (step + 1)-th average."""
         for gamma, avg in zip(self.gammas, self.nets):
-            keep = beta(gamma, step + 1)
-            for pa, p in zip(avg.parameters(), net.parameters()):
-                pa.lerp_(p.detach(), 1 - keep)
-            for ba, b in zip(avg.buffers(), net.buffers()):
-                ba.copy_(b)
+            optim.lerp_towards(avg, net, 1 - beta(gamma, step + 1))
 
     def state_dict(self) -> dict:
         return {"sigma_rel": list(self.sigma_rels), "nets": [avg.state_dict() for avg in self.nets]}
