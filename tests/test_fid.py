@@ -287,3 +287,29 @@ def test_subprocess_timeout_is_one_line_error(data, tmp_path):
 def test_run_clean_kills_a_child_that_outlives_its_timeout(tmp_path):
     with pytest.raises(UserError, match="timed out after 0.01 minutes"):
         fid.run_clean([sys.executable, "-c", "import time; time.sleep(60)"], 0.6)
+
+
+def test_scoring_runs_in_strict_fp32_on_the_device_asked_for(data, tmp_path, monkeypatch):
+    """run.device reaches the scorer (cpu on a GPU machine stays on the CPU), the scorer turns TF32 off
+    (PyTorch's default allows it for cuDNN convolutions), and cached statistics are keyed by device type."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as `auto` can tell
+    before = torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = "tf32"  # what a training process may have left behind
+    try:
+        r = fid.score(data["half"], data["ref"], data["ext"], device="cpu")
+        assert r["fid"] > 0 and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = before
+    cache = tmp_path / "cache"
+    fid.make_ref(data["dataset"], data["ext"], num=20, cache_dir=cache, out=tmp_path / "a.npz", device="cpu")
+    [cached] = cache.iterdir()
+    assert "-cpu-20.npz" in cached.name
+
+
+def test_fid_passes_the_device_to_its_clean_child(data, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(fid, "run_clean", lambda cmd, timeout: seen.append(cmd) or type("P", (), {"returncode": 3}))
+    code = cli.main(["fid", "--images", str(data["half"]), "--ref", str(data["ref"]), "--extractor", str(data["ext"]),
+                     "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    assert code == 3 and "--device" in seen[0] and seen[0][seen[0].index("--device") + 1] == "cpu"

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num", type=int, default=0, help="images to use; 0 = all")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cache-dir", help="reuse statistics cached here by (fingerprint, extractor, mode, count)")
+    p.add_argument("--cache-dir", help="reuse statistics cached here by (fingerprint, extractor, mode, device, count)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")
     p.add_argument("--out", required=True, help="statistics file (.npz)")
     p.set_defaults(module="diffrelay.evaluation.fid")
 
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout-minutes", type=float, default=60)
     p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.evaluation.fid")
 

@@ -36,10 +36,15 @@ ARRAYS = ("mu", "sigma", "features", "settings")
 log = logs.get()
 
 
-def _device():
-    import torch
+def _device(want: str = "auto"):
+    """The scoring device (run.device: auto, cuda or cpu), in full fp32: PyTorch's default lets cuDNN
+    convolutions run in TF32, which would make GPU features differ from the reference's by more than
+    rounding."""
+    from diffrelay.runtime import speed
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.pick_device(want)
+    speed.set_backends(device, tf32=False)
+    return device
 
 
 def statistics(feats: np.ndarray):
@@ -159,7 +164,7 @@ def check_ref(ref: dict, path, extractor_sha256: str, mode: str) -> None:
 # ---------------------------------------------------------------------------- diffrelay fid-ref
 
 def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64, cache_dir=None,
-             workers=1) -> Path:
+             workers=1, device="auto") -> Path:
     """Reference statistics of a prepared dataset's images.npy, computed once per (fingerprint, extractor, mode,
     count) in cache_dir; equal to clean-fid's statistics of the same images saved as PNG files."""
     from diffrelay.data import datasets
@@ -177,10 +182,12 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
         # A seeded subset, not the first `num`: a dataset stored class by class would bias the reference.
         index = np.sort(np.random.default_rng(0).choice(count, num, replace=False))
     sha = extractor_sha256(extractor_path)
+    device = _device(device)
 
     cached = None
     if cache_dir:
-        cached = Path(cache_dir) / f"{fingerprint[:16]}-{sha[:16]}-{mode}-{len(index)}.npz"
+        # The device type is part of the key: GPU and CPU features of the same images differ in rounding.
+        cached = Path(cache_dir) / f"{fingerprint[:16]}-{sha[:16]}-{mode}-{device.type}-{len(index)}.npz"
         if cached.is_file():
             try:
                 check_ref(load_ref(cached), cached, sha, mode)
@@ -192,10 +199,10 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
                 return out
 
     t0 = time.time()
-    ext = extractor.load(extractor_path, mode, _device(), sha256=sha)
+    ext = extractor.load(extractor_path, mode, device, sha256=sha)
     views = [features.view_of(ext, mode)]
     [feats] = features.features(features.array_images(prepared.images, index, views), [ext], mode, batch_size,
-                                _device(), workers)
+                                device, workers)
     mu, sigma = statistics(feats)
     if len(index) <= feats.shape[1]:
         log.warning(f"{dataset}: {len(index)} reference images for {feats.shape[1]} features: sigma is singular; "
@@ -224,7 +231,7 @@ def main_fid_ref(args) -> int:
 
     torch.set_num_threads(args.threads)
     make_ref(args.dataset, args.extractor, args.out, mode=args.mode, num=args.num, batch_size=args.batch_size,
-             cache_dir=args.cache_dir, workers=args.threads)
+             cache_dir=args.cache_dir, workers=args.threads, device=args.device)
     return 0
 
 
@@ -261,12 +268,12 @@ def run_clean(cmd, timeout_s: float) -> subprocess.CompletedProcess:
             signal.signal(sig, handler)
 
 
-def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers=1) -> dict:
+def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers=1, device="auto") -> dict:
     """FD/KID of an image folder against reference statistics with one extractor (see score_all)."""
-    return score_all(images, [(extractor_path, ref_path)], mode, batch_size, workers)
+    return score_all(images, [(extractor_path, ref_path)], mode, batch_size, workers, device)
 
 
-def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
+def score_all(images, pairs, mode="clean", batch_size=64, workers=1, device="auto") -> dict:
     """Scores of an image folder with each (extractor, reference statistics) pair, in this process; each
     image is decoded once for all of them. Returns the result record: its "scores" hold one entry per
     pair, and its top-level metric, fid, kid ... repeat the first (the primary score)."""
@@ -279,13 +286,13 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1) -> dict:
         ref, sha = load_reference(ref_path), extractor_sha256(ext_path)
         check_reference(ref, ref_path, sha, mode)
         checked.append((ext_path, ref_path, ref, sha))
-    exts = []
+    exts, device = [], _device(device)
     for ext_path, ref_path, ref, sha in checked:
-        ext = extractor.load(ext_path, mode, _device(), sha256=sha)
+        ext = extractor.load(ext_path, mode, device, sha256=sha)
         if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
             metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
         exts.append(ext)
-    feats = features.of_files(files, exts, mode, batch_size, _device(), workers)
+    feats = features.of_files(files, exts, mode, batch_size, device, workers)
     labels = [e.label for e in exts]
     # Two extractors of one kind (two random seeds, two files of one name) would give one metric name twice.
     labels = [f"{lab} [{e.path.name}]" if labels.count(lab) > 1 else lab for lab, e in zip(labels, exts)]
@@ -336,7 +343,7 @@ def main_fid(args) -> int:
                    *[a for e, r in pairs for a in ("--extractor", e, "--ref", r)],
                    "--mode", args.mode, "--batch-size", args.batch_size,
                    "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", private,
-                   "--in-process"]
+                   "--device", args.device, "--in-process"]
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
             if code == 0:
                 io.write_bytes(args.out, private.read_bytes())
@@ -346,7 +353,7 @@ def main_fid(args) -> int:
 
     torch.set_num_threads(args.threads)
     # --threads: the extractors' torch threads and as many threads decoding and resizing images ahead of them.
-    result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads)
+    result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads, device=args.device)
     io.write_json(args.out, result)
     for r in result["scores"]:
         kid = "n/a" if r["kid"] is None else f"{r['kid']:.5f}"
