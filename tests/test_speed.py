@@ -155,3 +155,40 @@ def config_merge(a, b):
     from conftest import deep_merge
 
     return deep_merge(a, b)
+
+
+def test_adam_moments_follow_the_parameters_layout_after_a_channels_last_switch():
+    """A checkpoint's exp_avg/exp_avg_sq keep the strides they were saved with; a fused kernel then reads
+    them against channels_last parameters element by element in another order (on CUDA it refuses)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+    grads = [torch.randn(8, 4, 3, 3) for _ in range(3)]
+    a = _adamw([w], True)
+    for g in grads[:2]:
+        w.grad = g.clone()
+        a.step()
+    saved = copy.deepcopy(a.state_dict())
+    w2 = torch.nn.Parameter(w.detach().clone().to(memory_format=torch.channels_last))
+    b = _adamw([w2], True)
+    optim.load_optimizer_state(b, saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert b.state[w2][key].stride() == w2.stride(), key
+    w.grad, w2.grad = grads[2].clone(), grads[2].clone().to(memory_format=torch.channels_last)
+    a.step()
+    b.step()
+    assert (w - w2).abs().max() < 1e-6
+
+
+def test_switching_channels_last_between_fused_segments_matches_a_run_without_the_switch(write_config, tmp_path):
+    fused = {"train": {"fused_optimizer": True}}
+    straight = prepared(write_config, config_merge(fused, {"run": {"name": "straight"}}), "straight")
+    run_cli("train", "--config", straight, "--until-step", 6)
+    before = prepared(write_config, config_merge(fused, {"run": {"name": "switch"}}), "switch1")
+    run_cli("train", "--config", before, "--until-step", 3)
+    after = write_config(config_merge(fused, {"run": {"name": "switch"}, "train": {"channels_last": True}}),
+                         name="switch2.yaml")
+    run_cli("train", "--config", after, "--until-step", 6)
+    a = load_state(tmp_path / "results/straight/checkpoints/step_0000006")
+    b = load_state(tmp_path / "results/switch/checkpoints/step_0000006")
+    for name, v in a["net"].items():
+        assert torch.allclose(v, b["net"][name], atol=1e-5), name

@@ -32,6 +32,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
             s = opt.state.get(p, {})
             if isinstance(s.get("step"), torch.Tensor):
                 s["step"] = s["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
+            # Moments in the parameter's own memory layout (same values): load_state_dict keeps the saved
+            # strides, and after a train.channels_last switch a fused kernel would pair exp_avg and the
+            # parameter element by element in different orders (silently wrong on the CPU, refused on CUDA).
+            for key, value in s.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.stride() != p.stride():
+                    s[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
