@@ -279,3 +279,37 @@ def test_diffrelay_launch_reports_a_failed_rank_in_one_line(write_config, tmp_pa
     # Both ranks fail with status 2; the one that fails second may first be stopped by torchrun (-15).
     m = re.search(r"diffrelay launch: worker\(s\) failed \(rank 0 exit (2|-15), rank 1 exit (2|-15)\)", p.stderr)
     assert m and "2" in m.groups(), p.stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("when", ["training", "start-up"])
+def test_workers_die_with_a_sigkilled_launch_agent_and_write_nothing_after(reference, write_config, tmp_path, when):
+    """`kill -9` of `diffrelay launch` (a job killed hard): its workers go within seconds, mid-training or
+    still importing, so no checkpoint, snapshot or record appears after the job is gone."""
+    cfg = write_config({**LONG, "train": {**LONG["train"], "nproc_per_node": 2}})
+    rd = copy_dataset(reference, tmp_path)
+    record = tmp_path / "trained.json"
+    job = start([BIN / "diffrelay", "launch", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "train",
+                 "--config", cfg, "--record", record], tmp_path / "1.log")
+    deadline = time.time() + 120
+    while len(workers := worker_pids(job.pid)) < 2:
+        assert job.poll() is None and time.time() < deadline, "no workers"
+        time.sleep(0.02)
+    if when == "training":
+        wait_for_step(rd, 5, job)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    deadline = time.time() + 10
+    while any(alive(p) for p in workers.values()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in workers.values()), "a worker outlived its agent"
+    written = sorted(p for p in rd.rglob("*") if p.is_file())
+    time.sleep(2)
+    assert sorted(p for p in rd.rglob("*") if p.is_file()) == written and not record.exists()
+    assert not (rd / "checkpoints").exists() or not checkpoint.list_checkpoints(rd / "checkpoints")

@@ -156,6 +156,10 @@ def main(argv=None) -> int:
     else:
         args = build_parser().parse_args(argv)
     try:
+        # First, before the stage's imports: a worker of `diffrelay launch` must not outlive its agent.
+        from diffrelay.runtime import distributed
+
+        distributed.die_with_agent()
         module = importlib.import_module(args.module)
         # fid and fid-ref share a module; each has its own entry point named after the command.
         entry = getattr(module, "main_" + args.command.replace("-", "_"), None) or module.main

@@ -19,6 +19,8 @@ import sys
 GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
               "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 GROUP_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+# `diffrelay launch` puts its own pid here for its workers (see die_with_agent).
+AGENT_PID = "DIFFRELAY_AGENT_PID"
 
 
 def env_rank() -> int:
@@ -45,6 +47,24 @@ def pick_device(want: str = "auto"):
         torch.cuda.set_device(env_local_rank())
         return torch.device("cuda", env_local_rank())
     return torch.device("cpu")
+
+
+def die_with_agent() -> None:
+    """In a worker of `diffrelay launch`: the kernel kills this process when the agent dies, SIGKILL included.
+
+    torchrun starts each worker in a session of its own with no parent-death signal, so a killed agent (a
+    job's `kill -9`, a SLURM step cancelled hard) left workers training on, writing checkpoints and
+    Snakemake records after the job was gone, and holding GPUs that `with-gpus` had already freed. If the
+    agent died before this line ran, nothing would ever signal the worker: it stops here instead."""
+    agent = os.environ.get(AGENT_PID)
+    if not agent:
+        return
+    from diffrelay.runtime.parallel import die_with_parent
+
+    die_with_parent()
+    if os.getppid() != int(agent):
+        print(f"diffrelay: the launch agent (pid {agent}) is gone; this worker stops", file=sys.stderr)
+        os._exit(1)
 
 
 def init(device, timeout_minutes: float = 10) -> None:
@@ -137,7 +157,7 @@ def clean_env(env: dict | None = None) -> dict:
     """A copy of the environment without torchrun / process-group variables."""
     env = dict(os.environ if env is None else env)
     for k in list(env):
-        if k in GROUP_VARS or k.startswith(GROUP_PREFIXES):
+        if k in GROUP_VARS or k == AGENT_PID or k.startswith(GROUP_PREFIXES):
             del env[k]
     return env
 
@@ -191,6 +211,7 @@ def main_launch(args) -> int:
     if not argv:
         raise UserError("launch: give torchrun's options and the program, e.g. "
                         "diffrelay launch --standalone --nproc-per-node 2 -m diffrelay train --config c.yaml")
+    os.environ[AGENT_PID] = str(os.getpid())  # the workers bind their lives to this process (die_with_agent)
     try:
         run(parse_args(torchrun_args(argv)))
     except SignalException as e:
