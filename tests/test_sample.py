@@ -294,3 +294,31 @@ def test_corrupt_snapshot_exits_2_with_one_line_naming_the_file(snap, tmp_path, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"diffrelay: error: {bad}:")
     assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_samples_are_an_error_naming_the_snapshot_and_seeds_and_nothing_is_written(snap, tmp_path,
+                                                                                               monkeypatch):
+    """NaN would be cast to black pixels and scored as images (seen with guidance 1e308 and a network that is
+    NaN only in eval mode). Here the sampler's output is made NaN: all of it, then one row."""
+    real, rows = edm.sample, slice(None)
+
+    def nan_rows(*args, **kwargs):
+        x = real(*args, **kwargs)
+        x[rows] = float("nan")
+        return x
+
+    monkeypatch.setattr(edm, "sample", nan_rows)
+    with pytest.raises(UserError, match=r"step_0000040\.safetensors: sampling gave NaN or inf for seed\(s\) "
+                                        r"0, 1, 2, 3, 4 \.\.\. \(guidance 1"):
+        sample.run(snap, tmp_path / "all", settings())
+    assert not list(tmp_path.rglob("*.png"))
+    rows = 3
+    with pytest.raises(UserError, match=r"seed\(s\) 3 \("):
+        sample.run(snap, tmp_path / "one", settings(num_images=8))
+    assert not list(tmp_path.rglob("000003.png"))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_guidance_that_is_not_a_finite_non_negative_number_is_refused(snap, tmp_path, value):
+    p = run_cli(*sample_args(snap, tmp_path / "out", "--guidance", value), check=False)
+    assert p.returncode == 2 and "--guidance" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

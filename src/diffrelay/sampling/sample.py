@@ -121,6 +121,10 @@ def class_labels(indices, meta: dict, spec) -> list[int] | None:
 # Generation
 
 
+class NonFiniteSamples(UserError):
+    """A batch came out with NaN or inf values (run() names the snapshot)."""
+
+
 def generate(net, meta: dict, indices, s: Settings, device=None):
     """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep."""
     device = torch.device(device or next(net.parameters()).device)
@@ -141,9 +145,20 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
-            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver)
-            pixels = (images[:len(batch)] * 127.5 + 128).clamp(0, 255).to(torch.uint8)
-        yield from zip(batch, pixels.permute(0, 2, 3, 1).cpu().numpy())
+            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver)[:len(batch)]
+            # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
+            # travels to the host with the pixels, so the check costs no extra synchronisation.
+            finite = torch.isfinite(images).flatten(1).all(1)
+            pixels = (images * 127.5 + 128).clamp(0, 255).to(torch.uint8)
+        finite, pixels = finite.cpu().numpy(), pixels.permute(0, 2, 3, 1).cpu().numpy()
+        if not finite.all():
+            bad = [s.first_seed + i for i, ok in zip(batch, finite) if not ok]
+            raise NonFiniteSamples(
+                f"sampling gave NaN or inf for seed(s) {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
+                f"(guidance {s.guidance:g}, precision {s.precision}, {s.steps} {s.solver} steps); likely a guidance "
+                "scale too large, a bf16 overflow, or a network that returns NaN in eval mode; nothing was written "
+                "for these images")
+        yield from zip(batch, pixels)
 
 
 def encode_png(pixels: np.ndarray) -> bytes:
@@ -299,16 +314,20 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = collections.deque()
         model = speed.compile_model(net, s.compile, resources, s.threads)
-        for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
-            pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i), pixels))
-            while pending and pending[0].done():
-                pending.popleft().result()
-            now = time.time()
-            if now - last > 10 or n == len(todo):
-                rate = n / max(now - t0, 1e-9)
-                log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
-                         logs.fmt_duration((len(todo) - n) / rate))
-                last = now
+        try:
+            for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
+                pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i),
+                                             pixels))
+                while pending and pending[0].done():
+                    pending.popleft().result()
+                now = time.time()
+                if now - last > 10 or n == len(todo):
+                    rate = n / max(now - t0, 1e-9)
+                    log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
+                             logs.fmt_duration((len(todo) - n) / rate))
+                    last = now
+        except NonFiniteSamples as e:
+            raise UserError(f"{snapshot}: {e}") from e
         for f in pending:
             f.result()
 
@@ -334,8 +353,8 @@ def _settings_from_args(args) -> tuple[Settings, dict]:
         low = 0 if name == "first_seed" else 1
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
-    if over.get("guidance", 1) < 0:
-        raise UserError(f"--guidance={over['guidance']}: must be 0 or more (1 = off)")
+    if not math.isfinite(over.get("guidance", 1)) or over.get("guidance", 1) < 0:
+        raise UserError(f"--guidance={over['guidance']}: must be a finite number, 0 or more (1 = off)")
     if args.class_labels is not None:
         cl = args.class_labels.strip()
         if cl != "balanced" and not cl.isdigit():
