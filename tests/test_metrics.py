@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
+from conftest import run_cli
 from diffrelay.evaluation import extractor, features, fid, metrics
 from diffrelay.errors import UserError
 from test_fid import shapes, write_pngs
@@ -66,7 +67,8 @@ def test_reference_made_elsewhere_gives_fid_named_after_the_file_and_no_kid(scor
 
 @pytest.mark.parametrize("case, expect", [
     ("no-mu", "no mu and sigma arrays"), ("pickle", "pickled Python objects"), ("dim", "statistics of 5 features"),
-    ("shape", "do not fit together")])
+    ("shape", "do not fit together"), ("nan-mu", "mu holds NaN or inf"), ("inf-sigma", "sigma holds NaN or inf"),
+    ("not-psd", "sigma is not positive semi-definite"), ("asymmetric", "sigma is not symmetric")])
 def test_bad_reference_files_are_one_line(scored, case, expect):
     root, ext, fake, mu, sigma = scored
     path = root / f"{case}.npz"
@@ -76,7 +78,22 @@ def test_bad_reference_files_are_one_line(scored, case, expect):
         np.savez(path, mu=np.array([{"a": 1}], dtype=object), sigma=sigma)
     elif case == "dim":
         np.savez(path, mu=np.zeros(5), sigma=np.eye(5))
+    elif case == "nan-mu":
+        np.savez(path, mu=np.where(np.arange(len(mu)) == 7, np.nan, mu), sigma=sigma)
+    elif case == "inf-sigma":
+        bad = sigma.copy()
+        bad[2, 2] = np.inf
+        np.savez(path, mu=mu, sigma=bad)
+    elif case == "not-psd":
+        np.savez(path, mu=mu, sigma=sigma - 2 * np.abs(sigma).max() * np.eye(len(mu)))
+    elif case == "asymmetric":
+        bad = sigma.copy()
+        bad[0, 1] += np.abs(sigma).max()
+        np.savez(path, mu=mu, sigma=bad)
     else:
         np.savez(path, mu=mu, sigma=np.eye(3))
     with pytest.raises(UserError, match=expect):
         fid.score(fake, path, ext)
+    # Through the command: one line and status 2, before any scoring child is started.
+    p = run_cli("fid", "--images", fake, "--ref", path, "--extractor", ext, "--out", root / "r.json", check=False)
+    assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -141,6 +141,9 @@ def load_ref(path) -> dict:
     ref["settings"] = json.loads(str(arrays["settings"]))
     if ref["settings"].get("format") != FORMAT:
         raise UserError(f"{path}: format={ref['settings'].get('format')}: not {FORMAT}; {fix}")
+    from diffrelay.evaluation import metrics
+
+    metrics.check_statistics(ref["mu"], ref["sigma"], path, fix)
     return ref
 
 

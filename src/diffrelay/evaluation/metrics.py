@@ -70,6 +70,24 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS)
 # Reference statistics made elsewhere
 
 
+def check_statistics(mu: np.ndarray, sigma: np.ndarray, path, fix: str) -> None:
+    """mu and sigma must be finite and sigma a covariance (symmetric, positive semi-definite): otherwise FID is
+    NaN with exit 0, or scipy's sqrtm fails with a traceback, after the costly feature pass."""
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        what = "mu" if not np.isfinite(mu).all() else "sigma"
+        raise UserError(f"{path}: {what} holds NaN or inf values; {fix}")
+    scale = max(float(np.abs(sigma).max()), 1e-300)
+    if np.abs(sigma - sigma.T).max() > 1e-6 * scale:
+        raise UserError(f"{path}: sigma is not symmetric, so it is no covariance matrix; {fix}")
+    # PSD up to rounding: a Cholesky factor exists once a jitter far below any real variance is added (a
+    # covariance of fewer images than features is singular but still PSD).
+    jitter = 1e-6 * max(float(np.trace(sigma)) / len(sigma), 1e-300)
+    try:
+        np.linalg.cholesky(sigma + jitter * np.eye(len(sigma)))
+    except np.linalg.LinAlgError as e:
+        raise UserError(f"{path}: sigma is not positive semi-definite, so it is no covariance matrix; {fix}") from e
+
+
 def load_foreign_ref(path, want_dim: int | None = None) -> dict:
     """mu and sigma of a `.npz` made by another tool (EDM, ADM, clean-fid). Never unpickles.
 
@@ -88,6 +106,7 @@ def load_foreign_ref(path, want_dim: int | None = None) -> dict:
         raise UserError(f"{path}: not a readable .npz ({type(e).__name__}); {fix}") from e
     if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise UserError(f"{path}: mu {mu.shape} and sigma {sigma.shape} do not fit together; {fix}")
+    check_statistics(mu, sigma, path, fix)
     if want_dim is not None and len(mu) != want_dim:
         raise UserError(f"{path}: statistics of {len(mu)} features, but the extractor gives {want_dim}; "
                         "use the extractor these statistics were made with")
