@@ -158,3 +158,24 @@ def test_trajectory_hash_ignores_launch_settings_and_run_length_unless_cosine():
     longer = {"train": {"lr_schedule": "cosine", "total_steps": 200, "segment_steps": 50}}
     assert config.trajectory_hash(config.Config(config.validate(cos))) != config.trajectory_hash(
         config.Config(config.validate(longer)))
+
+
+def test_patterns_do_not_let_a_trailing_newline_through():
+    """Python's `$` also matches before a final newline, so "name\\n" passed `^...$` (jsonschema searches
+    with `re`); every pattern of the schema must be anchored at the very end."""
+    def patterns(node):
+        if isinstance(node, dict):
+            yield from ([node["pattern"]] if isinstance(node.get("pattern"), str) else [])
+            for v in node.values():
+                yield from patterns(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from patterns(v)
+
+    found = list(patterns(config.load_schema()))
+    assert found
+    for p in found:
+        assert p.endswith((r"(?!\n)$", r"\Z")), p
+    with pytest.raises(UserError, match="run.name"):
+        config.validate({"run": {"name": "nl\n"}})
+    assert config.validate({"run": {"name": "ok.name-1"}})["run"]["name"] == "ok.name-1"
