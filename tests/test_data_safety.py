@@ -428,3 +428,48 @@ def test_fid_names_an_undecodable_image_instead_of_a_traceback(tmp_path):
     line = error_line(p)
     assert bad.name in line and "damaged or not an image" in line
     assert not (tmp_path / "s.json").exists()
+
+
+# ---- No command overwrites a file it did not make -------------------------------------------------
+
+def out_commands(tmp_path):
+    """Each command that writes one named file (or a report folder's files), given a target to write."""
+    from diffrelay.evaluation import extractor
+
+    ext = extractor.build_random(tmp_path / "ext.pt")
+    return {
+        "collect": lambda out: ["collect", "--out", out, "a.json"],
+        "select-best": lambda out: ["select-best", "--best", 1, "--out", out, tmp_path / "seg.json"],
+        "fid": lambda out: ["fid", "--images", tmp_path / "none", "--ref", tmp_path / "r.npz", "--extractor", ext,
+                            "--out", out],
+        "fid-ref": lambda out: ["fid-ref", "--dataset", tmp_path / "none", "--extractor", ext, "--out", out],
+        "fetch-extractor": lambda out: ["fetch-extractor", "--extractor", ext, "--out", out],
+        "report": lambda out: ["report", "--run-dir", tmp_path, "--out", out.parent],
+    }
+
+
+@pytest.mark.parametrize("command", ["collect", "select-best", "fid", "fid-ref", "fetch-extractor", "report"])
+@pytest.mark.parametrize("target", ["user-file", "checkpoint-file"])
+def test_no_command_overwrites_a_file_it_did_not_make(tmp_path, command, target):
+    if target == "user-file":
+        out = tmp_path / "mine" / ("best.json" if command == "report" else "notes.json")
+        out.parent.mkdir()
+        out.write_text('{"mine": true}')
+    else:  # a run's final checkpoint, as a wrong --out would name it
+        out = tmp_path / "run" / "checkpoints" / "step_0000400" / ("best.json" if command == "report" else "state.pt")
+        out.parent.mkdir(parents=True)
+        out.write_bytes(b"weeks of GPU time")
+    before = out.read_bytes()
+    line = error_line(run_cli(*out_commands(tmp_path)[command](out), check=False))
+    assert f"{out}: exists and is not" in line and "nothing was overwritten" in line, line
+    assert out.read_bytes() == before
+
+
+def test_a_command_may_replace_its_own_earlier_result(tmp_path):
+    out = tmp_path / "seg.json"
+    run_cli("collect", "--out", out, "a.json")
+    run_cli("collect", "--out", out, "b.json")
+    assert json.loads(out.read_text()) == {"scores": ["b.json"]}
+    # A fid result is not a collect file, nor the reverse: each refuses the other's.
+    (tmp_path / "r.json").write_text(json.dumps({"scores": [], "num_images": 1, "mode": "clean", "images": "x"}))
+    assert "exists and is not" in error_line(run_cli("collect", "--out", tmp_path / "r.json", check=False))

@@ -272,3 +272,20 @@ def test_ema_and_power_ema_update_all_tensors_in_one_foreach_call(monkeypatch):
     for got, exp in zip(ema.nets, want):
         assert all(torch.equal(a, b) for a, b in zip(got.parameters(), exp))
         assert all(torch.equal(a, b) for a, b in zip(got.buffers(), net.buffers()))
+
+
+def test_phema_out_never_overwrites_a_checkpoint_a_training_snapshot_or_a_users_file(trained, tmp_path):
+    rd = trained["split"]
+    user = tmp_path / "notes.safetensors"
+    user.write_bytes(b"mine")
+    for target in (user, rd / "checkpoints/step_0000006/state.pt", rd / "snapshots/step_0000006.safetensors"):
+        before = target.read_bytes()
+        p = run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.08, "--until-step", 6, "--out", target, check=False)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert f"{target}: exists and is not a post-hoc EMA snapshot" in p.stderr
+        assert target.read_bytes() == before
+    # Its own earlier result is replaced (another width, same name).
+    out = tmp_path / "ema.safetensors"
+    run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.08, "--until-step", 6, "--out", out)
+    run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.10, "--until-step", 6, "--out", out)
+    assert checkpoint.read_snapshot(out)[1]["phema"]["sigma_rel"] == 0.10

@@ -113,6 +113,28 @@ def check_replaceable(path, owned, what: str, fix: str) -> None:
         raise UserError(f"{path}: exists and is not {what}; nothing was deleted; {fix}")
 
 
+def check_file_target(path, owned, what: str, fix: str = "choose another --out or move the file aside") -> None:
+    """Refuse to overwrite `path` unless it is absent or `owned(path)` says it is a file of the kind this
+    command writes. A command's --out must never replace a user's file, a checkpoint or a training
+    snapshot: only its own earlier result."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_file():
+        raise UserError(f"{path}: exists and is not a regular file; nothing was changed; {fix}")
+    if not owned(path):
+        raise UserError(f"{path}: exists and is not {what}; nothing was overwritten; {fix}")
+
+
+def is_json_object(path, keys, exact: bool = False) -> bool:
+    """A JSON object holding `keys` (exactly these with exact=True): how a command recognises its own result."""
+    try:
+        d = read_json(path, max_bytes=1 << 26)
+    except UserError:
+        return False
+    return isinstance(d, dict) and (set(d) == set(keys) if exact else set(keys) <= set(d))
+
+
 @contextlib.contextmanager
 def atomic_dir(path, owned):
     """Yield a temp folder beside `path`; on success it is renamed to `path`.

@@ -251,6 +251,8 @@ def copy_custom(src, out) -> Path:
     ext = load(src)
     dim = check(ext)
     if not (out.exists() and out.resolve() == src.resolve()):
+        io.check_file_target(out, lambda p: io.sha256_file(p) == io.sha256_file(src),
+                             f"a copy of {src}", "choose another --out or move the file aside")
         with io.atomic_write(out) as f, open(src, "rb") as s:
             shutil.copyfileobj(s, f, 1 << 20)
     log.info(f"{out}: extractor {src.name} verified ({dim} features per image), reported as {ext.label!r}")

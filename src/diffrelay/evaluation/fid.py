@@ -228,8 +228,18 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfileobj(s, f, 1 << 20)
 
 
+def is_statistics_file(path) -> bool:
+    """A statistics file of `diffrelay fid-ref` (intact or not: a damaged one of ours may be rebuilt)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return {"digest.npy", "settings.npy"} <= set(z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def main_fid_ref(args) -> int:
     logs.setup()
+    io.check_file_target(args.out, is_statistics_file, "reference statistics written by `diffrelay fid-ref`")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -330,8 +340,12 @@ def _pairs(args) -> list[tuple[str, str]]:
     return list(zip(args.extractor, args.ref))
 
 
+RESULT_KEYS = ("scores", "num_images", "mode", "images")
+
+
 def main_fid(args) -> int:
     logs.setup()
+    io.check_file_target(args.out, lambda p: io.is_json_object(p, RESULT_KEYS), "a result written by `diffrelay fid`")
     pairs = _pairs(args)
     if not args.in_process:
         # Cheap checks here too, so a bad path fails before a child process is paid for.

@@ -164,16 +164,21 @@ def first_pass_results(score_files) -> list[dict]:
     return out
 
 
+SELECTED_KEYS = ("best", "metric", "selected")
+
+
 def main_select_best(args) -> int:
     """`diffrelay select-best`: rank the first-pass scores listed by the segments' collect files."""
     from diffrelay import io, logs
 
     log = logs.setup()
+    io.check_file_target(args.out, lambda p: io.is_json_object(p, SELECTED_KEYS, exact=True),
+                         "a selection written by `diffrelay select-best`")
     files = [f for seg in args.segments for f in io.read_json(seg)["scores"]]
     results = first_pass_results(files)
     metrics = sorted({r["metric"] for r in results if r["metric"]})
     selected = rank(results, args.best)
-    io.write_json(args.out, {"best": args.best, "metric": metrics, "selected": selected})
+    io.write_json(args.out, dict(zip(SELECTED_KEYS, (args.best, metrics, selected))))
     for s in selected:
         log.info(f"second pass: step {s['step']}, guidance {s['guidance']:g} ({', '.join(metrics)} {s['score']:.4g})")
     return 0

@@ -17,6 +17,7 @@ as each stage logged them: train_segment_s is the training loop of the segment h
 """
 
 import math
+import os
 import re
 from io import BytesIO
 from pathlib import Path
@@ -259,8 +260,24 @@ def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: 
 def main_collect(args) -> int:
     """`diffrelay collect`: the per-segment aggregate the workflow's report waits for."""
     logs.setup()
+    io.check_file_target(args.out, lambda p: io.is_json_object(p, ["scores"], exact=True),
+                         "a segment's list of score files written by `diffrelay collect`")
     io.write_json(args.out, {"scores": sorted(map(str, args.scores))})
     return 0
+
+
+REPORT_FILES = ("metrics.csv", "fid.png", "loss.png", "best_grid.png", "best.json")
+BEST_KEYS = ("step", "guidance", "metric", "fid", "snapshot", "samples", "grid")
+
+
+def check_out(out: Path) -> None:
+    """The report's files may replace only an earlier report's: a folder whose best.json is ours."""
+    if os.path.lexists(out) and (out.is_symlink() or not out.is_dir()):
+        raise UserError(f"{out}: exists and is not a folder; nothing was changed; choose another --out")
+    ours = io.is_json_object(out / "best.json", BEST_KEYS)
+    for name in REPORT_FILES:
+        io.check_file_target(out / name, lambda p: ours, "a file of an earlier `diffrelay report` (its folder has "
+                             "no report best.json)", "choose another --out or move the file aside")
 
 
 def main(args) -> int:
@@ -268,6 +285,7 @@ def main(args) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: run folder not found; pass --run-dir results/<run>")
+    check_out(out)
 
     # Read and check everything before writing anything.
     fid = read_fid(run_dir)

@@ -189,8 +189,15 @@ def reconstruct(run_dir, sigma_rel: float, until_step: int, out) -> Path:
     return checkpoint.save_snapshot(out, ema, {}, snap_meta)
 
 
+def is_phema_snapshot(path) -> bool:
+    try:
+        return "phema" in checkpoint.read_signed_meta(path, checkpoint.SNAPSHOT_FORMAT, "snapshot")
+    except UserError:
+        return False
+
+
 def main(args) -> int:
-    from diffrelay import logs
+    from diffrelay import io, logs
 
     log = logs.setup()
     if not 0 < args.sigma_rel < MAX_SIGMA_REL:
@@ -202,6 +209,7 @@ def main(args) -> int:
         raise UserError(f"{run_dir / 'phema'}: no post-hoc EMA files; train with train.phema.every > 0 first")
     name = f"{checkpoint.step_name(until)}_ema{args.sigma_rel:g}.safetensors"  # the workflow's name
     out = args.out or run_dir / "snapshots" / "phema" / name
+    io.check_file_target(out, is_phema_snapshot, "a post-hoc EMA snapshot written by `diffrelay phema`")
     reconstruct(run_dir, args.sigma_rel, until, out)
     log.info(f"wrote {out} (sigma_rel {args.sigma_rel:g} at step {until})")
     return 0
