@@ -189,3 +189,31 @@ def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
     # Sampling of checkpoint 40 and segment (40, 80] met: each waited for the other to start (MEET),
     # so they ran at the same time, on other ids.
     assert sorted(p.name for p in meet.iterdir()) == ["sample", "train"]
+
+
+def test_auto_keeps_uuid_and_mig_entries_and_explicit_ids_stay_inside_an_inherited_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f3c2a10-aaaa,MIG-4b1a77e2-bbbb,3")
+    assert gpus.visible_ids() == ["GPU-8f3c2a10-aaaa", "MIG-4b1a77e2-bbbb", 3]
+    assert gpus.parse_pool("auto") == ["GPU-8f3c2a10-aaaa", "MIG-4b1a77e2-bbbb", 3]
+    # Ids this job was not given are refused: with-gpus would otherwise hand out another job's GPU.
+    with pytest.raises(UserError, match=r"--pool 0,3: id\(s\) 0 are not among the GPUs this job was given"):
+        gpus.parse_pool("0,3")
+    assert gpus.parse_pool("3") == [3]
+    held = gpus.acquire(gpus.parse_pool("auto"), 2, tmp_path)
+    assert list(held) == ["GPU-8f3c2a10-aaaa", "MIG-4b1a77e2-bbbb"]
+    p = run_cli("with-gpus", "--pool", "auto", "--count", 1, "--lock-dir", tmp_path / "l", "--",
+                "python", "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+    assert p.stdout.strip() == "GPU-8f3c2a10-aaaa"
+    assert "not set" not in p.stderr
+
+
+def test_more_processes_than_visible_gpus_is_one_line_not_an_invalid_ordinal(monkeypatch):
+    import torch
+
+    from diffrelay.runtime import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UserError, match=r"LOCAL_RANK=2 needs GPU 2, but this process sees 2 GPU\(s\).*at most 2"):
+        distributed.pick_device("cuda")

@@ -44,8 +44,15 @@ def pick_device(want: str = "auto"):
             from diffrelay.errors import UserError
 
             raise UserError("run.device=cuda: no CUDA device is visible; use run.device=auto or cpu")
-        torch.cuda.set_device(env_local_rank())
-        return torch.device("cuda", env_local_rank())
+        local, count = env_local_rank(), torch.cuda.device_count()
+        if local >= count:  # else CUDA's own "invalid device ordinal", with no hint of the cause
+            from diffrelay.errors import UserError
+
+            raise UserError(f"process LOCAL_RANK={local} needs GPU {local}, but this process sees {count} GPU(s) "
+                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at most "
+                            f"{count} process(es) per node (train.nproc_per_node, sample.nproc)")
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
     return torch.device("cpu")
 
 

@@ -11,6 +11,7 @@ ends, even on SIGKILL. No daemon, no state to clean up.
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,11 +25,18 @@ POLL_SECONDS = 0.5
 WAIT_LOG_SECONDS = 60
 
 
-def visible_ids() -> list[int]:
-    """Physical GPU ids this machine offers: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+# CUDA_VISIBLE_DEVICES entries are ordinals (0, 1), or GPU/MIG UUIDs (GPU-8f3c..., MIG-4b1a... or the older
+# MIG-GPU-<uuid>/<gi>/<ci>), as SLURM and Kubernetes often set them.
+UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
+
+
+def visible_ids() -> list:
+    """GPU ids this machine offers this process: the entries of CUDA_VISIBLE_DEVICES if set (ordinals as
+    ints, UUID and MIG entries as they are), else the ordinals nvidia-smi lists."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [int(x) for x in env.split(",") if x.strip().isdigit()]
+        entries = [x.strip() for x in env.split(",") if x.strip()]
+        return [int(x) if x.isdigit() else x for x in entries if x.isdigit() or UUID.match(x)]
     if not shutil.which("nvidia-smi"):
         return []
     try:
@@ -37,6 +45,19 @@ def visible_ids() -> list[int]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [int(x) for x in out.split() if x.isdigit()]
+
+
+def check_inherited(pool: list, source: str) -> None:
+    """Explicit ids must lie inside the GPUs this job was given: with CUDA_VISIBLE_DEVICES=2,3 inherited (a
+    SLURM allocation, say), `--pool 0,1` would set CUDA_VISIBLE_DEVICES=0 and escape onto another job's GPU."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return
+    inherited = [x.strip() for x in env.split(",") if x.strip()]
+    outside = [str(g) for g in pool if str(g) not in inherited]
+    if outside:
+        raise UserError(f"{source}: id(s) {','.join(outside)} are not among the GPUs this job was given "
+                        f"(CUDA_VISIBLE_DEVICES={env}); use ids from it, or auto")
 
 
 def gpu_pools(d: dict, visible=None) -> tuple[list[int], list[int]]:
@@ -77,21 +98,26 @@ def check_pool(d: dict) -> list[tuple[str, str]]:
     return []
 
 
-def parse_pool(text: str) -> list[int]:
-    """'0,1,2' -> [0, 1, 2]; 'auto' -> every visible GPU."""
+def parse_pool(text: str) -> list:
+    """'0,1,2' -> [0, 1, 2]; 'auto' -> every visible GPU; UUID and MIG ids are kept as strings."""
     if text == "auto":
         ids = visible_ids()
         if not ids:
-            raise UserError("--pool auto: no GPU is visible (no CUDA_VISIBLE_DEVICES, no nvidia-smi); "
+            raise UserError("--pool auto: no GPU is visible (no usable CUDA_VISIBLE_DEVICES entry, no nvidia-smi); "
                             "give the ids, e.g. --pool 0,1")
         return ids
-    try:
-        ids = [int(x) for x in text.split(",")]
-    except ValueError as e:
-        raise UserError(f"--pool {text}: give comma-separated GPU ids such as 0,1,2,3, or auto") from e
-    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+    entries = [x.strip() for x in text.split(",")]
+    if not all(x.isdigit() or UUID.match(x) for x in entries):
+        raise UserError(f"--pool {text}: give comma-separated GPU ids such as 0,1,2,3 (or GPU-/MIG- UUIDs), or auto")
+    ids = [int(x) if x.isdigit() else x for x in entries]
+    if len(set(ids)) != len(ids):
         raise UserError(f"--pool {text}: give distinct GPU ids of 0 or more, such as 0,1,2,3")
+    check_inherited(ids, f"--pool {text}")
     return ids
+
+
+def lock_name(gpu) -> str:
+    return f"gpu-{str(gpu).replace('/', '_')}.lock"  # old-style MIG ids hold slashes
 
 
 def _try_lock(path: Path) -> int | None:
@@ -120,7 +146,7 @@ def acquire(pool: list[int], count: int, lock_dir, log=None) -> dict[int, int]:
         held: dict[int, int] = {}
         try:
             for gpu in pool:
-                fd = _try_lock(lock_dir / f"gpu-{gpu}.lock")
+                fd = _try_lock(lock_dir / lock_name(gpu))
                 if fd is not None:
                     held[gpu] = fd
                     if len(held) == count:
