@@ -1,6 +1,6 @@
 """Speed switches: torch.compile with a cache shared by segments, TF32, fused Adam(W), channels_last.
 
-Each is a config key and off where it would change a guarantee (see README, "Speed switches").
+Each is a config key and off where it would change a guarantee (see docs/gpus.md, "Speed switches").
 """
 
 import os
