@@ -1,17 +1,20 @@
-"""GPU figures on whatever CUDA device this machine has: training against a bare loop, sampling, FID, MFU.
+"""GPU figures on whatever CUDA devices this machine has: training against a bare loop, sampling, FID, MFU,
+and the scaling of training from 1 to N GPUs.
 
   python benchmarks/bench_gpu.py [--steps 200] [--batch 256] [--fid-images 10000] [--extractor random]
 
 Without a CUDA device it prints one line and exits with status 2, writing nothing (run_all.py does not
 call it). Cases, all at 32x32 on synthetic data (benchmarks/synthetic.py), bf16 autocast:
   - unet: a CIFAR-sized UNet (128 channels, 3 levels, 2 blocks, attention at 16x16);
-  - dit:  DiT-S/2, only when the config schema has `model.arch: dit`; otherwise reported as not available.
+  - dit:  DiT-S/2 (model.arch: dit, kwargs {size: S, patch: 2}).
 For each case: `diffrelay train` (one segment, the train.* speed switches given by --fast) against a bare
 loop with the same network, batch, optimizer, clipping and EMA (no DDP, no logging, no checkpoint);
 model FLOP utilisation = FLOPs of one training step, counted by torch.utils.flop_counter.FlopCounterMode,
 times steps/s, over the device's dense bf16 peak from PEAK_BF16 (unknown device: MFU not reported).
 Then, for the unet: `diffrelay sample` images/s and `diffrelay fid` seconds for --fid-images images.
-Writes benchmarks/results/gpu.json.
+Scaling (with 2 or more GPUs): `diffrelay launch --nproc-per-node N` training of the unet at a fixed batch per
+GPU (--batch / 1 ... / N ...) for N = 1, 2, 4, ... up to the GPU count; efficiency = images/s at N over N times
+images/s at 1. Writes benchmarks/results/gpu.json.
 """
 
 import argparse
@@ -36,19 +39,12 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H2
              ("A100", 312e12)]
 UNET = {"channels": 128, "channel_mult": [1, 2, 2], "num_blocks": 2, "attn_resolutions": [16], "dropout": 0.0,
         "class_conditional": True}
-DIT = {"arch": "dit"}  # the nets branch's preset keys; DiT-S/2 is its default size
+DIT = {"arch": "dit", "kwargs": {"size": "S", "patch": 2}, "class_conditional": True}
 FAST = {"tf32": True, "channels_last": True, "fused_optimizer": "auto"}
 
 
 def peak_flops(name: str):
     return next((peak for key, peak in PEAK_BF16 if key in name), None)
-
-
-def has_dit() -> bool:
-    from diffrelay import config
-
-    arch = config.load_schema()["properties"]["model"]["properties"].get("arch", {})
-    return "dit" in arch.get("enum", [])
 
 
 def run(*cmd, **kw):
@@ -141,15 +137,7 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     run("sample", "--snapshot", snapshot, "--out", out, "--num-images", args.fid_images, "--batch-size", 500,
         "--precision", "bf16")
     sampled = json.loads((out / "manifest.json").read_text())
-    import numpy as np
-    from PIL import Image
-
-    # fid-ref reads a dataset's png/ folder; the synthetic set is arrays only, so write the PNGs it needs.
-    pngs = data_dir / "png"
-    pngs.mkdir(exist_ok=True)
-    images = np.load(data_dir / "images.npy", mmap_mode="r")
-    for i in range(min(args.fid_images, len(images))):
-        Image.fromarray(np.asarray(images[i])).save(pngs / f"{i:06d}.png")
+    # fid-ref reads the prepared images.npy itself: no PNG of the training set is needed.
     extractor, ref = tmp / "extractor.pt", tmp / "ref.npz"
     run("fetch-extractor", "--extractor", args.extractor, "--out", extractor)
     run("fid-ref", "--dataset", data_dir, "--extractor", extractor, "--num", args.fid_images, "--out", ref)
@@ -162,6 +150,32 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
             "fid_images": args.fid_images, "fid_seconds": round(fid_s, 2), "extractor": args.extractor}
 
 
+def scaling_case(tmp: Path, data_dir, args) -> dict:
+    """Training steps/s of the unet under `diffrelay launch --nproc-per-node N`, batch per GPU fixed."""
+    from diffrelay import logs
+
+    per_gpu = max(1, args.batch // torch.cuda.device_count())
+    rows, counts = {}, [n for n in (1, 2, 4, 8, 16) if n <= torch.cuda.device_count()]
+    for n in counts:
+        name = f"scale{n}"
+        cfg = {"run": {"name": name, "results": str(tmp), "resources": str(tmp / "resources"), "device": "cuda"},
+               "data": {"kind": "shapes", "resolution": 32, "count": args.images}, "model": UNET,
+               "train": {"total_steps": args.steps, "segment_steps": args.steps, "batch_size": per_gpu * n,
+                         "nproc_per_node": n, "precision": "bf16", "log_every": args.steps // 4, "warmup_steps": 0,
+                         **FAST}}
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        run("launch", "--standalone", "--nproc-per-node", n, "-m", "diffrelay", "train", "--config", path,
+            "--until-step", args.steps, "--dataset", data_dir)
+        records = [r for r in logs.read_jsonl(tmp / name / "metrics" / "train.jsonl") if "steps_per_s" in r]
+        steps = sum(r["steps_per_s"] for r in records[1:]) / len(records[1:])
+        rows[n] = {"steps_per_s": round(steps, 3), "images_per_s": round(steps * per_gpu * n, 1)}
+    for n, row in rows.items():
+        row["efficiency"] = round(row["images_per_s"] / (n * rows[1]["images_per_s"]), 3)
+        print(f"scaling: {n} GPU(s) {row['images_per_s']:.0f} img/s, efficiency {row['efficiency']:.2f}", flush=True)
+    return {"batch_per_gpu": per_gpu, "by_gpus": rows}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="training steps per measurement (a multiple of 4)")
@@ -169,6 +183,7 @@ def main():
     ap.add_argument("--images", type=int, default=50000, help="synthetic training images")
     ap.add_argument("--fid-images", type=int, default=10000)
     ap.add_argument("--extractor", default="random", help="random (offline) or inception (downloads once)")
+    ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"), help="where the JSON goes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); nothing measured, "
@@ -183,13 +198,13 @@ def main():
         tmp = Path(tmp)
         data_dir = write_dataset(tmp / "data", args.images, 32)
         result["unet"] = train_case("unet", UNET, tmp, data_dir, args, peak) | {"model": UNET}
-        result["dit"] = (train_case("dit", DIT, tmp, data_dir, args, peak) | {"model": DIT} if has_dit()
-                         else "not available: this diffrelay has no model.arch: dit")
+        result["dit"] = train_case("dit", DIT, tmp, data_dir, args, peak) | {"model": DIT}
+        result["dit"].pop("snapshot")
         result["eval"] = eval_case(result["unet"].pop("snapshot"), data_dir, tmp, args)
-        if isinstance(result["dit"], dict):
-            result["dit"].pop("snapshot")
-    out = HERE / "results" / "gpu.json"
-    out.parent.mkdir(exist_ok=True)
+        result["scaling"] = (scaling_case(tmp, data_dir, args) if torch.cuda.device_count() > 1
+                             else "not measured: one GPU")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
