@@ -217,3 +217,23 @@ def test_more_processes_than_visible_gpus_is_one_line_not_an_invalid_ordinal(mon
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(UserError, match=r"LOCAL_RANK=2 needs GPU 2, but this process sees 2 GPU\(s\).*at most 2"):
         distributed.pick_device("cuda")
+
+
+def test_auto_device_refuses_a_cpu_torch_beside_gpus_the_driver_lists(tmp_path, monkeypatch):
+    """A conda env solved on a login node gets a CPU build of torch; `auto` must not then train on the CPU
+    next to idle GPUs. A fake nvidia-smi lists two."""
+    import torch
+
+    from diffrelay.runtime import distributed
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"run.device=auto: nvidia-smi lists 2 GPU\(s\) but this torch .* cannot use"):
+        distributed.pick_device("auto")
+    assert distributed.pick_device("cpu") == torch.device("cpu")  # on purpose
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose: the CPU is what was asked for
+    assert distributed.pick_device("auto") == torch.device("cpu")

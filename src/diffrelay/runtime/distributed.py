@@ -39,6 +39,17 @@ def pick_device(want: str = "auto"):
     """cuda:LOCAL_RANK when a GPU is wanted and present, else cpu."""
     import torch
 
+    if want == "auto" and not torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # A torch without CUDA (a conda env solved on a login node gets the CPU build) would train on the
+        # CPU beside idle GPUs, silently. CUDA_VISIBLE_DEVICES set (even empty) means GPUs were hidden on purpose.
+        from diffrelay.runtime.gpus import nvidia_smi_ids
+
+        if listed := nvidia_smi_ids():
+            from diffrelay.errors import UserError
+
+            raise UserError(f"run.device=auto: nvidia-smi lists {len(listed)} GPU(s) but this torch {torch.__version__} "
+                            f"(CUDA {torch.version.cuda or 'none: a CPU build'}) cannot use them; install a CUDA "
+                            "build of torch, or set run.device: cpu to train on the CPU on purpose")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             from diffrelay.errors import UserError

@@ -37,6 +37,11 @@ def visible_ids() -> list:
     if env is not None:
         entries = [x.strip() for x in env.split(",") if x.strip()]
         return [int(x) if x.isdigit() else x for x in entries if x.isdigit() or UUID.match(x)]
+    return nvidia_smi_ids()
+
+
+def nvidia_smi_ids() -> list[int]:
+    """The GPU ordinals the driver lists (nvidia-smi), whatever this process's torch can use; [] without it."""
     if not shutil.which("nvidia-smi"):
         return []
     try:
