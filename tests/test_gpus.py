@@ -237,3 +237,15 @@ def test_auto_device_refuses_a_cpu_torch_beside_gpus_the_driver_lists(tmp_path, 
     assert distributed.pick_device("cpu") == torch.device("cpu")  # on purpose
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose: the CPU is what was asked for
     assert distributed.pick_device("auto") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("case", ["file", "read-only"])
+def test_an_unusable_lock_dir_is_one_line(tmp_path, case):
+    # /proc takes no new folders, whoever asks (root ignores a folder's write permission bits).
+    lock_dir = tmp_path / "locks" if case == "file" else Path("/proc/diffrelay-gpu-locks")
+    if case == "file":
+        lock_dir.write_text("not a folder")
+    p = run_cli("with-gpus", "--pool", "0", "--count", 1, "--lock-dir", lock_dir, "--", "true", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert f"--lock-dir {lock_dir}:" in p.stderr
+    assert ("is not a folder" if case == "file" else "cannot be used") in p.stderr

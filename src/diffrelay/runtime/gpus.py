@@ -143,7 +143,13 @@ def acquire(pool: list[int], count: int, lock_dir, log=None) -> dict[int, int]:
     if not 0 < count <= len(pool):
         raise UserError(f"--count {count}: must be between 1 and the pool size {len(pool)}")
     lock_dir = Path(lock_dir)
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(lock_dir / "pool.lock", os.O_RDWR | os.O_CREAT, 0o666))
+    except OSError as e:
+        what = "is not a folder" if lock_dir.exists() and not lock_dir.is_dir() else f"cannot be used ({e.strerror})"
+        raise UserError(f"--lock-dir {lock_dir}: {what}; give a writable folder (the workflow uses "
+                        "<run.resources>/gpu-locks)") from e
     started, last_log = time.monotonic(), None
     while True:
         guard = os.open(lock_dir / "pool.lock", os.O_RDWR | os.O_CREAT, 0o666)
