@@ -40,7 +40,7 @@ ALLOWED = {
     "data": {"runtime", "nets", "objectives"},
     "evaluation": {"runtime", "data"},
     "training": {"runtime", "nets", "objectives", "data"},
-    "sampling": {"runtime", "nets", "objectives", "training"},
+    "sampling": {"runtime", "nets", "objectives", "data", "training"},
 }
 FRONT = {"config", "preflight"}
 

@@ -322,3 +322,11 @@ def test_non_finite_samples_are_an_error_naming_the_snapshot_and_seeds_and_nothi
 def test_guidance_that_is_not_a_finite_non_negative_number_is_refused(snap, tmp_path, value):
     p = run_cli(*sample_args(snap, tmp_path / "out", "--guidance", value), check=False)
     assert p.returncode == 2 and "--guidance" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_first_seed_past_the_largest_is_one_line_and_leaves_no_folder(snap, tmp_path):
+    out = tmp_path / "out"
+    p = run_cli(*sample_args(snap, out, "--first-seed", 2**64), check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert "--first-seed=18446744073709551616" in p.stderr
+    assert list(tmp_path.iterdir()) == []

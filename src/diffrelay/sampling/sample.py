@@ -28,6 +28,7 @@ from diffrelay.objectives import edm
 from diffrelay.runtime import distributed, speed
 from diffrelay.sampling import guidance
 from diffrelay.training import checkpoint
+from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
@@ -363,7 +364,11 @@ def _settings_from_args(args) -> tuple[Settings, dict]:
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
-    return dataclasses.replace(Settings.from_section(cfg["sample"]), **over), cfg["run"]
+    s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
+    if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
+        raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "
+                        f"seed {MAX_SEED}; use a smaller one")
+    return s, cfg["run"]
 
 
 def main(args) -> int:
