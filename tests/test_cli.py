@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from conftest import REPO, run_cli
@@ -46,3 +47,10 @@ def test_help_examples_name_files_the_demo_makes():
                 assert int(match["step"]) in steps, f"{path}: the demo has no checkpoint at that step"
         else:
             assert path in extractors, f"{path}: the demo's extractor is {sorted(extractors)}"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_fid_timeout_must_be_a_finite_number_of_minutes_above_zero(tmp_path, value):
+    p = run_cli("fid", "--images", tmp_path, "--ref", tmp_path / "r.npz", "--extractor", tmp_path / "e.pt",
+                "--timeout-minutes", value, "--out", tmp_path / "r.json", check=False)
+    assert p.returncode == 2 and "--timeout-minutes" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -11,6 +11,7 @@ Examples:
 
 import argparse
 import importlib
+import math
 import sys
 
 from diffrelay import __version__
@@ -26,6 +27,17 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return value
+
+
+def _minutes(text: str) -> float:
+    """A time limit: a finite number of minutes above 0 (nan and inf would mean no limit at all)."""
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a number of minutes") from e
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of minutes above 0")
     return value
 
 
@@ -111,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout-minutes", type=float, default=60)
+    p.add_argument("--timeout-minutes", type=_minutes, default=60, help="kill the scoring child after this long")
     p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")
     p.add_argument("--out", required=True, help="result JSON")
