@@ -473,3 +473,11 @@ def test_a_command_may_replace_its_own_earlier_result(tmp_path):
     # A fid result is not a collect file, nor the reverse: each refuses the other's.
     (tmp_path / "r.json").write_text(json.dumps({"scores": [], "num_images": 1, "mode": "clean", "images": "x"}))
     assert "exists and is not" in error_line(run_cli("collect", "--out", tmp_path / "r.json", check=False))
+
+
+def test_a_self_looping_symlink_is_called_a_loop_not_a_permission_problem(tmp_path):
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    with pytest.raises(UserError, match=r"loop.json: cannot read JSON file \(Too many levels of symbolic links\); "
+                                        r"it is a symlink loop"):
+        io.read_json(loop)

@@ -1,6 +1,7 @@
 """Atomic file writes: a temp file in the same folder, fsync, then rename."""
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -68,6 +69,15 @@ def write_json(path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def advice(e: OSError) -> str:
+    """What to do about an OSError when reading a path the user named: the fix depends on the cause."""
+    if e.errno == errno.ELOOP:
+        return "it is a symlink loop; point the link at a real file or remove it"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "fix its permissions"
+    return "check the path and the file system"
+
+
 def check_regular_file(path, max_bytes: int, what: str = "file", missing: str = "check the path") -> int:
     """Size of `path` if it is a regular file (symlinks followed) of at most max_bytes; else UserError.
 
@@ -81,7 +91,7 @@ def check_regular_file(path, max_bytes: int, what: str = "file", missing: str = 
             raise UserError(f"{path}: cannot open {what} (dangling symlink); {missing}") from e
         raise UserError(f"{path}: {what} not found; {missing}") from e
     except OSError as e:
-        raise UserError(f"{path}: cannot read {what} ({e.strerror}); fix its permissions") from e
+        raise UserError(f"{path}: cannot read {what} ({e.strerror}); {advice(e)}") from e
     if not stat.S_ISREG(st.st_mode):
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
         raise UserError(f"{path}: {what} is {kind}; {missing}")

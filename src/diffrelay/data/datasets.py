@@ -130,7 +130,7 @@ def list_images(root) -> list[tuple[str, Path]]:
 
     def unreadable_folder(e: OSError):
         # os.walk would silently leave out a folder it cannot list; a dataset missing a class is worse.
-        raise UserError(f"{e.filename}: cannot list folder ({e.strerror}); fix its permissions") from e
+        raise UserError(f"{e.filename}: cannot list folder ({e.strerror}); {io.advice(e)}") from e
 
     found = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable_folder):
