@@ -10,12 +10,12 @@ import torch
 
 from conftest import run_cli
 from diffrelay import config
-from diffrelay.training import checkpoint, phema
+from diffrelay.training import checkpoint, phema, profiles
 from diffrelay.errors import UserError
 
 
 def integrate(f, t_max, n=400_000):
-    """Midpoint rule on (0, t_max]: plain numerics, independent of phema.inner's closed form."""
+    """Midpoint rule on (0, t_max]: plain numerics, independent of profiles.inner's closed form."""
     tau = (np.arange(n) + 0.5) * (t_max / n)
     return f(tau).sum() * (t_max / n)
 
@@ -26,28 +26,28 @@ def integrate(f, t_max, n=400_000):
 
 @pytest.mark.parametrize("sigma_rel", [0.01, 0.05, 0.08, 0.10, 0.2, 0.28])
 def test_sigma_rel_and_gamma_round_trip_and_match_the_profiles_spread(sigma_rel):
-    gamma = phema.sigma_to_gamma(sigma_rel)
+    gamma = profiles.sigma_to_gamma(sigma_rel)
     assert gamma > 0
-    assert phema.gamma_to_sigma(gamma) == pytest.approx(sigma_rel, rel=1e-12)
+    assert profiles.gamma_to_sigma(gamma) == pytest.approx(sigma_rel, rel=1e-12)
     # The definition itself: standard deviation of p(tau) over its length t.
     t = 1000.0
-    mean = integrate(lambda u: u * phema.profile(t, gamma, u), t)
-    var = integrate(lambda u: (u - mean) ** 2 * phema.profile(t, gamma, u), t)
+    mean = integrate(lambda u: u * profiles.profile(t, gamma, u), t)
+    var = integrate(lambda u: (u - mean) ** 2 * profiles.profile(t, gamma, u), t)
     assert np.sqrt(var) / t == pytest.approx(sigma_rel, rel=1e-3)
 
 
 def test_out_of_range_sigma_rel_is_refused():
     for bad in (0.0, -0.1, 0.29, 1.0):
         with pytest.raises(ValueError):
-            phema.sigma_to_gamma(bad)
+            profiles.sigma_to_gamma(bad)
 
 
 @pytest.mark.parametrize("t_a,s_a,t_b,s_b", [(400, 0.05, 1000, 0.10), (1000, 0.05, 400, 0.10),
                                              (700, 0.08, 700, 0.08), (50, 0.2, 900, 0.05)])
 def test_inner_product_matches_numerical_integration(t_a, s_a, t_b, s_b):
-    g_a, g_b = phema.sigma_to_gamma(s_a), phema.sigma_to_gamma(s_b)
-    numeric = integrate(lambda u: phema.profile(t_a, g_a, u) * phema.profile(t_b, g_b, u), max(t_a, t_b))
-    assert float(phema.inner(t_a, g_a, t_b, g_b)) == pytest.approx(numeric, rel=1e-3)
+    g_a, g_b = profiles.sigma_to_gamma(s_a), profiles.sigma_to_gamma(s_b)
+    numeric = integrate(lambda u: profiles.profile(t_a, g_a, u) * profiles.profile(t_b, g_b, u), max(t_a, t_b))
+    assert float(profiles.inner(t_a, g_a, t_b, g_b)) == pytest.approx(numeric, rel=1e-3)
 
 
 def test_running_average_weighs_past_steps_as_the_power_profile():
@@ -64,7 +64,7 @@ def test_running_average_weighs_past_steps_as_the_power_profile():
     gamma, tau = avg.gammas[0], np.arange(1, steps + 1, dtype=np.float64)
     assert w.sum() == pytest.approx(1.0, abs=1e-12)
     # Step tau's weight is the profile's mass over (tau - 1, tau]: here integrated numerically.
-    per_step = np.array([integrate(lambda u, t=t: phema.profile(steps, gamma, t - 1 + u), 1.0, n=2000)
+    per_step = np.array([integrate(lambda u, t=t: profiles.profile(steps, gamma, t - 1 + u), 1.0, n=2000)
                          for t in tau])
     np.testing.assert_allclose(w, per_step, rtol=1e-5)
     assert w[-1] > w[steps // 2] > w[steps // 4]  # recent weights count most
@@ -72,21 +72,21 @@ def test_running_average_weighs_past_steps_as_the_power_profile():
 
 def test_solve_is_one_hot_for_a_stored_profile_and_fits_another_one():
     stored = [(s, sig) for s in range(100, 1001, 100) for sig in (0.05, 0.10)]
-    steps, gammas = [s for s, _ in stored], [phema.sigma_to_gamma(sig) for _, sig in stored]
-    x = phema.solve(steps, gammas, 1000, phema.sigma_to_gamma(0.10))
+    steps, gammas = [s for s, _ in stored], [profiles.sigma_to_gamma(sig) for _, sig in stored]
+    x = profiles.solve(steps, gammas, 1000, profiles.sigma_to_gamma(0.10))
     np.testing.assert_allclose(x, np.eye(len(stored))[stored.index((1000, 0.10))], atol=1e-6)
 
-    target = phema.sigma_to_gamma(0.08)
-    x = phema.solve(steps, gammas, 1000, target)
+    target = profiles.sigma_to_gamma(0.08)
+    x = profiles.solve(steps, gammas, 1000, target)
     assert x.sum() == pytest.approx(1.0)
 
     def error(coefs):
         def residual_sq(u):
-            made = sum(c * phema.profile(s, g, u) for c, s, g in zip(coefs, steps, gammas))
-            return (made - phema.profile(1000, target, u)) ** 2
+            made = sum(c * profiles.profile(s, g, u) for c, s, g in zip(coefs, steps, gammas))
+            return (made - profiles.profile(1000, target, u)) ** 2
         return np.sqrt(integrate(residual_sq, 1000, n=200_000))
 
-    norm = np.sqrt(integrate(lambda u: phema.profile(1000, target, u) ** 2, 1000, n=200_000))
+    norm = np.sqrt(integrate(lambda u: profiles.profile(1000, target, u) ** 2, 1000, n=200_000))
     assert error(x) / norm < 0.05  # edm2's two profiles span the widths between them closely
     # Least squares: no stored profile alone, nor a nudge of the solution, fits better.
     assert all(error(np.eye(len(stored))[i]) > error(x) for i in range(len(stored)))
@@ -193,7 +193,7 @@ def test_reconstruction_of_a_stored_width_gives_back_its_weights_and_samples(tra
     run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.10, "--until-step", 6, "--out", out)
     stored, _ = phema.read(rd / "phema/step_0000006.safetensors")
     made, meta = checkpoint.read_snapshot(out)
-    assert meta["phema"] == {"sigma_rel": 0.10, "gamma": phema.sigma_to_gamma(0.10), "step": 6}
+    assert meta["phema"] == {"sigma_rel": 0.10, "gamma": profiles.sigma_to_gamma(0.10), "step": 6, "error": 0.0}
     assert meta["step"] == 6 and meta["model"]["channels"] == 8
     keys = {k[3:] for k in stored if k.startswith("p1.")}
     assert {k[4:] for k in made} == keys and all(k.startswith("ema.") for k in made)
@@ -289,3 +289,33 @@ def test_phema_out_never_overwrites_a_checkpoint_a_training_snapshot_or_a_users_
     run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.08, "--until-step", 6, "--out", out)
     run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.10, "--until-step", 6, "--out", out)
     assert checkpoint.read_snapshot(out)[1]["phema"]["sigma_rel"] == 0.10
+
+
+def test_reconstruction_error_restated_numerically_and_bad_widths_refused_at_parse_time():
+    """The closed-form error equals a midpoint-rule integral of (sum x_i p_i - p)^2; widths the stored
+    profiles cannot represent are refused when the config is read, before any training."""
+    steps, gammas = [2.0, 4.0, 6.0, 2.0, 4.0, 6.0], [profiles.sigma_to_gamma(s) for s in [0.05] * 3 + [0.10] * 3]
+    for width in (0.03, 0.08, 0.2):
+        g = profiles.sigma_to_gamma(width)
+        x = profiles.solve(steps, gammas, 6, g)
+        rebuilt = lambda u: sum(c * profiles.profile(t, gi, u) for c, t, gi in zip(x, steps, gammas))  # noqa: E731
+        num = integrate(lambda u: (rebuilt(u) - profiles.profile(6, g, u)) ** 2, 6)
+        den = integrate(lambda u: profiles.profile(6, g, u) ** 2, 6)
+        assert profiles.error(steps, gammas, 6, g, x) == pytest.approx(np.sqrt(num / den), rel=1e-3, abs=1e-4)
+    base = {"train": {"total_steps": 6, "segment_steps": 2, "phema": {"every": 2}}}
+    for width in (1e-6, 0.001, 0.01, 0.28):
+        with pytest.raises(UserError, match=rf"sample.phema={width}: the stored profiles \[0.05, 0.1\] rebuild"):
+            config.validate({**base, "sample": {"phema": [width]}})
+    assert config.validate({**base, "sample": {"phema": [0.08]}})["sample"]["phema"] == [0.08]
+
+
+def test_the_error_is_refused_by_diffrelay_phema_and_recorded_in_the_snapshot(trained, tmp_path):
+    rd = trained["split"]
+    p = run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.01, "--until-step", 6, "--out", tmp_path / "x",
+                check=False)
+    assert p.returncode == 2 and "--sigma-rel 0.01: the stored profiles" in p.stderr and "off" in p.stderr
+    assert not (tmp_path / "x").exists()
+    run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.08, "--until-step", 6, "--out", tmp_path / "y")
+    err = checkpoint.read_snapshot(tmp_path / "y")[1]["phema"]["error"]
+    assert 0 < err < profiles.MAX_ERROR
+    assert err == pytest.approx(profiles.stored_error([2, 4, 6], [0.05, 0.10], 6, 0.08), abs=1e-6)

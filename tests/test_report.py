@@ -237,3 +237,18 @@ def test_a_post_hoc_ema_reconstruction_is_a_row_of_its_own_and_can_be_the_best(t
     best = json.loads((run / "report" / "best.json").read_text())
     assert best["phema"] == 0.08 and best["snapshot"].endswith("snapshots/phema/step_0000008_ema0.08.safetensors")
     assert (run / "report" / "best_grid.png").read_bytes() == (run / "samples" / name / "grid.png").read_bytes()
+
+
+def test_a_reconstructions_error_is_a_column_of_metrics_csv(tmp_path):
+    run = make_run(tmp_path)
+    name = "step_0000008_ema0.08"
+    (run / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
+        {"metric": "FD (random features)", "fid": 20.0, "kid": 0.02, "num_images": 8, "seconds": 1.0}))
+    (run / "samples" / name).mkdir(parents=True)
+    (run / "samples" / name / "manifest.json").write_text(json.dumps(
+        {"num_images": 8, "seconds": 2.0, "phema": {"sigma_rel": 0.08, "step": 8, "error": 0.0406}}))
+    Image.new("RGB", (34, 34), (9, 9, 9)).save(run / "samples" / name / "grid.png")
+    run_cli("report", "--run-dir", run, "--out", run / "report")
+    _, rows = _rows(run / "report")
+    errors = {r["phema"]: r["phema_error"] for r in rows if r["step"] == "8"}
+    assert errors == {"": "", "0.08": "0.0406"}

@@ -167,8 +167,24 @@ def _check_phema(t: dict, s: dict) -> list[tuple[str, str]]:
     if s["phema"] and not every:
         return [(want, f"needs the stored EMA profiles; set train.phema.every (e.g. {t['segment_steps']}) "
                  "or sample.phema: []")]
-    return [(want, "reconstructions are EMA weights; set sample.weights: ema or sample.phema: []")] \
-        if s["phema"] and s["weights"] != "ema" else []
+    if s["phema"] and s["weights"] != "ema":
+        return [(want, "reconstructions are EMA weights; set sample.weights: ema or sample.phema: []")]
+    if not s["phema"]:
+        return []
+    from diffrelay.training import profiles  # numpy only
+
+    # The files training will store: every `every` steps and at the run's end; the widths are rebuilt there.
+    total = t["total_steps"]
+    steps = sorted(set(range(every, total + 1, every)) | {total})
+    for width in s["phema"]:
+        if not 0 < width < profiles.MAX_SIGMA_REL:
+            return [(f"sample.phema={width}", f"not a width between 0 and {profiles.MAX_SIGMA_REL:.4f}")]
+        err = profiles.stored_error(steps, t["phema"]["profiles"], total, width)
+        if err > profiles.MAX_ERROR:
+            return [(f"sample.phema={width}", f"the stored profiles {t['phema']['profiles']} rebuild this width "
+                     f"{err:.0%} off (more than {profiles.MAX_ERROR:.0%}); choose a width nearer them, or store "
+                     "profiles closer to it in train.phema.profiles")]
+    return []
 
 
 def non_finite(d, prefix="") -> str | None:

@@ -4,7 +4,8 @@ Example:
   diffrelay report --run-dir results/demo --out results/demo/report
 
 metrics.csv has one row per evaluated (step, phema, guidance, metric); phema is the width of a post-hoc EMA
-reconstruction (sample.phema), empty for the training's own EMA. Each extractor of fid.extractors is its own
+reconstruction (sample.phema), empty for the training's own EMA, and phema_error how far its rebuilt profile
+is from that width (relative L2, training/profiles.py). Each extractor of fid.extractors is its own
 metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
 different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
 variant (protocol.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
@@ -31,7 +32,7 @@ from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json$")
-COLUMNS = ["step", "phema", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
+COLUMNS = ["step", "phema", "phema_error", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
            "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
            "sample_images_per_s", "fid_s"]
 # "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
@@ -151,7 +152,9 @@ def read_sample_manifest(run_dir: Path, name: str) -> dict:
     rec = io.read_json(path)
     if not isinstance(rec, dict):
         raise UserError(f"{path}: expected a JSON object; sample that snapshot again")
-    return {"sample_s": _seconds(rec, path), "num_images": _number(rec, "num_images", path, required=False)}
+    phema = rec.get("phema") if isinstance(rec.get("phema"), dict) else {}
+    return {"sample_s": _seconds(rec, path), "num_images": _number(rec, "num_images", path, required=False),
+            "phema_error": float(phema.get("error", math.nan))}
 
 
 # ---- Putting it together ------------------------------------------------------------------------
@@ -168,7 +171,7 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
         sample_s = sum(m["sample_s"] for m in samples) / len(samples)
         made = sum(m["num_images"] for m in samples) / len(samples)
         rows.append({
-            "step": r.step, "phema": r.phema, "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
+            "step": r.step, "phema": r.phema, "phema_error": samples[0]["phema_error"], "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
             "seed_sets": r.seed_sets, "fid": r.fid, "fid_std": r.fid_std, "fid_min": r.fid_min, "kid": r.kid,
             "precision": r.precision, "recall": r.recall,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,

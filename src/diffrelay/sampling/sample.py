@@ -339,7 +339,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         return None
     manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
                 "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
-                "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started}
+                "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started,
+                "phema": meta.get("phema")}  # a post-hoc EMA reconstruction's width and error (training/phema.py)
     result = finalize(work, out, meta, s, manifest, world)
     if result:
         log.info("%s: %d images, grid.png, manifest.json (%.1f img/s)", out, s.num_images, result["images_per_s"])

@@ -21,72 +21,16 @@ import numpy as np
 import torch
 
 from diffrelay.training import checkpoint, optim
+from diffrelay.training.profiles import MAX_ERROR, MAX_SIGMA_REL, beta, error, sigma_to_gamma, solve
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-phema/1"
 FILE = re.compile(r"^step_(\d{7})\.safetensors$")
 WHAT, FIX = "post-hoc EMA file", "move it out of phema/ to reconstruct from the others, or retrain from an earlier checkpoint"
-MAX_SIGMA_REL = 12 ** -0.5  # gamma = 0, a plain average of all weights so far; wider has gamma < 0
 
 
 # ---------------------------------------------------------------------------------------------
 # The math of power-function profiles
-
-
-def gamma_to_sigma(gamma: float) -> float:
-    """sigma_rel of the profile tau^gamma: its variance over t^2 is (g+1) / ((g+2)^2 (g+3))."""
-    g = float(gamma)
-    return float(np.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3))))
-
-
-def sigma_to_gamma(sigma_rel: float) -> float:
-    """The exponent with gamma_to_sigma(gamma) == sigma_rel, gamma > 0 (0 < sigma_rel < MAX_SIGMA_REL).
-
-    s^2 (g+2)^2 (g+3) = g+1 is a cubic in g; of its real roots the largest is the one on the branch where
-    a larger gamma means a narrower profile."""
-    s = float(sigma_rel)
-    if not 0 < s < MAX_SIGMA_REL:
-        raise ValueError(f"sigma_rel={s}: must be between 0 and {MAX_SIGMA_REL:.4f}")
-    inv = s ** -2
-    roots = np.roots([1.0, 7.0, 16.0 - inv, 12.0 - inv])
-    return float(max(r.real for r in roots if abs(r.imag) < 1e-9 * max(1.0, abs(r))))
-
-
-def beta(gamma: float, t: int) -> float:
-    """Weight kept by the running average at its t-th update (t = 1, 2, ...): the first update copies the
-    weights, and (1 - 1/t)^(gamma + 1) keeps the sum of tau^gamma weights in proportion."""
-    return (1.0 - 1.0 / t) ** (gamma + 1.0)
-
-
-def profile(t: float, gamma: float, tau) -> np.ndarray:
-    """p(tau) of the EMA at time t (its density over the training time tau)."""
-    tau = np.asarray(tau, dtype=np.float64)
-    inside = (tau > 0) & (tau <= t)
-    return np.where(inside, (gamma + 1) * np.clip(tau, 0, None) ** gamma / float(t) ** (gamma + 1), 0.0)
-
-
-def inner(t_a, gamma_a, t_b, gamma_b) -> np.ndarray:
-    """Integral of p_a(tau) p_b(tau) for profiles ending at t_a and t_b (broadcasts).
-
-    With t_lo <= t_hi the product lives on (0, t_lo]; integrating tau^(ga+gb) there gives
-    (ga+1)(gb+1) / (ga+gb+1) * t_lo^(g_hi) / t_hi^(g_hi+1), g_hi the exponent of the later profile."""
-    t_a, g_a, t_b, g_b = (np.asarray(x, dtype=np.float64) for x in (t_a, gamma_a, t_b, gamma_b))
-    a_first = t_a <= t_b
-    t_lo, t_hi = np.where(a_first, t_a, t_b), np.where(a_first, t_b, t_a)
-    g_hi = np.where(a_first, g_b, g_a)
-    return (g_a + 1) * (g_b + 1) / (g_a + g_b + 1) * (t_lo / t_hi) ** g_hi / t_hi
-
-
-def solve(steps, gammas, out_step: int, out_gamma: float) -> np.ndarray:
-    """Coefficients x (one per stored average) with sum_i x_i p_i closest to the target profile in L2.
-
-    The normal equations of that least-squares problem are A x = b, A_ij = <p_i, p_j>, b_i = <p_i, p_out>;
-    the result is scaled to sum to 1, so the combined weights stay an average."""
-    steps, gammas = np.asarray(steps, dtype=np.float64), np.asarray(gammas, dtype=np.float64)
-    a = inner(steps[:, None], gammas[:, None], steps[None, :], gammas[None, :])
-    b = inner(steps, gammas, float(out_step), float(out_gamma))
-    x = np.linalg.lstsq(a, b, rcond=None)[0]
-    return x / x.sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +89,7 @@ def read(path) -> tuple[dict, dict]:
     return checkpoint.read_signed(path, FORMAT, WHAT, FIX)
 
 
-def plan(run_dir, until_step: int, sigma_rel: float) -> list[tuple[Path, list[float]]]:
+def plan(run_dir, until_step: int, sigma_rel: float) -> tuple[list[tuple[Path, list[float]]], float]:
     """(file, one coefficient per profile in it) for the files of steps <= until_step, from their records."""
     steps = [s for s in stored_steps(run_dir) if 0 < s <= until_step]
     last = file_path(run_dir, until_step)
@@ -160,17 +104,24 @@ def plan(run_dir, until_step: int, sigma_rel: float) -> list[tuple[Path, list[fl
             raise UserError(f"{path}: from another training run (trajectory or step differs from {last}); "
                             "move it out of the phema/ folder")
     flat = [(i, meta["step"], g) for i, (_, meta) in enumerate(metas) for g in meta["gamma"]]
-    x = solve([f[1] for f in flat], [f[2] for f in flat], until_step, sigma_to_gamma(sigma_rel))
+    args = [f[1] for f in flat], [f[2] for f in flat], until_step, sigma_to_gamma(sigma_rel)
+    x = solve(*args)
+    err = error(*args, x)
+    if err > MAX_ERROR:
+        raise UserError(f"--sigma-rel {sigma_rel:g}: the stored profiles ({', '.join(f'{g:g}' for g in metas[-1][1]['sigma_rel'])}"
+                        f" at {len(steps)} steps) rebuild it {err:.0%} off (more than {MAX_ERROR:.0%}); choose a width "
+                        "nearer the stored ones, or store profiles closer to it (train.phema.profiles)")
     coefs = [[] for _ in metas]
     for (i, _, _), c in zip(flat, x):
         coefs[i].append(float(c))
-    return [(path, c) for (path, _), c in zip(metas, coefs)]
+    return [(path, c) for (path, _), c in zip(metas, coefs)], err
 
 
 def reconstruct(run_dir, sigma_rel: float, until_step: int, out) -> Path:
     """Write the EMA of width sigma_rel at until_step as a snapshot file (ema weights only)."""
     combined, meta = {}, None
-    for path, coefs in plan(run_dir, until_step, sigma_rel):
+    files, err = plan(run_dir, until_step, sigma_rel)
+    for path, coefs in files:
         tensors, meta = read(path)
         for i, c in enumerate(coefs):
             prefix = f"p{i}."
@@ -184,7 +135,9 @@ def reconstruct(run_dir, sigma_rel: float, until_step: int, out) -> Path:
                     combined[name] = v  # integer buffers: the latest file's
     dtypes = {k[3:]: v.dtype for k, v in tensors.items() if k.startswith("p0.")}
     ema = {k: v.to(dtypes[k]) for k, v in combined.items()}
-    info = {"sigma_rel": float(sigma_rel), "gamma": sigma_to_gamma(sigma_rel), "step": until_step}
+    # error: relative L2 distance of the rebuilt profile from the asked one (profiles.error).
+    info = {"sigma_rel": float(sigma_rel), "gamma": sigma_to_gamma(sigma_rel), "step": until_step,
+            "error": round(err, 6)}
     snap_meta = {k: v for k, v in meta.items() if k not in ("format", "sigma_rel", "gamma")} | {"phema": info}
     return checkpoint.save_snapshot(out, ema, {}, snap_meta)
 
