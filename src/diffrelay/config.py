@@ -126,7 +126,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         if n and t["segment_steps"] % n:
             bad.append((f"train.{key}={n}",
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
-    bad += _check_phema(t, s)
+    from diffrelay.training.profiles import check_config as check_phema  # numpy only
+
+    bad += check_phema(t, s)
     bad += _check_network(m, data["resolution"])
     from diffrelay.runtime.gpus import check_pool  # light: no torch
 
@@ -157,34 +159,6 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     if isinstance(cl, int) and cl < 0:
         bad.append((f"sample.class_labels={cl}", "a class index must be 0 or more"))
     return bad
-
-
-def _check_phema(t: dict, s: dict) -> list[tuple[str, str]]:
-    every, want = t["phema"]["every"], f"sample.phema={s['phema']}"
-    if every and t["segment_steps"] % every:
-        return [(f"train.phema.every={every}",
-                 f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0")]
-    if s["phema"] and not every:
-        return [(want, f"needs the stored EMA profiles; set train.phema.every (e.g. {t['segment_steps']}) "
-                 "or sample.phema: []")]
-    if s["phema"] and s["weights"] != "ema":
-        return [(want, "reconstructions are EMA weights; set sample.weights: ema or sample.phema: []")]
-    if not s["phema"]:
-        return []
-    from diffrelay.training import profiles  # numpy only
-
-    # The files training will store: every `every` steps and at the run's end; the widths are rebuilt there.
-    total = t["total_steps"]
-    steps = sorted(set(range(every, total + 1, every)) | {total})
-    for width in s["phema"]:
-        if not 0 < width < profiles.MAX_SIGMA_REL:
-            return [(f"sample.phema={width}", f"not a width between 0 and {profiles.MAX_SIGMA_REL:.4f}")]
-        err = profiles.stored_error(steps, t["phema"]["profiles"], total, width)
-        if err > profiles.MAX_ERROR:
-            return [(f"sample.phema={width}", f"the stored profiles {t['phema']['profiles']} rebuild this width "
-                     f"{err:.0%} off (more than {profiles.MAX_ERROR:.0%}); choose a width nearer them, or store "
-                     "profiles closer to it in train.phema.profiles")]
-    return []
 
 
 def non_finite(d, prefix="") -> str | None:

@@ -83,3 +83,30 @@ def stored_error(steps, sigma_rels, out_step: int, sigma_rel: float) -> float:
     g = sigma_to_gamma(sigma_rel)
     x = solve([f[0] for f in flat], [f[1] for f in flat], out_step, g)
     return error([f[0] for f in flat], [f[1] for f in flat], out_step, g, x)
+
+
+def check_config(t: dict, s: dict) -> list[tuple[str, str]]:
+    """Rules of train.phema and sample.phema (called by config.validate): (key, message) pairs."""
+    every, want = t["phema"]["every"], f"sample.phema={s['phema']}"
+    if every and t["segment_steps"] % every:
+        return [(f"train.phema.every={every}",
+                 f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0")]
+    if s["phema"] and not every:
+        return [(want, f"needs the stored EMA profiles; set train.phema.every (e.g. {t['segment_steps']}) "
+                 "or sample.phema: []")]
+    if s["phema"] and s["weights"] != "ema":
+        return [(want, "reconstructions are EMA weights; set sample.weights: ema or sample.phema: []")]
+    if not s["phema"]:
+        return []
+    # The files training will store: every `every` steps and at the run's end; the widths are rebuilt there.
+    total = t["total_steps"]
+    steps = sorted(set(range(every, total + 1, every)) | {total})
+    for width in s["phema"]:
+        if not 0 < width < MAX_SIGMA_REL:
+            return [(f"sample.phema={width}", f"not a width between 0 and {MAX_SIGMA_REL:.4f}")]
+        err = stored_error(steps, t["phema"]["profiles"], total, width)
+        if err > MAX_ERROR:
+            return [(f"sample.phema={width}", f"the stored profiles {t['phema']['profiles']} rebuild this width "
+                     f"{err:.0%} off (more than {MAX_ERROR:.0%}); choose a width nearer them, or store "
+                     "profiles closer to it in train.phema.profiles")]
+    return []
