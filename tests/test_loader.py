@@ -16,6 +16,7 @@ from test_train import assert_tensors_equal
 from diffrelay import io, logs
 from diffrelay.data import datasets, loader
 from diffrelay.training import checkpoint
+from diffrelay.errors import UserError
 from diffrelay.data.loader import DEPTH, BatchMaker, Prefetcher
 from diffrelay.data.order import DataOrder
 
@@ -232,3 +233,29 @@ def test_checkpoint_from_the_per_sample_draws_is_refused_with_one_line(write_con
     assert line.startswith(f"diffrelay: error: {old}: ") and "draws version 1, this one 2" in line
     assert "start a new run" in line
     assert not (tmp_path / "results/tiny/checkpoints/step_0000002").exists()
+
+
+def test_images_truncated_under_the_mapping_are_one_line_not_a_bus_error(write_config, tmp_path):
+    """Reading past the end of a truncated memory-mapped file is SIGBUS ("Bus error", no file named). Each
+    batch checks the file first: the run stops with one line naming it."""
+    data = write_prepared(tmp_path / "d", 64)
+    loader.read_rows(data, np.arange(8))
+    with open(tmp_path / "d" / "images.npy", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(UserError, match=r"images.npy: 1000 bytes, \d+ expected: the file was truncated"):
+        loader.read_rows(data, np.arange(8))
+    # In a training run: truncated after step 5, the segment ends with that line and status 2.
+    cfg = write_config({"train": {"total_steps": 400, "segment_steps": 400, "log_every": 1}})
+    run_cli("prepare", "--config", cfg)
+    run_dir = tmp_path / "results" / "tiny"
+    job = subprocess.Popen([BIN / "diffrelay", "train", "--config", cfg], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 5 for r in logs.read_jsonl(run_dir / "metrics" / "train.jsonl")):
+        assert job.poll() is None and time.time() < deadline, "never reached step 5"
+        time.sleep(0.05)
+    with open(run_dir / "dataset" / "images.npy", "r+b") as f:
+        f.truncate(4096)
+    err = job.communicate(timeout=120)[1]
+    assert job.returncode == 2, (job.returncode, err[-2000:])
+    assert "images.npy: 4096 bytes" in err and "Traceback" not in err, err[-2000:]

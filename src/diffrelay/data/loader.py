@@ -12,6 +12,7 @@ read, one conversion and two random draws, mostly inside numpy/torch calls that 
 and a thread cannot outlive its process, so no worker is ever left behind.
 """
 
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -45,8 +46,27 @@ def check_draws(path, meta: dict) -> None:
                         "(another run.name, or move its results folder away)")
 
 
+def check_intact(array) -> None:
+    """A memory-mapped array's file must still hold all of it. Reading a page past the end of a file that was
+    truncated under the mapping is a SIGBUS: the process dies with "Bus error" and no word of which file."""
+    name = getattr(array, "filename", None)
+    if name is None:
+        return
+    want = array.offset + array.nbytes
+    try:
+        size = os.stat(name).st_size
+    except OSError as e:
+        raise UserError(f"{name}: gone while training ran ({e.strerror}); rebuild the dataset "
+                        "(diffrelay prepare) and rerun") from e
+    if size < want:
+        raise UserError(f"{name}: {size} bytes, {want} expected: the file was truncated or replaced while training "
+                        "ran; rebuild the dataset (diffrelay prepare) and rerun")
+
+
 def read_rows(data, idx: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 NHWC images, int64 labels) of dataset rows `idx`, in that order; pinned when asked."""
+    check_intact(data.images)  # one stat call a batch
+    check_intact(data.labels)
     order = np.argsort(idx, kind="stable")  # sorted reads are kinder to a memory-mapped file
     rows = torch.empty((len(idx), *data.images.shape[1:]), dtype=torch.uint8, pin_memory=pin)
     rows.numpy()[order] = data.images[idx[order]]
