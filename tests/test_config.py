@@ -179,3 +179,13 @@ def test_patterns_do_not_let_a_trailing_newline_through():
     with pytest.raises(UserError, match="run.name"):
         config.validate({"run": {"name": "nl\n"}})
     assert config.validate({"run": {"name": "ok.name-1"}})["run"]["name"] == "ok.name-1"
+
+
+def test_tensorboard_without_the_package_is_refused_when_the_config_is_read(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(UserError, match="train.tensorboard=true: the tensorboard package is not installed"):
+        config.validate({"train": {"tensorboard": True}})
+    assert config.validate({"train": {"tensorboard": False}})["train"]["tensorboard"] is False

@@ -1,6 +1,7 @@
 """Load, validate and freeze a run config. Imports only yaml and jsonschema, so the Snakefile can use it."""
 
 import copy
+import importlib.util
 import json
 import math
 import re
@@ -113,6 +114,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     """Rules that span several keys. Returns (key path, message) pairs; empty when all is well."""
     bad = []
     t, m, data, s = d["train"], d["model"], d["data"], d["sample"]
+    if t["tensorboard"] and importlib.util.find_spec("tensorboard") is None:  # not at the first training job
+        bad.append(("train.tensorboard=true", "the tensorboard package is not installed; pip install tensorboard, "
+                    "or set train.tensorboard: false"))
     per_step = t["nproc_per_node"] * t["nnodes"] * t["grad_accum"]
     if t["batch_size"] % per_step:
         up = -(-t["batch_size"] // per_step) * per_step
