@@ -319,3 +319,19 @@ def test_the_error_is_refused_by_diffrelay_phema_and_recorded_in_the_snapshot(tr
     err = checkpoint.read_snapshot(tmp_path / "y")[1]["phema"]["error"]
     assert 0 < err < profiles.MAX_ERROR
     assert err == pytest.approx(profiles.stored_error([2, 4, 6], [0.05, 0.10], 6, 0.08), abs=1e-6)
+
+
+def test_a_lost_last_profile_file_is_stored_again_from_the_final_checkpoint(trained, tmp_path):
+    """Training is done and phema/step_0000006 is gone: the final checkpoint holds the same profiles, so
+    reconstruction writes the file again instead of asking to train to that step."""
+    rd = tmp_path / "r"
+    shutil.copytree(trained["split"], rd)
+    original = phema.read(rd / "phema/step_0000006.safetensors")[0]
+    (rd / "phema/step_0000006.safetensors").unlink()
+    run_cli("phema", "--run-dir", rd, "--sigma-rel", 0.08, "--until-step", 6, "--out", tmp_path / "a.safetensors")
+    again = phema.read(rd / "phema/step_0000006.safetensors")[0]
+    assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in original)
+    run_cli("phema", "--run-dir", trained["split"], "--sigma-rel", 0.08, "--until-step", 6,
+            "--out", tmp_path / "b.safetensors")
+    a, b = checkpoint.read_snapshot(tmp_path / "a.safetensors")[0], checkpoint.read_snapshot(tmp_path / "b.safetensors")[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -17,9 +17,9 @@ import copy
 import re
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from diffrelay import logs
 from diffrelay.training import checkpoint, optim
 from diffrelay.training.profiles import MAX_ERROR, MAX_SIGMA_REL, beta, error, sigma_to_gamma, solve
 from diffrelay.errors import UserError
@@ -85,17 +85,36 @@ def stored_steps(run_dir) -> list[int]:
     return sorted(found)
 
 
+def restore(run_dir, step: int) -> Path | None:
+    """Write phema/step_X again from the checkpoint of that step, which holds the same profiles (a deleted
+    or lost last file need not mean retraining). None when there is no such checkpoint."""
+    ckpt = Path(run_dir) / "checkpoints" / checkpoint.step_name(step)
+    if not checkpoint.is_complete(ckpt):
+        return None
+    state, meta = checkpoint.load_checkpoint(ckpt)
+    if not state.get("phema"):
+        return None
+    tensors = {f"p{i}.{k}": v for i, net in enumerate(state["phema"]["nets"]) for k, v in net.items()}
+    sigma_rels = [float(s) for s in state["phema"]["sigma_rel"]]
+    keep = {k: v for k, v in meta.items() if k not in ("diverged",)}
+    path = checkpoint.write_signed(file_path(run_dir, step), tensors, {
+        **keep, "format": FORMAT, "sigma_rel": sigma_rels, "gamma": [sigma_to_gamma(s) for s in sigma_rels]})
+    logs.get().info(f"{path}: stored again from {ckpt}")
+    return path
+
+
 def read(path) -> tuple[dict, dict]:
     return checkpoint.read_signed(path, FORMAT, WHAT, FIX)
 
 
 def plan(run_dir, until_step: int, sigma_rel: float) -> tuple[list[tuple[Path, list[float]]], float]:
     """(file, one coefficient per profile in it) for the files of steps <= until_step, from their records."""
-    steps = [s for s in stored_steps(run_dir) if 0 < s <= until_step]
     last = file_path(run_dir, until_step)
-    if until_step not in steps:
-        raise UserError(f"{last}: post-hoc EMA file not found; reconstruct at a step that train.phema.every "
-                        "stored (see the phema/ folder) or train to that step first")
+    if until_step not in stored_steps(run_dir) and not restore(run_dir, until_step):
+        raise UserError(f"{last}: post-hoc EMA file not found, and no checkpoint of that step holds the profiles; "
+                        "reconstruct at a step that train.phema.every stored (see the phema/ folder) or train to "
+                        "that step first")
+    steps = [s for s in stored_steps(run_dir) if 0 < s <= until_step]
     metas = [(file_path(run_dir, s), checkpoint.read_signed_meta(file_path(run_dir, s), FORMAT, WHAT, FIX))
              for s in steps]
     traj = metas[-1][1].get("trajectory")
@@ -150,7 +169,7 @@ def is_phema_snapshot(path) -> bool:
 
 
 def main(args) -> int:
-    from diffrelay import io, logs
+    from diffrelay import io
 
     log = logs.setup()
     if not 0 < args.sigma_rel < MAX_SIGMA_REL:
