@@ -275,4 +275,4 @@ def test_the_loop_reads_device_values_once_a_step_and_the_grad_norm_only_when_lo
     cfg = write_config({"train": {"total_steps": 6, "segment_steps": 6, "log_every": 3}})
     run_cli("prepare", "--config", cfg)
     p = run_cli(sys.executable, "-c", HOST_READS, cfg)
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"_segment:tolist": 6, "_report:__float__": 2}
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"_reduce_step:tolist": 6, "_report:__float__": 2}

@@ -23,9 +23,10 @@ from diffrelay import config, io, logs, preflight
 from diffrelay.data import augment, datasets, loader
 from diffrelay.objectives import edm
 from diffrelay.runtime import distributed, speed
-from diffrelay.training import checkpoint, optim, phema
+from diffrelay.training import checkpoint, phema
+from diffrelay.training.state import TrainState
 from diffrelay.errors import UserError
-from diffrelay.data.order import DataOrder, step_seed
+from diffrelay.data.order import step_seed
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resumes from the recovery checkpoint
 
@@ -136,6 +137,7 @@ def run(cfg, until_step=None, init=None, dataset_dir=None, trace=None, record_pa
 
 
 def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) -> int:
+    """One segment, read top to bottom: set-up, resume, where it stops, the loop, the final checkpoint."""
     t, run_dir = cfg.train, config.run_dir(cfg)
     until = t.total_steps if until_step is None else until_step
     if not 0 < until <= t.total_steps:
@@ -144,47 +146,16 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     # Before the slow set-up: SLURM's warning may come while a try starts; the first step then saves.
     stop = StopRequest()
 
-    # ---- Set-up: device, process group, logging, data, model, optimizer --------------------------
-    device = distributed.pick_device(cfg.run.device)
-    torch.set_num_threads(t.threads)
-    torch.backends.cudnn.benchmark = False
-    speed.set_backends(device, t.tf32)
-    distributed.init(device, t.timeout_minutes)
+    # ---- Set-up: device, process group, logging, data; done already?; model and optimizer ---------
+    device, log, data = _set_up(cfg, dataset_dir or run_dir / "dataset")
     rank, world = distributed.rank(), distributed.world()
-    log = logs.setup(main=distributed.is_main())
-    if t.batch_size % (world * t.grad_accum):
-        raise UserError(f"train.batch_size={t.batch_size}: not divisible by {world} processes x "
-                        f"train.grad_accum={t.grad_accum}; change the batch or the process count")
-    micro = t.batch_size // (world * t.grad_accum)
-    data = datasets.open_prepared(dataset_dir or run_dir / "dataset")
-    if cfg.model.class_conditional and not data.num_classes:
-        raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
     final_ckpt = run_dir / "checkpoints" / checkpoint.step_name(until)
-    if checkpoint.is_complete(final_ckpt):
-        checkpoint.verify_checkpoint(final_ckpt)
-        made = io.read_json(final_ckpt / "meta.json")
-        if made.get("trajectory") != traj:
-            key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
-            raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
-                            "use a new run.name for these settings (nothing was deleted)")
-        log.info(f"{final_ckpt} already exists; nothing to do")
-        if distributed.is_main():
-            _write_record(record_path, final_ckpt, until, traj)
-        distributed.teardown()
+    if _already_done(final_ckpt, cfg, traj, until, record_path, log):
         return 0
     _check_writable(run_dir)
     if distributed.is_main():
         preflight.write_run_record(cfg)
-
-    torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
-    net = edm.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
-    net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
-    ema = optim.EMA(net, t.ema_decays)
-    pema = phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None  # post-hoc EMA profiles
-    opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
-    sched = optim.build_schedule(opt, t)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    order = DataOrder(cfg.run.seed, data.count, t.batch_size)
+    st = TrainState.build(cfg, data, device)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
 
     # ---- Resume ---------------------------------------------------------------------------------
@@ -193,32 +164,15 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         _check_resume(cfg, start_path, meta, data, traj)
         if meta.get("trajectory") != traj:
             log.warning(f"{start_path}: made with different training settings; continuing from it as asked")
-        net.load_state_dict(state["net"])
-        ema.load_state_dict(state["ema"])
-        if pema:
-            pema.load_state_dict(state.get("phema"), start_path)
-        optim.load_optimizer_state(opt, state["optimizer"])
-        sched.load_state_dict(state["schedule"])
-        scaler.load_state_dict(state["scaler"])
-        loader.check_draws(start_path, meta)
-        order.load_state_dict(state["order"])
-        skipped_total = int(state["skipped"])
-        # The divergence guard counts across segments and retries, or a short segment would reset it.
-        consecutive = int(state.get("consecutive_skipped", 0))
+        st.load(state, meta, start_path)
         log.info(f"resumed from {start_path} at step {step}")
     else:
-        skipped_total = consecutive = 0
         log.info("starting from scratch")
-    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # no_sync only
+    ddp = DDP(st.net, device_ids=[device.index] if device.type == "cuda" else None)  # no_sync only
     model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
-        state = {"net": net.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
-                 "schedule": sched.state_dict(), "scaler": scaler.state_dict(), "order": order.state_dict(),
-                 "skipped": skipped_total, "consecutive_skipped": consecutive, "step": at_step}
-        if pema:  # absent when off, so such checkpoints are byte for byte what they were before
-            state["phema"] = pema.state_dict()
-        checkpoint.save_checkpoint(path, state, _meta(cfg, at_step, data, traj) | extra_meta)
+        checkpoint.save_checkpoint(path, st.state_dict(at_step), _meta(cfg, at_step, data, traj) | extra_meta)
 
     # ---- Where this call stops, and what it writes on the way -----------------------------------
     segment_start = step
@@ -227,88 +181,39 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device)
-    batches = cleanup.enter_context(loader.Prefetcher(maker, order, step, until))
+    batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
     if distributed.is_main():
         logs.append_jsonl(metrics_path, {"event": "segment_start", "step": step, "until": until, "world": world})
-    log.info(f"segment: steps {step} -> {until} of {t.total_steps} | {world} process(es) x {micro} images"
-             f" x {t.grad_accum} accumulation = batch {t.batch_size} | {device.type} | {t.precision}")
+    log.info(f"segment: steps {step} -> {until} of {t.total_steps} | {world} process(es) x "
+             f"{t.batch_size // (world * t.grad_accum)} images x {t.grad_accum} accumulation = batch {t.batch_size}"
+             f" | {device.type} | {t.precision}")
 
     # ---- Loop -----------------------------------------------------------------------------------
-    window = {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
+    window = _new_window()
     seg_t0 = time.perf_counter()
     while step < until:
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
         batch = batches.next()  # made in the background; advances `order` by one global batch
-        drops, flips = augment.masks(cfg.run.seed, step, t.batch_size, rank, world, t.label_dropout, cfg.data.xflip)
         if trace_file:
             trace_file.write(json.dumps({"step": step, "indices": batch.indices.tolist()}) + "\n")
-        net.train()
-        loss_sum = torch.zeros((), device=device)
-        for k, ((images, labels, rnd, noise), drop, flip) in enumerate(
-                zip(batch.rounds, np.split(drops, t.grad_accum), np.split(flips, t.grad_accum))):
-            images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
-            sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
-            with sync, distributed.peers("gradient all-reduce"), \
-                    torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = edm.loss(model, images, labels if data.num_classes else None, rnd, noise,
-                                t.p_mean, t.p_std, cfg.model.sigma_data)
-                scaler.scale(loss / t.grad_accum).backward()
-            loss_sum += loss.detach() / t.grad_accum
-        scaler.unscale_(opt)
-        gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        # One reduction a step carries the loss, the non-finite flag and any stop request to every rank.
-        bad = ~torch.isfinite(loss_sum) | ~torch.isfinite(gnorm)
-        flags = distributed.all_reduce_sum(torch.stack([
-            torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0), bad.float(),
-            torch.full((), float(stop.signum is not None), device=device)]).float())
-        total_loss, n_bad, n_stop = flags.tolist()  # the step's one host synchronisation
-        mean_loss, any_bad, any_stop = total_loss / world, n_bad > 0, n_stop > 0
-        if any_bad:
-            scaler.update()  # fp16: lowers the scale; the update itself is skipped
-            skipped_total, consecutive = skipped_total + 1, consecutive + 1
-            log.warning(f"step {step}: non-finite loss or gradient; update skipped ({consecutive} in a row)")
-        else:
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            ema.update(net, step)
-            consecutive = 0
-            window["loss"] += mean_loss
-            window["gnorm"] += gnorm.detach()  # stays on the device until a logging step reads it
-            window["n"] += 1
-        if pema:
-            # Skipped steps too: the profiles are functions of the step count, and the weights held still.
-            pema.update(net, step)
-        opt.zero_grad(set_to_none=True)
+        loss_sum, gnorm = _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
+        mean_loss, any_bad, any_stop = _reduce_step(loss_sum, gnorm, stop, device)
+        _apply_update(st, step, mean_loss, any_bad, gnorm, window, log)
         step += 1
         window["steps"] += 1
 
         if distributed.is_main() and (step % t.log_every == 0 or step == until):
-            record = _report(log, metrics_path, step, until, t, window, sched, skipped_total, seg_t0, segment_start)
-            if board:
-                for key in ("loss", "lr", "grad_norm", "images_per_s"):
-                    if record[key] is not None:
-                        board.add_scalar(f"train/{key}", record[key], step)
-                board.flush()
-            window = {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
-        if consecutive >= t.max_skipped_steps:
-            path = run_dir / "recovery" / checkpoint.step_name(step)
-            verdict = f"{consecutive} consecutive non-finite steps up to step {step}"
-            if distributed.is_main():
-                # Marked, so retries and later segments refuse to go on from it (see _find_start).
-                save(path, step, diverged=verdict)
-                logs.append_jsonl(metrics_path, {"event": "diverged", "step": step, "skipped": skipped_total,
-                                                 "consecutive_skipped": consecutive})
-            distributed.barrier()
-            raise UserError(f"{verdict} (saved {path}, marked diverged); "
-                            "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
+            _log_window(log, board, metrics_path, step, until, t, window, st, seg_t0, segment_start)
+            window = _new_window()
+        if st.consecutive >= t.max_skipped_steps:
+            _stop_diverged(run_dir, step, st, save, metrics_path)
         if distributed.is_main() and step in snapshots:
-            _snapshot(run_dir, step, net, ema, cfg, data, traj)
-        if distributed.is_main() and pema and (step % t.phema.every == 0 or step == t.total_steps):
+            _snapshot(run_dir, step, st.net, st.ema, cfg, data, traj)
+        if distributed.is_main() and st.pema and (step % t.phema.every == 0 or step == t.total_steps):
             # The run's last step always, so the workflow can reconstruct there whatever the length.
-            pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj))
+            st.pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj))
         recover = t.recovery_every and step % t.recovery_every == 0 and step < until
         if distributed.is_main() and (recover or (any_stop and step < until)):
             save(run_dir / "recovery" / checkpoint.step_name(step), step)
@@ -335,6 +240,128 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     distributed.barrier()
     distributed.teardown()
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The segment's pieces, in the order it calls them
+
+
+def _set_up(cfg, dataset_dir):
+    """(device, logger, dataset): the process group joined, backends set, batch arithmetic checked."""
+    t = cfg.train
+    device = distributed.pick_device(cfg.run.device)
+    torch.set_num_threads(t.threads)
+    torch.backends.cudnn.benchmark = False
+    speed.set_backends(device, t.tf32)
+    distributed.init(device, t.timeout_minutes)
+    world = distributed.world()
+    log = logs.setup(main=distributed.is_main())
+    if t.batch_size % (world * t.grad_accum):
+        raise UserError(f"train.batch_size={t.batch_size}: not divisible by {world} processes x "
+                        f"train.grad_accum={t.grad_accum}; change the batch or the process count")
+    data = datasets.open_prepared(dataset_dir)
+    if cfg.model.class_conditional and not data.num_classes:
+        raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
+    return device, log, data
+
+
+def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log) -> bool:
+    """A complete checkpoint of this trajectory at `until` means nothing to do (the record is rewritten)."""
+    if not checkpoint.is_complete(final_ckpt):
+        return False
+    checkpoint.verify_checkpoint(final_ckpt)
+    made = io.read_json(final_ckpt / "meta.json")
+    if made.get("trajectory") != traj:
+        key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
+        raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
+                        "use a new run.name for these settings (nothing was deleted)")
+    log.info(f"{final_ckpt} already exists; nothing to do")
+    if distributed.is_main():
+        _write_record(record_path, final_ckpt, until, traj)
+    distributed.teardown()
+    return True
+
+
+def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype):
+    """Every accumulation round's forward and backward; gradients all-reduced in the last one.
+    Returns (mean loss over the rounds, gradient norm after clipping), both still on the device."""
+    t = cfg.train
+    drops, flips = augment.masks(cfg.run.seed, step, t.batch_size, distributed.rank(), distributed.world(),
+                                 t.label_dropout, cfg.data.xflip)
+    st.net.train()
+    loss_sum = torch.zeros((), device=device)
+    for k, ((images, labels, rnd, noise), drop, flip) in enumerate(
+            zip(batch.rounds, np.split(drops, t.grad_accum), np.split(flips, t.grad_accum))):
+        images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
+        sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
+        with sync, distributed.peers("gradient all-reduce"), \
+                torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = edm.loss(model, images, labels if data.num_classes else None, rnd, noise,
+                            t.p_mean, t.p_std, cfg.model.sigma_data)
+            st.scaler.scale(loss / t.grad_accum).backward()
+        loss_sum += loss.detach() / t.grad_accum
+    st.scaler.unscale_(st.opt)
+    gnorm = torch.nn.utils.clip_grad_norm_(st.net.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+    return loss_sum, gnorm
+
+
+def _reduce_step(loss_sum, gnorm, stop, device):
+    """One reduction a step carries the loss, the non-finite flag and any stop request to every rank.
+    Returns (mean loss, any rank non-finite, any rank asked to stop)."""
+    bad = ~torch.isfinite(loss_sum) | ~torch.isfinite(gnorm)
+    flags = distributed.all_reduce_sum(torch.stack([
+        torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0), bad.float(),
+        torch.full((), float(stop.signum is not None), device=device)]).float())
+    total_loss, n_bad, n_stop = flags.tolist()  # the step's one host synchronisation
+    return total_loss / distributed.world(), n_bad > 0, n_stop > 0
+
+
+def _apply_update(st, step, mean_loss, any_bad, gnorm, window, log) -> None:
+    """The optimizer step, or its skip on a non-finite step; EMAs; the logging window's sums."""
+    if any_bad:
+        st.scaler.update()  # fp16: lowers the scale; the update itself is skipped
+        st.skipped_total, st.consecutive = st.skipped_total + 1, st.consecutive + 1
+        log.warning(f"step {step}: non-finite loss or gradient; update skipped ({st.consecutive} in a row)")
+    else:
+        st.scaler.step(st.opt)
+        st.scaler.update()
+        st.sched.step()
+        st.ema.update(st.net, step)
+        st.consecutive = 0
+        window["loss"] += mean_loss
+        window["gnorm"] += gnorm.detach()  # stays on the device until a logging step reads it
+        window["n"] += 1
+    if st.pema:
+        # Skipped steps too: the profiles are functions of the step count, and the weights held still.
+        st.pema.update(st.net, step)
+    st.opt.zero_grad(set_to_none=True)
+
+
+def _new_window() -> dict:
+    return {"loss": 0.0, "n": 0, "gnorm": 0.0, "t0": time.perf_counter(), "steps": 0}
+
+
+def _log_window(log, board, metrics_path, step, until, t, window, st, seg_t0, segment_start) -> None:
+    record = _report(log, metrics_path, step, until, t, window, st.sched, st.skipped_total, seg_t0, segment_start)
+    if board:
+        for key in ("loss", "lr", "grad_norm", "images_per_s"):
+            if record[key] is not None:
+                board.add_scalar(f"train/{key}", record[key], step)
+        board.flush()
+
+
+def _stop_diverged(run_dir, step, st, save, metrics_path) -> None:
+    """Too many non-finite steps in a row: a recovery checkpoint marked diverged, then one line."""
+    path = run_dir / "recovery" / checkpoint.step_name(step)
+    verdict = f"{st.consecutive} consecutive non-finite steps up to step {step}"
+    if distributed.is_main():
+        # Marked, so retries and later segments refuse to go on from it (see _find_start).
+        save(path, step, diverged=verdict)
+        logs.append_jsonl(metrics_path, {"event": "diverged", "step": step, "skipped": st.skipped_total,
+                                         "consecutive_skipped": st.consecutive})
+    distributed.barrier()
+    raise UserError(f"{verdict} (saved {path}, marked diverged); "
+                    "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
 
 
 def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:

@@ -1,0 +1,61 @@
+"""The training state a checkpoint holds: network, EMA and post-hoc EMA, optimizer, schedule, loss scaler,
+data order and the divergence guard's counters; built, resumed and saved as one object."""
+
+from dataclasses import dataclass
+
+import torch
+
+from diffrelay.data import loader
+from diffrelay.data.order import DataOrder
+from diffrelay.objectives import edm
+from diffrelay.runtime import speed
+from diffrelay.training import optim, phema
+
+
+@dataclass
+class TrainState:
+    net: torch.nn.Module  # the raw module: EMA, saving and attribute reads use it, never the DDP wrapper
+    ema: optim.EMA
+    pema: phema.PowerEMA | None  # post-hoc EMA profiles (train.phema), None when off
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    order: DataOrder
+    skipped_total: int = 0  # updates skipped for a non-finite loss or gradient, over the whole run
+    consecutive: int = 0  # of those, in a row up to now: the divergence guard
+
+    @classmethod
+    def build(cls, cfg, data, device) -> "TrainState":
+        t = cfg.train
+        torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
+        net = edm.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
+        net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
+        opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
+        return cls(net=net, ema=optim.EMA(net, t.ema_decays),
+                   pema=phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None,
+                   opt=opt, sched=optim.build_schedule(opt, t),
+                   scaler=torch.amp.GradScaler(device.type, enabled=t.precision == "fp16"),
+                   order=DataOrder(cfg.run.seed, data.count, t.batch_size))
+
+    def load(self, state: dict, meta: dict, path) -> None:
+        self.net.load_state_dict(state["net"])
+        self.ema.load_state_dict(state["ema"])
+        if self.pema:
+            self.pema.load_state_dict(state.get("phema"), path)
+        optim.load_optimizer_state(self.opt, state["optimizer"])
+        self.sched.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        loader.check_draws(path, meta)
+        self.order.load_state_dict(state["order"])
+        self.skipped_total = int(state["skipped"])
+        # The divergence guard counts across segments and retries, or a short segment would reset it.
+        self.consecutive = int(state.get("consecutive_skipped", 0))
+
+    def state_dict(self, step: int) -> dict:
+        state = {"net": self.net.state_dict(), "ema": self.ema.state_dict(), "optimizer": self.opt.state_dict(),
+                 "schedule": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
+                 "order": self.order.state_dict(), "skipped": self.skipped_total,
+                 "consecutive_skipped": self.consecutive, "step": step}
+        if self.pema:  # absent when off, so such checkpoints are byte for byte what they were before
+            state["phema"] = self.pema.state_dict()
+        return state
