@@ -35,3 +35,25 @@ def test_backend_errors_become_one_line_naming_the_rank_but_bugs_keep_their_type
         with distributed.peers("gradient all-reduce"):
             raise RuntimeError("size mismatch, m1: [4 x 3], m2: [5 x 2]")
     assert not isinstance(info.value, GroupFailure)
+
+
+def test_ranks_that_disagree_on_where_they_resume_stop_with_one_line(tmp_path):
+    """Each rank picks its start from the run folder it sees; a shared file system's cache can show nodes
+    different folders. Two ranks of one launch: the same value passes, different values stop both."""
+    script = tmp_path / "agree.py"
+    script.write_text("import os, sys\n"
+                      "from diffrelay.runtime import distributed as d\n"
+                      "from diffrelay.errors import UserError\n"
+                      "d.init(d.pick_device('cpu'))\n"
+                      "d.agree(40, 'the step to resume from')\n"
+                      "try:\n"
+                      "    d.agree(40 if d.rank() == 0 else 20, 'the step to resume from')\n"
+                      "except UserError as e:\n"
+                      "    print(f'rank {d.rank()}: {e}', flush=True)\n"
+                      "d.teardown()\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        script], capture_output=True, text=True, env=distributed.clean_env(), timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = sorted(line for line in p.stdout.splitlines() if "ranks disagree" in line)
+    assert len(lines) == 2 and all("ranks disagree on the step to resume from: 20 on some, 40 on others" in line
+                                   for line in lines), p.stdout

@@ -313,3 +313,55 @@ def test_workers_die_with_a_sigkilled_launch_agent_and_write_nothing_after(refer
     time.sleep(2)
     assert sorted(p for p in rd.rglob("*") if p.is_file()) == written and not record.exists()
     assert not (rd / "checkpoints").exists() or not checkpoint.list_checkpoints(rd / "checkpoints")
+
+
+def test_a_stop_signal_that_no_step_answers_ends_the_rank_with_one_line_after_the_grace(capfd):
+    """A rank blocked in a collective whose peer died never reaches the next step's stop check (NCCL waits
+    10 minutes, then dumps C++ stacks). The watcher learns of the signal from the wake-up fd and ends the
+    rank after the grace time; a step that answers the request in time cancels it."""
+    from diffrelay.training.stop import StopRequest
+
+    exits = []
+    stop = StopRequest(grace_floor=0.5, exit=exits.append)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.time() + 10
+        while not exits and time.time() < deadline:
+            time.sleep(0.05)
+        assert exits == [1] and stop.signum == signal.SIGUSR1
+        assert "no step finished within 0 s of the stop signal: another rank died" in capfd.readouterr().err
+    finally:
+        stop.close()
+    exits.clear()
+    stop = StopRequest(grace_floor=1.0, exit=exits.append)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        stop.acknowledged = True  # the loop reached the step's reduction and will save
+        time.sleep(1.5)
+        assert exits == []
+    finally:
+        stop.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_dead_rank_ends_a_launch_within_a_minute_in_one_line(reference, write_config, tmp_path):
+    """kill -9 of one rank under `diffrelay launch`: the job ends within a minute, and its last line names the
+    rank and its exit (gloo here; NCCL's survivors are ended by the stop watcher, see the test above)."""
+    cfg = write_config({**LONG, "train": {**LONG["train"], "nproc_per_node": 2}})
+    rd = copy_dataset(reference, tmp_path)
+    job = start([BIN / "diffrelay", "launch", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "train",
+                 "--config", cfg], tmp_path / "1.log")
+    wait_for_step(rd, 5, job)
+    os.kill(worker_pids(job.pid)[1], signal.SIGKILL)
+    t0 = time.time()
+    try:
+        code = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert time.time() - t0 < 60 and code == 1
+    last = (tmp_path / "1.log").read_text().strip().splitlines()[-1]
+    assert re.match(r"diffrelay launch: worker\(s\) failed \(.*rank 1 exit -9", last), last

@@ -1,6 +1,7 @@
 """Training segments: K segments equal one run, resume on another process count, refuse bad checkpoints."""
 
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -276,3 +277,96 @@ def test_the_loop_reads_device_values_once_a_step_and_the_grad_norm_only_when_lo
     run_cli("prepare", "--config", cfg)
     p = run_cli(sys.executable, "-c", HOST_READS, cfg)
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"_reduce_step:tolist": 6, "_report:__float__": 2}
+
+
+SYNCS = """
+import json, sys, threading
+from collections import Counter
+import torch
+from diffrelay import config
+from diffrelay.data import augment
+from diffrelay.training import train
+
+seen = Counter()
+real_item, real_to_device = torch.Tensor.item, augment.to_device
+
+def item(self, *a, **k):  # .item() in the training thread, torch's own included (GradScaler.step)
+    caller = sys._getframe(1).f_code
+    if threading.current_thread() is threading.main_thread() and caller.co_filename.endswith(
+            ("grad_scaler.py", "train.py", "state.py")):
+        seen["item:" + caller.co_name] += 1
+    return real_item(self, *a, **k)
+
+def to_device(*a, **k):  # where the augmentation masks cross to the device
+    seen["masks:" + threading.current_thread().name] += 1
+    return real_to_device(*a, **k)
+
+torch.Tensor.item, augment.to_device = item, to_device
+assert train.run(config.load(sys.argv[1])) == 0
+print(json.dumps(seen))
+"""
+
+
+def test_fp16_with_augmentation_pays_no_hidden_host_synchronisation(write_config):
+    """README promises one synchronisation a step. GradScaler.step reads its found-inf flag with .item()
+    (fp16, unfused), and masks copied from pageable memory wait for the device: the masks are made by the
+    loader thread instead, and the step is taken without GradScaler.step."""
+    cfg = write_config({"train": {"total_steps": 4, "segment_steps": 4, "log_every": 2, "precision": "fp16",
+                                  "fused_optimizer": False, "label_dropout": 0.3, "grad_accum": 2},
+                        "data": {"xflip": 0.5}})
+    run_cli("prepare", "--config", cfg)
+    p = run_cli(sys.executable, "-c", SYNCS, cfg)
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    # Only the checkpoint's scaler state reads the scale (once, at the save); no read in any step.
+    assert {k for k in seen if k.startswith("item:")} <= {"item:get_scale", "item:_get_growth_tracker"}, seen
+    assert seen.get("item:get_scale", 0) <= 1, seen
+    assert seen["masks:diffrelay-batches"] == 4 * 2 * 2, seen  # 4 steps x 2 rounds x (drop, flip)
+    assert not any(k.startswith("masks:") and k != "masks:diffrelay-batches" for k in seen), seen
+
+
+def test_deterministic_switch_sets_the_kernels_and_the_cublas_workspace(monkeypatch):
+    from diffrelay.runtime import speed
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        speed.set_determinism(torch.device("cuda", 0), True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        speed.set_determinism(torch.device("cuda", 0), False)  # off: cuDNN autotunes the static shapes
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+    finally:
+        speed.set_determinism(torch.device("cpu"), False)
+    assert not torch.backends.cudnn.benchmark
+
+
+DDP_OPTIONS = """
+import json, sys
+from diffrelay import config
+from diffrelay.training import train
+seen = {}
+real = train.DDP
+def ddp(module, **kwargs):
+    seen.update({k: v for k, v in kwargs.items() if k != "device_ids"})
+    return real(module, **kwargs)
+train.DDP = ddp
+assert train.run(config.load(sys.argv[1])) == 0
+print(json.dumps(seen))
+"""
+
+
+def test_deterministic_training_on_the_cpu_is_the_same_run_and_ddp_has_no_extra_copies(write_config, tmp_path):
+    """train.deterministic is not part of the run's identity and changes no bit on a CPU; the segment log
+    names torch and the device; DDP keeps gradients in its buckets and broadcasts no buffers."""
+    base = {"train": {"total_steps": 3, "segment_steps": 3}}
+    a = write_config(base, name="a.yaml")
+    run_cli("prepare", "--config", a)
+    p = run_cli("train", "--config", a)
+    assert f"torch {torch.__version__} | device cpu" in p.stderr
+    b = write_config({**base, "run": {"name": "det"}, "train": {**base["train"], "deterministic": True}},
+                     name="b.yaml")
+    run_cli("prepare", "--config", b)
+    out = run_cli(sys.executable, "-c", DDP_OPTIONS, b)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"gradient_as_bucket_view": True,
+                                                               "broadcast_buffers": False}
+    assert_tensors_equal(load_state(tmp_path / "results/tiny/checkpoints/step_0000003"),
+                         load_state(tmp_path / "results/det/checkpoints/step_0000003"))

@@ -5,6 +5,8 @@ Each step draws one uniform per sample of the whole global batch from a generato
 neither the process count nor grad_accum, and a resumed segment redraws exactly what one run drew.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -26,11 +28,30 @@ def masks(seed: int, step: int, global_batch: int, rank: int, world: int, label_
     return drop, flip
 
 
-def apply(images: torch.Tensor, labels: torch.Tensor | None, drop: np.ndarray, flip: np.ndarray, null: int):
-    """Flip the rows in `flip` left to right; give the rows in `drop` the null class."""
-    if flip.any():
-        rows = torch.from_numpy(flip).to(images.device)
-        images = torch.where(rows[:, None, None, None], images.flip(3), images)
-    if labels is not None and drop.any():
-        labels = torch.where(torch.from_numpy(drop).to(labels.device), torch.full_like(labels, null), labels)
+@dataclass
+class Rows:
+    """A boolean mask over a batch's rows, already on the batch's device, and whether any row is set (known
+    on the host, so applying it never reads the device)."""
+
+    mask: torch.Tensor
+    any: bool
+
+
+def to_device(mask: np.ndarray, device, pin: bool = False) -> Rows:
+    """The mask as Rows on `device`; from pinned memory the copy does not block the host (the loader thread
+    makes them, so the training loop pays no host-device synchronisation for them)."""
+    rows = torch.from_numpy(mask)
+    if pin:
+        rows = rows.pin_memory()
+    return Rows(rows.to(device, non_blocking=True), bool(mask.any()))
+
+
+def apply(images: torch.Tensor, labels: torch.Tensor | None, drop, flip, null: int):
+    """Flip the rows in `flip` left to right; give the rows in `drop` the null class. The masks are Rows, or
+    numpy arrays (copied here, which on a GPU waits for it)."""
+    drop, flip = (to_device(m, images.device) if isinstance(m, np.ndarray) else m for m in (drop, flip))
+    if flip.any:
+        images = torch.where(flip.mask[:, None, None, None], images.flip(3), images)
+    if labels is not None and drop.any:
+        labels = torch.where(drop.mask, torch.full_like(labels, null), labels)
     return images, labels

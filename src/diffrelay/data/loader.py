@@ -15,11 +15,12 @@ and a thread cannot outlive its process, so no worker is ever left behind.
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from diffrelay.data import augment
 from diffrelay.objectives import edm
 from diffrelay.errors import UserError
 from diffrelay.data.order import DataOrder, noise_seed
@@ -35,6 +36,7 @@ class Batch:
     step: int
     indices: np.ndarray  # this rank's dataset indices, in training order (the --trace record)
     rounds: list  # one (images, labels, rnd_normal, noise) per accumulation round, on the device
+    masks: list = field(default_factory=list)  # one (drop, flip) augment.Rows per round, on the device
 
 
 def check_draws(path, meta: dict) -> None:
@@ -85,8 +87,10 @@ def to_float(rows: torch.Tensor) -> torch.Tensor:
 class BatchMaker:
     """Makes the batch of one step for one rank; holds the step's noise generator."""
 
-    def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device):
+    def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
+                 label_dropout: float = 0.0, xflip: float = 0.0):
         self.data, self.seed, self.global_batch = data, seed, global_batch
+        self.label_dropout, self.xflip = label_dropout, xflip
         self.rank, self.world, self.grad_accum, self.device = rank, world, grad_accum, torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.shape = (data.images.shape[3], *data.images.shape[1:3])
@@ -106,7 +110,13 @@ class BatchMaker:
         rnd, noise = edm.draw_noise(self.generator, self.global_batch, self.shape, self.device)
         rnd, noise = rnd[self.rank::self.world], noise[self.rank::self.world].contiguous()
         parts = (x.tensor_split(self.grad_accum) for x in (images, labels, rnd, noise))
-        return Batch(step, mine, list(zip(*parts)))
+        # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position), on
+        # the device here so that the loop never copies them from pageable memory.
+        drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
+                                     self.xflip)
+        masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
+                 for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
+        return Batch(step, mine, list(zip(*parts)), masks)
 
 
 class _Failed:

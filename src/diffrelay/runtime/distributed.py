@@ -153,6 +153,28 @@ def barrier() -> None:
             dist.barrier()
 
 
+def agree(value: int, what: str) -> None:
+    """Every rank must pass the same value (e.g. the step it resumes from); one line if they do not.
+    Every rank must call it. Each rank reads the run folder itself, and a shared file system's caches can
+    show nodes different folders: training then hangs or mixes states."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    with peers("all-reduce"):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[0].item(), -both[1].item()
+    if high != low:
+        from diffrelay.errors import UserError
+
+        raise UserError(f"ranks disagree on {what}: {low} on some, {high} on others (rank {rank()} has {value}); "
+                        "the run folder looks different from different nodes (a shared file system's cache?); "
+                        "check that every node sees the same run folder, then rerun")
+
+
 def all_reduce_sum(x):
     """Sum over ranks. Every rank must call it."""
     import torch.distributed as dist

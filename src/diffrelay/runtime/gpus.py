@@ -40,6 +40,18 @@ def visible_ids() -> list:
     return nvidia_smi_ids()
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it; None without it."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0] if out else None
+
+
 def nvidia_smi_ids() -> list[int]:
     """The GPU ordinals the driver lists (nvidia-smi), whatever this process's torch can use; [] without it."""
     if not shutil.which("nvidia-smi"):

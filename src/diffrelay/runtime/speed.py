@@ -75,6 +75,27 @@ def set_backends(device: torch.device, tf32: bool) -> None:
         logs.get().info("train.tf32=true has no effect on %s (TF32 is a CUDA tensor-core format)", device.type)
 
 
+def set_determinism(device: torch.device, deterministic: bool) -> None:
+    """train.deterministic: deterministic kernels, else cuDNN's autotuned ones (the shapes are static, so
+    benchmark mode picks once per shape). cuBLAS reads CUBLAS_WORKSPACE_CONFIG at its first call, so this
+    runs before any matmul on the device."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic and device.type == "cuda"
+
+
+def versions(device: torch.device) -> str:
+    """torch, CUDA, driver and device, for the first lines of every segment's log."""
+    if device.type != "cuda":
+        return f"torch {torch.__version__} | device {device.type} ({torch.get_num_threads()} threads)"
+    from diffrelay.runtime.gpus import driver_version
+
+    return (f"torch {torch.__version__} | CUDA {torch.version.cuda} | driver {driver_version() or 'unknown'} | "
+            f"device {torch.cuda.get_device_name(device)}")
+
+
 def use_fused(setting, device: torch.device) -> bool:
     """train.fused_optimizer: auto = fused on CUDA only; true/false as given (PyTorch has CPU kernels too)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)

@@ -11,11 +11,9 @@ are separate processes that read those files.
 import contextlib
 import json
 import math
-import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,23 +23,11 @@ from diffrelay.objectives import edm
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema
 from diffrelay.training.state import TrainState
+from diffrelay.training.stop import StopRequest
 from diffrelay.errors import UserError
 from diffrelay.data.order import step_seed
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resumes from the recovery checkpoint
-
-
-class StopRequest:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C) until the
-    loop can act on it: every rank finishes its step, a recovery checkpoint is written, and the job exits."""
-
-    def __init__(self):
-        self.signum = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum
 
 
 def _find_start(run_dir: Path, until: int, init, traj: str, log):
@@ -145,6 +131,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     traj = config.trajectory_hash(cfg)
     # Before the slow set-up: SLURM's warning may come while a try starts; the first step then saves.
     stop = StopRequest()
+    cleanup.callback(stop.close)
 
     # ---- Set-up: device, process group, logging, data; done already?; model and optimizer ---------
     device, log, data = _set_up(cfg, dataset_dir or run_dir / "dataset")
@@ -160,6 +147,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
 
     # ---- Resume ---------------------------------------------------------------------------------
     step, start_path, state, meta = _find_start(run_dir, until, init, traj, log)
+    distributed.agree(step, "the step to resume from")  # each rank searched the run folder itself
     if start_path is not None:
         _check_resume(cfg, start_path, meta, data, traj)
         if meta.get("trajectory") != traj:
@@ -168,7 +156,10 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         log.info(f"resumed from {start_path} at step {step}")
     else:
         log.info("starting from scratch")
-    ddp = DDP(st.net, device_ids=[device.index] if device.type == "cuda" else None)  # no_sync only
+    # Gradients live in DDP's buckets (no second copy: 2.7 GB for DiT-XL/2); the buffers are constants, so
+    # nothing is broadcast before each forward.
+    ddp = DDP(st.net, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+              broadcast_buffers=False)  # no_sync only
     model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
@@ -180,12 +171,13 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
-                              device=device)
+                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip)
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
     if distributed.is_main():
         logs.append_jsonl(metrics_path, {"event": "segment_start", "step": step, "until": until, "world": world})
+    log.info(speed.versions(device))  # after every check: a refused start stays one line
     log.info(f"segment: steps {step} -> {until} of {t.total_steps} | {world} process(es) x "
              f"{t.batch_size // (world * t.grad_accum)} images x {t.grad_accum} accumulation = batch {t.batch_size}"
              f" | {device.type} | {t.precision}")
@@ -194,12 +186,15 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     window = _new_window()
     seg_t0 = time.perf_counter()
     while step < until:
+        step_t0 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
         batch = batches.next()  # made in the background; advances `order` by one global batch
         if trace_file:
             trace_file.write(json.dumps({"step": step, "indices": batch.indices.tolist()}) + "\n")
         loss_sum, gnorm = _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         mean_loss, any_bad, any_stop = _reduce_step(loss_sum, gnorm, stop, device)
+        stop.acknowledged = any_stop  # every rank got past the step's reduction: no watcher needed
+        stop.longest_step = max(stop.longest_step, time.perf_counter() - step_t0)
         _apply_update(st, step, mean_loss, any_bad, gnorm, window, log)
         step += 1
         window["steps"] += 1
@@ -250,8 +245,8 @@ def _set_up(cfg, dataset_dir):
     """(device, logger, dataset): the process group joined, backends set, batch arithmetic checked."""
     t = cfg.train
     device = distributed.pick_device(cfg.run.device)
+    speed.set_determinism(device, t.deterministic)  # before the first cuBLAS call
     torch.set_num_threads(t.threads)
-    torch.backends.cudnn.benchmark = False
     speed.set_backends(device, t.tf32)
     distributed.init(device, t.timeout_minutes)
     world = distributed.world()
@@ -286,12 +281,9 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
     """Every accumulation round's forward and backward; gradients all-reduced in the last one.
     Returns (mean loss over the rounds, gradient norm after clipping), both still on the device."""
     t = cfg.train
-    drops, flips = augment.masks(cfg.run.seed, step, t.batch_size, distributed.rank(), distributed.world(),
-                                 t.label_dropout, cfg.data.xflip)
     st.net.train()
     loss_sum = torch.zeros((), device=device)
-    for k, ((images, labels, rnd, noise), drop, flip) in enumerate(
-            zip(batch.rounds, np.split(drops, t.grad_accum), np.split(flips, t.grad_accum))):
+    for k, ((images, labels, rnd, noise), (drop, flip)) in enumerate(zip(batch.rounds, batch.masks, strict=True)):
         images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
         sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
         with sync, distributed.peers("gradient all-reduce"), \
@@ -323,7 +315,9 @@ def _apply_update(st, step, mean_loss, any_bad, gnorm, window, log) -> None:
         st.skipped_total, st.consecutive = st.skipped_total + 1, st.consecutive + 1
         log.warning(f"step {step}: non-finite loss or gradient; update skipped ({st.consecutive} in a row)")
     else:
-        st.scaler.step(st.opt)
+        # Not scaler.step: unscale_ has run and our reduction already knows the step is finite, while
+        # scaler.step would read its found-inf flag with .item() (a host sync a step, fp16 without fusing).
+        st.opt.step()
         st.scaler.update()
         st.sched.step()
         st.ema.update(st.net, step)
