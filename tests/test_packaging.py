@@ -28,3 +28,16 @@ def test_conda_env_mirrors_pyproject_ranges():
             continue
         have = conda.get(CONDA_NAME.get(name, name), pip.get(name))
         assert have == spec, f"{name}: pyproject {spec!r}, envs/diffrelay.yaml {have!r}"
+
+
+def test_the_torch_range_admits_only_versions_with_the_apis_diffrelay_uses():
+    """runtime/speed.py sets torch.backends.*.fp32_precision, which exists from torch 2.9 on: a range that
+    allowed older versions would install a torch that fails at the first training step."""
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = dict(split(d) for d in deps)["torch"]
+    low = re.search(r">=(\d+)\.(\d+)", spec).groups()
+    assert tuple(map(int, low)) >= (2, 9), spec
+    import torch
+
+    assert hasattr(torch.backends.cudnn.conv, "fp32_precision") and hasattr(torch.backends.cuda.matmul,
+                                                                            "fp32_precision")
