@@ -3,6 +3,7 @@
 import collections
 import csv
 import json
+import os
 import re
 import shlex
 import shutil
@@ -474,3 +475,26 @@ def test_post_hoc_ema_widths_are_reconstructed_sampled_and_scored_after_the_last
     assert (run / "samples/step_0000006_ema0.08/000000.png").read_bytes() != \
         (run / "samples/step_0000006/000000.png").read_bytes()
     assert "Nothing to be done" in snakemake(tmp_path, "-n", "--configfile", cfg).stdout
+
+
+def test_scoring_jobs_get_run_device_and_multi_node_ports_spread_over_20000(tmp_path, write_config):
+    """run.device: cpu on a GPU machine keeps reference and FID jobs on the CPU (they used to pile onto GPU 0);
+    the rendezvous port of a multi-node job spreads over 20000 values, not 1000."""
+    p = snakemake(tmp_path, "-n", "-p", "--configfile", write_config())
+    ref = re.search(r"diffrelay fid-ref .*", p.stdout).group(0)
+    assert "--device cpu" in ref
+    assert "--device {params.device:q}" in (REPO / "workflow/rules/fid.smk").read_text()
+    p = snakemake(tmp_path, "-n", "-p", "--configfile", write_config({"train": {"nnodes": 2}}, name="mn.yaml"))
+    assert "port=$((30000 + SLURM_JOB_ID % 20000))" in p.stdout
+
+
+def test_gpu_pool_auto_keeps_uuids_and_explicit_ids_must_be_inherited(tmp_path, write_config):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-aaaa-1111,GPU-bbbb-2222"}
+    auto = write_config({"run": {"gpus": "auto", "device": "cuda"}}, name="auto.yaml")
+    p = run_cli("snakemake", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--cores", 2, "-n", "-p",
+                "--configfile", auto, env=env)
+    assert "--pool GPU-aaaa-1111 --count 1" in p.stdout and "--pool GPU-bbbb-2222 --count 1" in p.stdout
+    explicit = write_config({"run": {"gpus": [0, 1], "device": "cuda"}}, name="explicit.yaml")
+    p = run_cli("snakemake", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--cores", 2, "-n",
+                "--configfile", explicit, env={**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}, check=False)
+    assert p.returncode != 0 and "id(s) 0,1 are not among the GPUs this job was given" in p.stdout + p.stderr

@@ -158,9 +158,7 @@ STEP = "{step}"
 VARIANT = "{variant}"
 GUIDANCE_SCALES = protocol.guidance_scales(CFG.to_dict()["sample"])
 SEED_SETS = range(CFG.sample.seed_sets)
-FIRST_PASS = [
-    protocol.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS
-]
+FIRST_PASS = [protocol.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS]
 FINAL = CFG.fid.final
 
 
@@ -180,21 +178,29 @@ MULTI_NODE = CFG.train.nnodes > 1
 def resolve_gpu_pools():
     if CFG.run.gpus is None:
         return [], []
-    d = CFG.to_dict()
-    if CFG.run.gpus == "auto":
-        from diffrelay.runtime.gpus import visible_ids
+    from diffrelay.runtime.gpus import check_inherited, gpu_pools, visible_ids
 
-        d["run"]["gpus"] = visible_ids()
-        if not d["run"]["gpus"]:
+    d = CFG.to_dict()
+    source = ", ".join(map(str, CONFIG_FILES))
+    if CFG.run.gpus == "auto":
+        # Ordinals, or GPU-/MIG- UUIDs as CUDA_VISIBLE_DEVICES lists them.
+        ids = visible_ids()
+        if not ids:
             fail(
                 "run.gpus=auto: no GPU is visible on this machine; give the ids (run.gpus: [0, 1]) or use null"
             )
+        # The schema checks counts on integers; the pool keeps the ids as the machine names them.
+        d["run"]["gpus"] = list(range(len(ids)))
         try:
-            drconfig.validate(d, source=", ".join(map(str, CONFIG_FILES)))
+            drconfig.validate(d, source=source)
         except UserError as e:
-            fail(f"{e} (run.gpus=auto found ids {d['run']['gpus']})")
-    from diffrelay.runtime.gpus import gpu_pools
-
+            fail(f"{e} (run.gpus=auto found ids {ids})")
+        train, evaluation = gpu_pools(d)
+        return [ids[i] for i in train], [ids[i] for i in evaluation]
+    try:
+        check_inherited(CFG.run.gpus, f"{source}: run.gpus={CFG.run.gpus}")
+    except UserError as e:
+        fail(str(e))
     return gpu_pools(d)
 
 
@@ -440,7 +446,9 @@ def get_train_setup(wildcards, threads):
         return ":"
     return (
         'head=$(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" | head -n 1); '
-        "port=$((29400 + SLURM_JOB_ID % 1000))"
+        # 20000 ports apart from 29400 (torchrun's default) up: jobs sharing a head node collide only
+        # if their ids differ by a multiple of 20000 (the old % 1000 collided for ids 1000 apart).
+        "port=$((30000 + SLURM_JOB_ID % 20000))"
     )
 
 

@@ -19,6 +19,7 @@ rule compute_fid:
         **gpu_resources("eval", 1),
     params:
         launcher=get_eval_launcher,
+        device=CFG.run.device,
         pairs=get_score_args,
         mode=CFG.fid.mode,
         batch_size=CFG.fid.batch_size,
@@ -29,7 +30,7 @@ rule compute_fid:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} fid --images {input.images:q} {params.pairs} --mode {params.mode:q} "
         "--batch-size {params.batch_size:q} --threads {threads} "
-        "--timeout-minutes {params.timeout:q} --out {output.score:q}"
+        "--timeout-minutes {params.timeout:q} --device {params.device:q} --out {output.score:q}"
 
 
 # collect_segment: the FID files of one training segment. Its input function waits for this

@@ -20,6 +20,7 @@ rule compute_reference:
         **gpu_resources("eval", 1),
     params:
         launcher=get_eval_launcher,
+        device=CFG.run.device,
         mode=CFG.fid.mode,
         num=CFG.fid.ref_images,
         batch_size=CFG.fid.batch_size,
@@ -30,4 +31,4 @@ rule compute_reference:
         "exec >{log:q} 2>&1; PS4=; set -x; "
         "{params.launcher} fid-ref --dataset {input.dataset:q} --extractor {input.extractor:q} "
         "--mode {params.mode:q} --num {params.num:q} --batch-size {params.batch_size:q} "
-        "--threads {threads} --cache-dir {params.cache_dir:q} --out {output.ref:q}"
+        "--threads {threads} --cache-dir {params.cache_dir:q} --device {params.device:q} --out {output.ref:q}"
