@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CORES  ?= 2
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast bench lint docs clean
 
 # constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
 $(STAMP): pyproject.toml constraints.txt
@@ -30,6 +30,10 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+
+# docs/config.md is generated from the config schema (a test checks it is current).
+docs: $(STAMP)
+	$(BIN)/python tools/config_reference.py
 
 clean:
 	rm -rf results logs benchmarks/results/tmp .snakemake
