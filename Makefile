@@ -27,9 +27,11 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/run_all.py
 
+# snakefmt and Snakemake's own linter on the workflow, ruff (pyproject's [tool.ruff] rules) on the Python.
 lint: $(STAMP)
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+	$(BIN)/ruff check src tests benchmarks tools
 
 # docs/config.md is generated from the config schema (a test checks it is current).
 docs: $(STAMP)

@@ -15,7 +15,6 @@ figures are extrapolated from the measured rates, not measured. Writes benchmark
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import re

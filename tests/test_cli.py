@@ -1,7 +1,6 @@
 """The command line itself: `--version`, and `--help` examples that name files the demo really makes."""
 
 import re
-from pathlib import Path
 
 import pytest
 import tomllib

@@ -5,7 +5,6 @@ line instead of a traceback or a silently wrong result."""
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys

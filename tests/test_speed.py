@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-import yaml
 
 from conftest import run_cli
 from diffrelay import config

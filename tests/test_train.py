@@ -55,7 +55,7 @@ def assert_tensors_equal(a, b, path="state"):
 
 def read_trace(prefix, world):
     """Rebuild each step's global batch from the per-rank traces (rank r took positions r::world)."""
-    per_rank = [[json.loads(l) for l in open(f"{prefix}.rank{r}")] for r in range(world)]
+    per_rank = [[json.loads(line) for line in open(f"{prefix}.rank{r}")] for r in range(world)]
     steps = []
     for records in zip(*per_rank):
         total = sum(len(r["indices"]) for r in records)
