@@ -1,10 +1,10 @@
 """Render docs/config.md, the configuration reference, from src/diffrelay/config.schema.yaml.
 
-  python tools/config_reference.py            # write docs/config.md
+  python tools/config_reference.py            # write docs/config.md (make docs)
   python tools/config_reference.py --check    # exit 1 if docs/config.md is out of date
 
 The schema is the one source: every key, type, default and description comes from it, so the page
-cannot drift from what the code accepts (tests/test_config_reference.py runs the check).
+cannot drift from what the code accepts (tests/test_config_reference.py renders and compares).
 """
 
 import argparse
@@ -15,78 +15,136 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = REPO / "src" / "diffrelay" / "config.schema.yaml"
+SRC = REPO / "src"
+SCHEMA = SRC / "diffrelay" / "config.schema.yaml"
 OUT = REPO / "docs" / "config.md"
+COMMAND = "python tools/config_reference.py"
+
+
+# --- one schema node as a short type: `integer in [1, 64]`, `"auto" | "cpu"`, `list of string (unique) or null`
+def literal(value) -> str:
+    return f"`{json.dumps(value)}`"
+
+
+def number_range(node: dict) -> str:
+    """`in [0, 1)`, `> 0`, `≤ 10`: the bounds of a number; an exclusive bound wins a tie with an inclusive one."""
+    low, high = node.get("minimum"), node.get("maximum")
+    low_open = "exclusiveMinimum" in node and (low is None or node["exclusiveMinimum"] >= low)
+    high_open = "exclusiveMaximum" in node and (high is None or node["exclusiveMaximum"] <= high)
+    low = node["exclusiveMinimum"] if low_open else low
+    high = node["exclusiveMaximum"] if high_open else high
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '≥'} {low}"
+    if high is not None:
+        return f" {'<' if high_open else '≤'} {high}"
+    return ""
+
+
+def count(node: dict, low_key: str, high_key: str, unit: str) -> list[str]:
+    """`1 to 8 items`, `at least 1 item`, `at most 32 items`: a length bound, if the node has one."""
+    low, high = node.get(low_key), node.get(high_key)
+    if low is not None and high is not None:
+        text, n = (f"{low} to {high}", high) if low != high else (f"exactly {low}", low)
+    elif low is not None:
+        text, n = f"at least {low}", low
+    elif high is not None:
+        text, n = f"at most {high}", high
+    else:
+        return []
+    return [f"{text} {unit}{'' if n == 1 else 's'}"]
+
+
+def kind_text(kind: str, node: dict) -> str:
+    """One JSON type of `node` with the keywords that apply to it (a nullable integer keeps its range)."""
+    notes = []
+    if kind in ("integer", "number"):
+        text = kind + number_range(node)
+    elif kind == "string":
+        text = "string" + (f" matching `{node['pattern']}`" if "pattern" in node else "")
+        notes = count(node, "minLength", "maxLength", "character")
+        if notes == ["at least 1 character"]:
+            text, notes = f"non-empty {text}", []
+    elif kind == "array":
+        text = f"list of {type_text(node['items'])}" if isinstance(node.get("items"), dict) else "list"
+        notes = count(node, "minItems", "maxItems", "item") + (["unique"] if node.get("uniqueItems") else [])
+    elif kind == "object" and isinstance(node.get("additionalProperties"), dict) and "properties" not in node:
+        text = f"mapping to {type_text(node['additionalProperties'])}"
+        notes = count(node, "minProperties", "maxProperties", "entry")
+    else:
+        text = kind
+    return text + (f" ({', '.join(notes)})" if notes else "")
 
 
 def type_text(node: dict) -> str:
-    """A short human form of a schema node's type: `integer ≥ 1`, `cpu | cuda | auto`, `list of number`."""
     if "const" in node:
-        return f"`{json.dumps(node['const'])}`"
+        return literal(node["const"])
     if "enum" in node:
-        return " | ".join(f"`{json.dumps(v)}`" for v in node["enum"])
+        return " | ".join(literal(v) for v in node["enum"])
     for key in ("oneOf", "anyOf"):
         if key in node:
             return " or ".join(type_text(alt) for alt in node[key])
-    kind = node.get("type", "any")
-    kind = " or ".join(kind) if isinstance(kind, list) else kind
-    if kind == "array" and isinstance(node.get("items"), dict):
-        kind = f"list of {type_text(node['items'])}"
-    if kind == "object" and isinstance(node.get("additionalProperties"), dict) and "properties" not in node:
-        kind = f"mapping to {type_text(node['additionalProperties'])}"
-    bounds = [f"≥ {node['minimum']}" if "minimum" in node else "", f"> {node['exclusiveMinimum']}"
-              if "exclusiveMinimum" in node else "", f"≤ {node['maximum']}" if "maximum" in node else "",
-              f"< {node['exclusiveMaximum']}" if "exclusiveMaximum" in node else "",
-              f"matching `{node['pattern']}`" if "pattern" in node else ""]
-    return " ".join([kind, *[b for b in bounds if b]])
+    kinds = node.get("type", "any")
+    return " or ".join(kind_text(kind, node) for kind in (kinds if isinstance(kinds, list) else [kinds]))
 
 
+# --- the page: one section per top-level key, one table row per key below it, in schema order
 def cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def rows(node: dict, prefix: str):
-    """(dotted key, node) for every property below `node`, depth first in schema order."""
-    for key, child in node.get("properties", {}).items():
+def rows(parent: dict, prefix: str):
+    """(dotted key, node, required) for every property below `parent`, depth first in schema order.
+
+    Properties inside oneOf/anyOf/allOf alternatives keep their parent's path; an array's items add `[]`."""
+    for key, child in parent.get("properties", {}).items():
         path = f"{prefix}.{key}" if prefix else key
-        yield path, child
-        if child.get("type") == "object" and "properties" in child:
-            yield from rows(child, path)
+        yield path, child, key in parent.get("required", [])
+        yield from nested(child, path)
+
+
+def nested(node: dict, path: str):
+    yield from rows(node, path)
+    for key in ("oneOf", "anyOf", "allOf"):
+        for alt in node.get(key, []):
+            yield from nested(alt, path)
+    if isinstance(node.get("items"), dict):
+        yield from nested(node["items"], f"{path}[]")
+
+
+def row(path: str, node: dict, required: bool) -> str:
+    default = literal(node["default"]) if "default" in node else ("required" if required else "none")
+    return f"| `{path}` | {cell(type_text(node))} | {cell(default)} | {cell(node.get('description', ''))} |"
 
 
 def render(schema: dict) -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `src/diffrelay/config.schema.yaml` by `python tools/config_reference.py`; do not edit "
-             "by hand (a test fails when it is out of date). `config/config.yaml` is the commented demo config; "
+             f"Generated from `src/diffrelay/config.schema.yaml` by `{COMMAND}` (`make docs`); do not edit by "
+             "hand, a test fails when it is out of date. `config/config.yaml` is the commented demo config; "
              "[runs.md](runs.md) says how config files are layered.", ""]
     if schema.get("description"):
         lines += [cell(schema["description"]), ""]
     for section, node in schema["properties"].items():
-        lines += [f"## {section}", ""]
-        if node.get("description"):
-            lines += [cell(node["description"]), ""]
-        lines += ["| key | type | default | description |", "|---|---|---|---|"]
-        for path, child in rows(node, section):
-            default = f"`{json.dumps(child['default'])}`" if "default" in child else "(required)"
-            lines.append(f"| `{path}` | {cell(type_text(child))} | {cell(default)} | "
-                         f"{cell(child.get('description', ''))} |")
-        lines.append("")
+        lines += [f"## {section}", "", "| key | type | default | description |", "|---|---|---|---|",
+                  row(section, node, section in schema.get("required", []))]
+        lines += [row(*r) for r in nested(node, section)] + [""]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/config.md differs from the schema's")
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/config.md differs from what would be written")
     args = ap.parse_args(argv)
     text = render(yaml.safe_load(SCHEMA.read_text()))
     if args.check:
         if not OUT.is_file() or OUT.read_text() != text:
-            print(f"config_reference: {OUT.relative_to(REPO)} is out of date; run "
-                  "`python tools/config_reference.py`", file=sys.stderr)
+            print(f"config_reference: {OUT.relative_to(REPO)} is out of date; run `{COMMAND}`", file=sys.stderr)
             return 1
         return 0
-    sys.path.insert(0, str(REPO / "src"))
-    from diffrelay import io
+    if str(SRC) not in sys.path:
+        sys.path.insert(0, str(SRC))  # run as a script without the package installed
+    from diffrelay import io  # temp file in docs/, fsync, os.replace: a reader never sees half a page
 
     io.write_text(OUT, text)
     print(f"wrote {OUT.relative_to(REPO)}")
