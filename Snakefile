@@ -13,6 +13,10 @@ configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/resources.smk"
+include: "workflow/rules/plan_training.smk"
+include: "workflow/rules/plan_evaluation.smk"
+include: "workflow/rules/targets.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/extractor.smk"
 include: "workflow/rules/reference.smk"

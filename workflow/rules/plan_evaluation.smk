@@ -1,0 +1,193 @@
+# The evaluation plan: extractors and references, which snapshots each segment evaluates, the second
+# pass of the best ones, sampling settings and post-hoc EMA reconstructions.
+# The extractors in config order (the first picks the best checkpoint), each under a file-name key.
+EXTRACTOR_NAMES = protocol.extractor_names(CFG.to_dict()["fid"])
+EXTRACTOR_KEYS = [protocol.extractor_key(n, CFG.run.seed) for n in EXTRACTOR_NAMES]
+EXTRACTOR_FILES = {
+    key: protocol.extractor_file(name, CFG.run.seed, RESOURCES)
+    for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
+}  # custom files are checked by preflight.check_inputs
+FOREIGN_REFERENCES = {
+    key: protocol.reference_file(CFG.to_dict()["fid"], name)
+    for name, key in zip(EXTRACTOR_NAMES, EXTRACTOR_KEYS)
+}
+
+
+def get_extractor(wildcards):
+    """The extractor file of one reference job ({extractor} is its key)."""
+    return EXTRACTOR_FILES[wildcards.extractor]
+
+
+def get_extractors(wildcards):
+    return list(EXTRACTOR_FILES.values())
+
+
+def get_references(wildcards):
+    """Per extractor: fid.reference (statistics made elsewhere), or the dataset's own (compute_reference)."""
+    return [
+        FOREIGN_REFERENCES[key]
+        or expand(rules.compute_reference.output.ref, run=wildcards.run, extractor=key)[
+            0
+        ]
+        for key in EXTRACTOR_KEYS
+    ]
+
+
+def get_score_args(wildcards, input):
+    """--extractor E --ref R per extractor, in config order (the first is the primary score)."""
+    return " ".join(
+        f"--extractor {shlex.quote(e)} --ref {shlex.quote(r)}"
+        for e, r in zip(input.extractors, input.refs)
+    )
+
+
+# --- evaluation ------------------------------------------------------------------------------
+def get_snapshot_checkpoint(wildcards):
+    """The checkpoint of the segment that wrote this snapshot (done before its snapshots count)."""
+    step = int(wildcards.step)
+    end = next((e for e in SEGMENT_ENDS if e >= step), None)
+    if end is None:
+        raise WorkflowError(
+            f"step {step} is past train.total_steps={CFG.train.total_steps}"
+        )
+    return expand(
+        rules.train_segment.output.trained, run=wildcards.run, step=step_name(end)
+    )
+
+
+def segment_snapshots(run, end):
+    """Snapshot steps that training actually wrote in (previous end, end]. Only the steps the
+    current config asks for count: a file left by an earlier snapshot_every is not evaluated.
+    """
+    start = previous_end(end)
+    wanted = set(drconfig.snapshot_steps(CFG, start, int(end)))
+    folder = Path(CFG.run.results) / run / "snapshots"
+    steps = sorted(
+        int(m.group(1))
+        for p in folder.glob("step_*.safetensors")
+        if (m := re.fullmatch(r"step_(\d{7})\.safetensors", p.name))
+    )
+    return [s for s in steps if s in wanted]
+
+
+def get_segment_scores(wildcards):
+    """FID of every snapshot of this segment. Asks for this segment's checkpoint only, so the
+    evaluation of segment k runs while segment k+1 trains."""
+    checkpoints.train_segment.get(run=wildcards.run, step=wildcards.step)
+    steps = segment_snapshots(wildcards.run, wildcards.step)
+    if not steps:
+        raise WorkflowError(
+            f"{RUN_DIR_NAME}/snapshots: no snapshot in steps ({previous_end(wildcards.step)}, "
+            f"{int(wildcards.step)}]; the train stage should have written one; rerun it with "
+            f"--forcerun train_segment"
+        )
+    return expand(
+        rules.compute_fid.output.score,
+        run=wildcards.run,
+        step=[step_name(s) for s in steps],
+        variant=FIRST_PASS,
+    )
+
+
+def final_evaluations(run):
+    """(step, variant) of the second pass (fid.final.best > 0): every seed set of the best first-pass
+    evaluations, with fid.final.num_images images. Known once select_best has ranked all first-pass
+    scores (asking for them before makes Snakemake run it first)."""
+    if not FINAL.best:
+        return []
+    with open(checkpoints.select_best.get(run=run).output.selected) as f:
+        selected = json.load(f)["selected"]
+    return [
+        (step_name(pick["step"]), v)
+        for pick in selected
+        for v in final_variants(pick["guidance"])
+    ]
+
+
+def get_final_scores(wildcards):
+    return [
+        expand(rules.compute_fid.output.score, run=wildcards.run, step=s, variant=v)[0]
+        for s, v in final_evaluations(wildcards.run)
+    ]
+
+
+def get_sample_launcher(wildcards, threads):
+    n = CFG.sample.nproc
+    if n == 1:
+        return with_gpus("eval", 1) + "diffrelay"
+    return (
+        with_gpus("eval", n)
+        + f"diffrelay launch --standalone --nproc-per-node {n} -m diffrelay"
+    )
+
+
+def get_eval_launcher(wildcards, threads):
+    """`diffrelay` for one-GPU evaluation jobs (reference statistics, FID), on a free id of the pool."""
+    return with_gpus("eval", 1) + "diffrelay"
+
+
+def get_sample_settings(wildcards):
+    """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
+    count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
+    count = count or CFG.sample.num_images
+    first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
+    return f"--num-images {count} --first-seed {first} --guidance {guidance:g}"
+
+
+def get_sample_threads(wildcards, threads):
+    # Per process; Snakemake may lower `threads` to --cores, never the process count.
+    return max(1, threads // CFG.sample.nproc)
+
+
+# --- post-hoc EMA (phema.smk) -----------------------------------------------------------------
+# Each width of sample.phema is reconstructed at the run's last step and evaluated like a snapshot,
+# under the variant _ema<width> (every guidance scale and seed set of the first pass).
+PHEMA_STEP = step_name(CFG.train.total_steps)
+PHEMA_VARIANTS = [
+    protocol.variant(None, g, s, ema)
+    for ema in CFG.sample.phema
+    for g in GUIDANCE_SCALES
+    for s in SEED_SETS
+]
+
+
+def get_snapshot(wildcards):
+    """The weights one evaluation samples: the step's snapshot, or a post-hoc EMA reconstruction."""
+    ema = protocol.variant_ema(wildcards.variant)
+    if ema is None:
+        return expand(
+            f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",
+            run=wildcards.run,
+            step=wildcards.step,
+        )
+    return expand(
+        rules.reconstruct_phema.output.snapshot,
+        run=wildcards.run,
+        step=wildcards.step,
+        sigma=f"{ema:g}",
+    )
+
+
+def get_phema_scores(wildcards):
+    """Scores of the post-hoc EMA reconstructions; the report waits for them (none when off)."""
+    return expand(
+        rules.compute_fid.output.score,
+        run=wildcards.run,
+        step=PHEMA_STEP,
+        variant=PHEMA_VARIANTS,
+    )
+
+
+def get_phema_targets():
+    """Their samples and scores as targets once the last segment is trained (see get_final_output)."""
+    last = Path(RUN_DIR_NAME) / "checkpoints" / f"step_{PHEMA_STEP}/manifest.json"
+    if not PHEMA_VARIANTS or not last.is_file():
+        return []
+    return [
+        expand(out, run=RUN, step=PHEMA_STEP, variant=v)[0]
+        for v in PHEMA_VARIANTS
+        for out in (
+            rules.sample_snapshot.output.samples,
+            rules.compute_fid.output.score,
+        )
+    ]

@@ -1,0 +1,51 @@
+# The run's targets: what `rule all` asks for, including the evaluations of segments already trained.
+# --- targets ---------------------------------------------------------------------------------
+def get_final_output():
+    """The report, plus the samples and scores of segments already trained: Snakemake does not
+    remake a deleted intermediate file by itself, only a missing target."""
+    done = [
+        end
+        for end in SEGMENT_ENDS
+        if (
+            Path(RUN_DIR_NAME) / "checkpoints" / f"step_{step_name(end)}/manifest.json"
+        ).is_file()
+    ]
+    steps = [step_name(s) for end in done for s in segment_snapshots(RUN, end)]
+    return (
+        expand(rules.build_report.output, run=RUN)
+        + expand(
+            rules.sample_snapshot.output.samples,
+            run=RUN,
+            step=steps,
+            variant=FIRST_PASS,
+        )
+        + expand(
+            rules.compute_fid.output.score,
+            run=RUN,
+            step=steps,
+            variant=FIRST_PASS,
+        )
+    )
+
+
+def get_second_pass_targets(wildcards):
+    """The second pass's samples and scores as targets too (see get_final_output). A separate input
+    of the all rule, since they are unknown until select_best has run and the rest of the DAG must not wait.
+    """
+    return [
+        expand(out, run=RUN, step=s, variant=v)[0]
+        for s, v in final_evaluations(RUN)
+        for out in (
+            rules.sample_snapshot.output.samples,
+            rules.compute_fid.output.score,
+        )
+    ]
+
+
+def get_segment_outputs(wildcards):
+    """One aggregate per training segment: the report waits for all of them."""
+    return expand(
+        rules.collect_segment.output.segment,
+        run=wildcards.run,
+        step=[step_name(s) for s in SEGMENT_ENDS],
+    )
