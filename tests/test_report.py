@@ -222,14 +222,19 @@ def test_report_of_a_run_scored_before_several_extractors_still_reads(good_repor
     assert json.loads((out / "best.json").read_text())["seed_sets"] == 1
 
 
-def test_a_post_hoc_ema_reconstruction_is_a_row_of_its_own_and_can_be_the_best(tmp_path):
-    run = make_run(tmp_path)
-    name = "step_0000008_ema0.08"
+def add_phema_evaluation(run, name, **manifest):
+    """A post-hoc EMA reconstruction's score, sample manifest and grid, as the workflow leaves them."""
     (run / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
         {"metric": "FD (random features)", "fid": 20.0, "kid": 0.02, "num_images": 8, "seconds": 1.0}))
     (run / "samples" / name).mkdir(parents=True)
-    (run / "samples" / name / "manifest.json").write_text(json.dumps({"num_images": 8, "seconds": 2.0}))
+    (run / "samples" / name / "manifest.json").write_text(json.dumps({"num_images": 8, "seconds": 2.0, **manifest}))
     Image.new("RGB", (34, 34), (9, 9, 9)).save(run / "samples" / name / "grid.png")
+
+
+def test_a_post_hoc_ema_reconstruction_is_a_row_of_its_own_and_can_be_the_best(tmp_path):
+    run = make_run(tmp_path)
+    name = "step_0000008_ema0.08"
+    add_phema_evaluation(run, name)
     run_cli("report", "--run-dir", run, "--out", run / "report")
     _, rows = _rows(run / "report")
     at_8 = [(r["phema"], float(r["fid"])) for r in rows if r["step"] == "8"]
@@ -241,13 +246,7 @@ def test_a_post_hoc_ema_reconstruction_is_a_row_of_its_own_and_can_be_the_best(t
 
 def test_a_reconstructions_error_is_a_column_of_metrics_csv(tmp_path):
     run = make_run(tmp_path)
-    name = "step_0000008_ema0.08"
-    (run / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
-        {"metric": "FD (random features)", "fid": 20.0, "kid": 0.02, "num_images": 8, "seconds": 1.0}))
-    (run / "samples" / name).mkdir(parents=True)
-    (run / "samples" / name / "manifest.json").write_text(json.dumps(
-        {"num_images": 8, "seconds": 2.0, "phema": {"sigma_rel": 0.08, "step": 8, "error": 0.0406}}))
-    Image.new("RGB", (34, 34), (9, 9, 9)).save(run / "samples" / name / "grid.png")
+    add_phema_evaluation(run, "step_0000008_ema0.08", phema={"sigma_rel": 0.08, "step": 8, "error": 0.0406})
     run_cli("report", "--run-dir", run, "--out", run / "report")
     _, rows = _rows(run / "report")
     errors = {r["phema"]: r["phema_error"] for r in rows if r["step"] == "8"}
