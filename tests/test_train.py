@@ -366,7 +366,9 @@ def test_deterministic_training_on_the_cpu_is_the_same_run_and_ddp_has_no_extra_
                      name="b.yaml")
     run_cli("prepare", "--config", b)
     out = run_cli(sys.executable, "-c", DDP_OPTIONS, b)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"gradient_as_bucket_view": True,
-                                                               "broadcast_buffers": False}
+    options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert options.pop("gradient_as_bucket_view") is True
+    assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})  # torch 2.14 renamed it
+    assert "Warning" not in out.stderr
     assert_tensors_equal(load_state(tmp_path / "results/tiny/checkpoints/step_0000003"),
                          load_state(tmp_path / "results/det/checkpoints/step_0000003"))

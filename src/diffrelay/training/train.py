@@ -9,6 +9,7 @@ are separate processes that read those files.
 """
 
 import contextlib
+import inspect
 import json
 import math
 import time
@@ -159,7 +160,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     # Gradients live in DDP's buckets (no second copy: 2.7 GB for DiT-XL/2); the buffers are constants, so
     # nothing is broadcast before each forward.
     ddp = DDP(st.net, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-              broadcast_buffers=False)  # no_sync only
+              **_NO_BUFFER_SYNC)  # no_sync only
     model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
@@ -239,6 +240,11 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
 
 # ---------------------------------------------------------------------------------------------
 # The segment's pieces, in the order it calls them
+
+
+# torch 2.14 renames broadcast_buffers (now deprecated, with a warning) to forward_sync_buffers.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else {"broadcast_buffers": False})
 
 
 def _set_up(cfg, dataset_dir):
