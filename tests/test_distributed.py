@@ -49,11 +49,12 @@ def test_ranks_that_disagree_on_where_they_resume_stop_with_one_line(tmp_path):
                       "try:\n"
                       "    d.agree(40 if d.rank() == 0 else 20, 'the step to resume from')\n"
                       "except UserError as e:\n"
-                      "    print(f'rank {d.rank()}: {e}', flush=True)\n"
+                      # one file a rank: two ranks printing to one pipe can interleave their lines
+                      "    open(sys.argv[1] + f'/rank{d.rank()}.txt', 'w').write(str(e))\n"
                       "d.teardown()\n")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        script], capture_output=True, text=True, env=distributed.clean_env(), timeout=300)
+                        script, tmp_path], capture_output=True, text=True, env=distributed.clean_env(), timeout=300)
     assert p.returncode == 0, p.stderr
-    lines = sorted(line for line in p.stdout.splitlines() if "ranks disagree" in line)
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1) if (tmp_path / f"rank{r}.txt").exists()]
     assert len(lines) == 2 and all("ranks disagree on the step to resume from: 20 on some, 40 on others" in line
-                                   for line in lines), p.stdout
+                                   and "\n" not in line for line in lines), (lines, p.stdout, p.stderr)

@@ -1,10 +1,13 @@
 """Networks by name: built-in sizes, a network from outside the package, the config (not a file) choosing code."""
 
 import dataclasses
+import importlib
+import inspect
 import json
 import os
 import shutil
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ from diffrelay.objectives import edm
 from diffrelay.sampling import sample
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
-from diffrelay.nets import dit, registry
+from diffrelay import nets
+from diffrelay.nets import dit, registry, unet
 
 FIXTURES = REPO / "tests" / "fixtures"
 CUSTOM = {"arch": "diffrelay_test_net:build", "kwargs": {"width": 8}}
@@ -86,6 +90,206 @@ def test_validate_prints_the_parameter_count(write_config, fixtures_on_path):
     p = run_cli("validate", "--config", write_config({"model": CUSTOM}))
     net = registry.build_network("diffrelay_test_net:build", {"width": 8}, 16, 3, 3)
     assert f"{registry.num_params(net):,} parameters" in p.stdout
+
+
+# --- the user's code: imported, built and run as user code, its failures one line naming its file --
+
+# A tiny network under the contract; a module's source is NET plus what each test adds.
+NET = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels, num_classes, rows=None):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, in_channels, 3, padding=1)
+        self.emb = nn.Embedding(num_classes + 1 if rows is None else rows, in_channels) if num_classes else None
+
+    def forward(self, x, c_noise, labels=None):
+        h = self.conv(x)
+        if self.emb is not None:
+            h = h + self.emb(labels)[:, :, None, None]
+        return h
+
+
+def build(resolution, in_channels, num_classes):
+    return Net(in_channels, num_classes)
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """user_module(name, source) -> (path, line of the `# <- here` marker) of a module importable by name,
+    in this process (sys.path) and in the CLI's (PYTHONPATH); forgotten again afterwards."""
+    folder, names = tmp_path / "mods", []
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+
+    def write(name, source):
+        path = folder / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        lines = path.read_text().splitlines()
+        here = [i + 1 for i, line in enumerate(lines) if "# <- here" in line]
+        names.append(name)
+        sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        return path, here[0] if here else None
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def _one_line_error(arch, classes=0, **kwargs) -> str:
+    with pytest.raises(UserError) as e:
+        registry.check({"arch": arch, "kwargs": kwargs}, 8, 3, classes)
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("source", [
+    "import sys\nsys.exit(2)  # <- here\n",
+    "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--data', required=True)\n"
+    "args = parser.parse_args()  # <- here\n",
+], ids=["sys-exit", "argparse"])
+def test_module_that_exits_or_parses_arguments_at_import_is_one_line_naming_its_line(source, user_module, capsys):
+    path, line = user_module("net_exits_at_import", source + NET)
+    argv = list(sys.argv)
+    message = _one_line_error("net_exits_at_import:build")
+    assert f"{path}:{line}: called sys.exit(2) while being imported" in message, message
+    assert "a network module must not parse arguments or exit at import" in message
+    assert sys.argv == argv
+    out, err = capsys.readouterr()
+    assert out == "" and "usage" not in err, (out, err)  # argparse's usage message is not ours to print
+
+
+def test_validate_fails_with_exit_2_when_the_network_module_exits_0_at_import(user_module, write_config):
+    path, line = user_module("net_exits_0", "import sys\nsys.exit()  # <- here\n" + NET)
+    p = run_cli("validate", "--config", write_config({"model": {"arch": "net_exits_0:build"}}), check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and p.stdout == "", (p.stdout, err)
+    assert f"{path}:{line}: called sys.exit() while being imported" in err, err
+
+
+def test_snakemake_stops_with_one_line_when_the_network_module_parses_arguments(user_module, write_config, tmp_path):
+    path, line = user_module("net_parses_argv", "import argparse\nparser = argparse.ArgumentParser()\n"
+                             "parser.add_argument('--data', required=True)\nparser.parse_args()  # <- here\n" + NET)
+    cfg = write_config({"model": {"arch": "net_parses_argv:build"}})
+    p = run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", tmp_path, "--cores", 1, "-n",
+                "--configfile", cfg, check=False)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout + p.stderr
+    assert f"{path}:{line}: called sys.exit(2) while being imported" in errors[0], errors[0]
+    assert "usage: snakemake" not in p.stdout + p.stderr and "Traceback" not in p.stderr
+
+
+def test_what_the_network_module_prints_keeps_off_validates_stdout(user_module, write_config):
+    user_module("net_prints", "print('loading my network')\n" + NET)
+    p = run_cli("validate", "--config", write_config({"model": {"arch": "net_prints:build"}}))
+    assert config.validate(__import__("yaml").safe_load(p.stdout))["model"]["arch"] == "net_prints:build"
+    assert "loading my network" in p.stderr
+
+
+BUILD_WITH = NET + """
+
+def faulty(resolution, in_channels, num_classes, width=8):
+    {line}  # <- here
+    return Net(in_channels, num_classes)
+"""
+FORWARD_WITH = NET + """
+
+class Faulty(Net):
+    def forward(self, x, c_noise, labels=None):
+        {line}  # <- here
+
+
+def faulty(resolution, in_channels, num_classes):
+    return Faulty(in_channels, num_classes)
+"""
+
+
+@pytest.mark.parametrize("source, words", [
+    ("raise RuntimeError('no GPU found')  # <- here\n" + NET, ["RuntimeError: no GPU found", "while being imported"]),
+    ("from torch import no_such_name  # <- here\n" + NET, ["ImportError", "no_such_name", "while being imported"]),
+    ("def faulty(resolution, in_channels, num_classes:  # <- here\n    pass\n" + NET, ["SyntaxError"]),
+    (BUILD_WITH.format(line="assert width % 16 == 0"), ["AssertionError", "assert width % 16 == 0", "faulty()"]),
+    (BUILD_WITH.format(line="nn.Conv2d(in_channels, in_channels, 3, bias=bais)"), ["NameError", "bais"]),
+    (BUILD_WITH.format(line="nn.Conv2d(in_channels, in_channels, '3' + 1)"), ["TypeError", "concatenate"]),
+    (FORWARD_WITH.format(line="return self.conv(x) + self.no_such_layer"), ["AttributeError", "forward()"]),
+    (FORWARD_WITH.format(line="return self.conv(x.flatten(1))"), ["RuntimeError", "forward()"]),
+], ids=["raise-at-import", "bad-import-inside", "syntax-error", "assert-in-build", "name-error-in-build",
+        "type-error-inside-build", "error-in-forward", "torch-raises-in-forward"])
+def test_failure_of_the_users_code_is_one_line_naming_its_file_and_line(source, words, user_module):
+    path, line = user_module("net_faulty", source)
+    message = _one_line_error("net_faulty:faulty")
+    assert f"{path}:{line}" in message, message
+    for w in words:
+        assert w in message, (w, message)
+    assert "model.kwargs" not in message, message  # the keywords were fine; the code was not
+
+
+def test_model_kwargs_are_blamed_only_when_the_builders_signature_refuses_them(user_module):
+    user_module("net_signature", NET + "\n\ndef needs_width(resolution, in_channels, num_classes, width):\n"
+                "    return Net(in_channels, num_classes)\n")
+    message = _one_line_error("net_signature:build", depht=3)
+    assert "model.kwargs" in message and "unexpected keyword argument 'depht'" in message, message
+    message = _one_line_error("net_signature:needs_width")
+    assert "model.kwargs" in message and "missing a required argument: 'width'" in message, message
+    message = _one_line_error("net_signature:build", resolution=3)
+    assert "model.kwargs.resolution: set by diffrelay itself" in message, message
+
+
+@pytest.mark.parametrize("old, new, classes", [
+    ("h = self.conv(x)", "if (labels == self.emb.num_embeddings - 1).all():\n            return self.conv(x)\n"
+     "        h = self.conv(x)", 5),  # data-dependent Python on the labels
+    ("h = self.conv(x)", "labels = torch.unique(labels, return_inverse=True)[1]\n        h = self.conv(x)", 5),
+    ("def build(resolution, in_channels, num_classes):",
+     "def build(resolution, in_channels, num_classes):\n    scale = torch.ones(1).item()", 0),  # .item() in build
+], ids=["data-dependent-python", "op-without-meta-kernel", "item-in-build"])
+def test_network_the_meta_device_cannot_run_passes_the_check(old, new, classes, user_module):
+    user_module("net_not_meta", NET.replace(old, new))
+    params = 3 * 3 * 9 + 3 + (classes + 1) * 3 * bool(classes)
+    assert registry.check({"arch": "net_not_meta:build", "kwargs": {}}, 8, 3, classes) == params
+
+
+def test_class_embedding_without_the_null_row_is_refused_naming_label_k(user_module):
+    embed = "h = h + self.emb(labels)[:, :, None, None]"
+    source = NET.replace(embed, embed + "  # <- here")
+    path, line = user_module("net_k_rows", source + "\n\ndef k_rows(resolution, in_channels, num_classes):\n"
+                             "    return Net(in_channels, num_classes, rows=num_classes)\n")
+    assert registry.check({"arch": "net_k_rows:build", "kwargs": {}}, 8, 3, 10)  # num_classes + 1 rows: fine
+    message = _one_line_error("net_k_rows:k_rows", classes=10)
+    for w in (f"{path}:{line}", "fails on label 10 = num_classes, the null class", "IndexError",
+              "must accept label num_classes as \"no class\"", "nn.Embedding(num_classes + 1, dim)"):
+        assert w in message, (w, message)
+
+
+# --- built-in networks: model.kwargs checked without torch ---------------------------------------
+
+@pytest.mark.parametrize("builder, cls, extra", [(unet.build, unet.UNet, {"preset"}), (dit.build, dit.DiT, set())])
+def test_builtin_kwargs_list_is_what_the_builder_takes(builder, cls, extra):
+    takes = set(inspect.signature(builder).parameters) | set(inspect.signature(cls).parameters)
+    takes = takes - {"kwargs", *nets.CONTRACT} | extra
+    assert set(nets.BUILTIN_KWARGS[builder.__module__.rpartition(".")[2]]) == takes
+
+
+@pytest.mark.parametrize("model, key, words", [
+    ({"arch": "dit", "kwargs": {"patch": 4, "hiden_size": 32}}, "model.kwargs.hiden_size",
+     ["built-in dit network", "did you mean hidden_size?", "it takes size, patch, depth, hidden_size, num_heads"]),
+    ({"arch": "unet", "kwargs": {"preset": "cifar10", "chanels": 64}}, "model.kwargs.chanels",
+     ["built-in unet network", "did you mean channels?", "it takes preset, channels, channel_mult"]),
+    ({"arch": "unet", "kwargs": {"num_classes": 10}}, "model.kwargs.num_classes", ["set by diffrelay itself"]),
+    ({"arch": "dit", "kwargs": {"patch": 4, "size": "S"}}, None, []),
+])
+def test_builtin_kwargs_typo_is_named_without_torch(model, key, words):
+    # nets is torch-free: config validation can run this at Snakefile parse time (the CLI rows are in test_bad_inputs).
+    bad = nets.check_kwargs(model)
+    assert [k for k, _ in bad] == ([key] if key else [])
+    for w in words:
+        assert w in bad[0][1], (w, bad)
 
 
 # --- the config, not the snapshot, names the network -------------------------------------------

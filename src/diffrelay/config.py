@@ -183,6 +183,9 @@ def _check_network(m: dict, res: int) -> list[tuple[str, str]]:
     bad, arch = [], m["arch"]
     if not nets.is_builtin(arch) and (arch.count(":") != 1 or not all(arch.split(":"))):
         return [(f"model.arch={json.dumps(arch)}", "use unet, dit or 'package.module:callable'")]
+    bad = nets.check_kwargs(m)
+    if bad:
+        return bad
     if arch == "dit":
         patch = m["kwargs"].get("patch", 2)
         if not isinstance(patch, int) or patch < 1 or res % patch:

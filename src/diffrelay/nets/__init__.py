@@ -13,11 +13,14 @@ diffrelay wraps F in edm.Denoiser, which adds the preconditioning; F never sees 
 The user's module is imported from sys.path: PYTHONPATH, or the current working directory (Snakemake
 runs every job, local or on a cluster, in the workflow's working directory, so a module beside
 config/ is found there). Only names written in the config are imported, never names read from a
-checkpoint or snapshot (see edm.build).
+checkpoint or snapshot (see edm.build). It is imported as a library: it must not parse sys.argv or exit
+at import (keep that under `if __name__ == "__main__":`); nets.registry reports either as one line.
 
 This module is torch-free (config validation uses it at Snakefile parse time); nets.registry builds.
 Imports the base modules only (errors).
 """
+
+import difflib
 
 BUILTIN = ("unet", "dit")
 UNET_SETTINGS = ("channels", "channel_mult", "num_blocks", "attn_resolutions", "dropout")
@@ -27,6 +30,15 @@ UNET_PRESETS = {
     "cifar10": {"channels": 128, "channel_mult": [2, 2, 2], "num_blocks": 4, "attn_resolutions": [16],
                 "dropout": 0.1},
 }
+
+
+# The keyword arguments each built-in builder takes besides the contract's three (tests/test_nets.py checks
+# them against unet.build/UNet and dit.build/DiT), so a typo in model.kwargs is caught without torch.
+BUILTIN_KWARGS = {
+    "unet": ("preset", *UNET_SETTINGS),
+    "dit": ("size", "patch", "depth", "hidden_size", "num_heads", "mlp_ratio", "out_channels"),
+}
+CONTRACT = ("resolution", "in_channels", "num_classes")
 
 
 def is_builtin(arch: str) -> bool:
@@ -49,3 +61,20 @@ def arch_kwargs(model_cfg: dict) -> tuple[str, dict]:
     if arch == "unet":
         return arch, unet_settings(model_cfg)
     return arch, dict(model_cfg.get("kwargs") or {})
+
+
+def check_kwargs(model_cfg: dict) -> list[tuple[str, str]]:
+    """(key, message) pairs for model.kwargs that no build can take: a keyword the contract sets itself, and,
+    for a built-in network, a keyword its builder does not know (config validation reports the first)."""
+    arch, bad = model_cfg.get("arch", "unet"), []
+    for key in model_cfg.get("kwargs") or {}:
+        if key in CONTRACT:
+            bad.append((f"model.kwargs.{key}", "set by diffrelay itself (from data.resolution, the images' channels "
+                        "and the dataset's classes); remove it from model.kwargs"))
+        elif arch in BUILTIN_KWARGS and key not in BUILTIN_KWARGS[arch]:
+            accepted = BUILTIN_KWARGS[arch]
+            near = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            bad.append((f"model.kwargs.{key}", f"not a keyword of the built-in {arch} network; {hint}"
+                        f"it takes {', '.join(accepted)}"))
+    return bad

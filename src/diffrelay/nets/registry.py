@@ -1,45 +1,175 @@
-"""Build and check the network named by `model.arch` under the contract written in diffrelay.nets."""
+"""Build and check the network named by `model.arch` under the contract written in diffrelay.nets.
 
+A user's network is user code: it is imported, built and run through `_run_user`, which gives it a
+neutral sys.argv, keeps its prints off stdout and turns whatever it raises (or a sys.exit) into one line
+naming its own file and line, so Snakemake and `diffrelay validate` never see a traceback or an exit.
+"""
+
+import contextlib
 import importlib
+import importlib.util
+import inspect
+import io
 import os
 import sys
+import sysconfig
+import traceback
 
 import torch
 from torch import nn
 
+import diffrelay
 from diffrelay.errors import UserError
-from diffrelay.nets import arch_kwargs, dit, is_builtin, unet
+from diffrelay.nets import arch_kwargs, check_kwargs, dit, is_builtin, unet
 
 BUILDERS = {"unet": unet.build, "dit": dit.build}
+# Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
+LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
+                      *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+class CodeError(UserError):
+    """The user's network code raised or exited; the message names its file and line (`where`) and what
+    it raised or did (`did`)."""
+
+    def __init__(self, message: str, where: str = "", did: str = ""):
+        super().__init__(message)
+        self.where, self.did = where, did
+
+
+def _one_line(text, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _package_root(module_name: str) -> str | None:
+    """The folder of the module's top-level package, or the module's file: where the user's code lives."""
+    try:
+        spec = importlib.util.find_spec(module_name.partition(".")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.path.abspath(list(spec.submodule_search_locations)[0])
+    return os.path.abspath(spec.origin) if spec.origin else None
+
+
+def _is_user(filename: str, root: str | None) -> bool:
+    path = os.path.abspath(filename)
+    if root and (path == root or path.startswith(root + os.sep)):
+        return True  # the user's package, even when it is installed in site-packages
+    return not filename.startswith("<") and not any(path.startswith(d + os.sep) for d in LIBRARY_DIRS)
+
+
+def _where(e: BaseException, root: str | None) -> str:
+    """'file:line' of the user's code behind `e`: a SyntaxError's own position, else the innermost traceback
+    frame that is the user's (not diffrelay, torch or the standard library); a bare assert adds its line."""
+    if isinstance(e, SyntaxError) and e.filename and not e.filename.startswith("<"):
+        return f"{e.filename}:{e.lineno}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user(f.filename, root)]
+    if not frames:
+        return root or "(no file of yours in the traceback)"
+    f = frames[-1]
+    bare_assert = isinstance(e, AssertionError) and not str(e) and f.line
+    return f"{f.filename}:{f.lineno}" + (f" ({f.line})" if bare_assert else "")
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return f"{type(e).__name__}: {_one_line(e.msg)}"
+    return f"{type(e).__name__}: {_one_line(e)}" if str(e) else type(e).__name__
+
+
+def _run_user(fn, *args, arch: str, root: str | None, what: str, fix: str, at: str, **kwargs):
+    """fn(*args, **kwargs) as user code. It sees sys.argv = [its module] (argparse then finds no options),
+    its prints go to stderr once it returns (stdout carries `diffrelay validate`'s YAML and Snakemake's DAG),
+    and a raise or a sys.exit becomes one CodeError line: model.arch, the user's file:line, what it did."""
+    argv, held = sys.argv, io.StringIO()
+    sys.argv = [arch.partition(":")[0]]  # argparse's prog: the module, never `snakemake` or `diffrelay`
+    try:
+        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+            result = fn(*args, **kwargs)
+    except SystemExit as e:  # argparse's errors and --help exit too; KeyboardInterrupt still stops us
+        where, did = _where(e, root), f"called sys.exit({'' if e.code is None else repr(e.code)})"
+        raise CodeError(f"model.arch={arch}: {where}: {did} {what}; a network module must not parse arguments "
+                        f"or exit {at}", where, did) from e
+    except Exception as e:  # noqa: BLE001 -- any failure of the user's code is reported as one line
+        where, did = _where(e, root), _describe(e)
+        raise CodeError(f"model.arch={arch}: {where}: {did} ({what}); {fix}", where, did) from e
+    finally:
+        sys.argv = argv
+    sys.stderr.write(held.getvalue())
+    return result
 
 
 def _import(arch: str):
-    """The callable named "package.module:callable", or a UserError naming the module and the fix."""
+    """(the callable named "package.module:callable", the user's package root), or a one-line UserError."""
     module_name, _, attr = arch.partition(":")
     if not module_name or not attr:
         raise UserError(f"model.arch={arch!r}: use unet, dit or 'package.module:callable'")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)  # after PYTHONPATH and site-packages, so it never shadows them
+    root = _package_root(module_name)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"model.arch={arch!r}: cannot import module {module_name!r} ({e}); put its folder on "
-                        f"PYTHONPATH (export PYTHONPATH=/path/to/folder:$PYTHONPATH) or in the working directory") from e
+        module = _run_user(importlib.import_module, module_name, arch=arch, root=root,
+                           what="while being imported", fix="fix the module", at="at import")
+    except CodeError as e:
+        missing = e.__cause__
+        if not (isinstance(missing, ModuleNotFoundError) and missing.name
+                and (module_name == missing.name or module_name.startswith(missing.name + "."))):
+            raise  # the module was found and failed itself: its own file and line say where
+        raise UserError(f"model.arch={arch!r}: cannot import module {module_name!r} ({missing}); put its folder on "
+                        f"PYTHONPATH (export PYTHONPATH=/path/to/folder:$PYTHONPATH) or in the working directory") \
+            from missing
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"model.arch={arch!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return fn, root
 
 
-def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, num_classes: int) -> nn.Module:
-    """Call the network named by `arch` under the contract above; bad kwargs become one-line errors."""
-    fn = BUILDERS[arch] if is_builtin(arch) else _import(arch)
+def _check_signature(arch: str, fn, kwargs: dict, contract: dict) -> None:
+    """model.kwargs are to blame only when the callable's signature refuses them (or the contract's three)."""
     try:
-        net = fn(resolution=resolution, in_channels=in_channels, num_classes=num_classes, **kwargs)
-    except (TypeError, ValueError, KeyError) as e:
-        raise UserError(f"model.arch={arch}, model.kwargs={kwargs}: the network refused them "
-                        f"({type(e).__name__}: {e}); fix model.kwargs") from e
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (a C callable): the call itself will tell
+    shown = sig.replace(return_annotation=inspect.Signature.empty)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}{shown}"
+    try:
+        sig.bind_partial(**contract)
+    except TypeError as e:
+        raise UserError(f"model.arch={arch}: {name} does not take the contract's keywords resolution, in_channels, "
+                        f"num_classes ({e}); see diffrelay.nets (docs/networks.md)") from e
+    try:
+        sig.bind(**contract, **kwargs)
+    except TypeError as e:
+        raise UserError(f"model.arch={arch}, model.kwargs={kwargs}: {name} refuses them (TypeError: {e}); "
+                        "fix model.kwargs") from e
+
+
+def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, num_classes: int,
+                  device: str | None = None) -> nn.Module:
+    """Call the network named by `arch` under the contract above, on `device` (default: torch's default); bad
+    kwargs and failures of the user's code become one-line errors (CodeError when the user's code raised)."""
+    bad = check_kwargs({"arch": arch, "kwargs": kwargs})
+    if bad:
+        raise UserError(f"{bad[0][0]}: {bad[0][1]}")
+    contract = {"resolution": resolution, "in_channels": in_channels, "num_classes": num_classes}
+    # Imported outside the device context: a module-level tensor made on the meta device would stay there.
+    fn, root = (BUILDERS[arch], None) if is_builtin(arch) else _import(arch)
+    with torch.device(device) if device else contextlib.nullcontext():
+        if is_builtin(arch):
+            try:
+                net = fn(**contract, **kwargs)
+            except (TypeError, ValueError, KeyError) as e:
+                raise UserError(f"model.arch={arch}, model.kwargs={kwargs}: the network refused them "
+                                f"({type(e).__name__}: {e}); fix model.kwargs") from e
+        else:
+            _check_signature(arch, fn, kwargs, contract)
+            net = _run_user(fn, arch=arch, root=root, what=f"in {arch.partition(':')[2]}() building the network",
+                            fix="fix the network", at="when called", **contract, **kwargs)
     if not isinstance(net, nn.Module):
         raise UserError(f"model.arch={arch}: returned {type(net).__name__}, not a torch.nn.Module; "
                         "return the network itself")
@@ -50,31 +180,60 @@ def num_params(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int) -> int:
-    """Build the configured network on the meta device (no memory, no weights), run one forward pass on a
-    batch of 2 and check the output shape. Returns the parameter count; raises UserError with one line."""
-    arch, kwargs = arch_kwargs(model_cfg)
-    with torch.device("meta"):
-        net = build_network(arch, kwargs, resolution, in_channels, num_classes)
-        x = torch.zeros(2, in_channels, resolution, resolution)
-        c_noise = torch.zeros(2)
-        labels = torch.full((2,), num_classes, dtype=torch.long) if num_classes else None
-    try:
-        out = net(x, c_noise, labels)
-    except (NotImplementedError, RuntimeError) as e:
-        # Some operations have no meta kernel; a real (CPU) pass answers the same question.
-        try:
-            net = build_network(arch, kwargs, resolution, in_channels, num_classes)
-            out = net(torch.zeros(2, in_channels, resolution, resolution), torch.zeros(2),
-                      None if labels is None else labels.to("cpu"))
-        except Exception as e2:  # noqa: BLE001 -- any failure of user code is reported as one line
-            raise UserError(f"model.arch={arch}: one forward pass on a (2, {in_channels}, {resolution}, "
-                            f"{resolution}) batch failed ({type(e2).__name__}: {e2}); fix the network") from e
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"model.arch={arch}: one forward pass on a (2, {in_channels}, {resolution}, {resolution}) "
-                        f"batch failed ({type(e).__name__}: {e}); fix the network") from e
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
+def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None) -> None:
+    """One forward pass on zeros of `shape` (on torch's default device); the output must have that shape."""
+    x, c_noise = torch.zeros(shape), torch.zeros(shape[0])
+    y = None if labels is None else torch.tensor(labels)
+    with torch.no_grad():
+        if is_builtin(arch):
+            try:
+                out = net(x, c_noise, y)
+            except Exception as e:  # noqa: BLE001 -- reported as one line, like the user's networks
+                raise UserError(f"model.arch={arch}: one forward pass on a {shape} batch failed "
+                                f"({type(e).__name__}: {_one_line(e)}); fix model.kwargs") from e
+        else:
+            out = _run_user(net, x, c_noise, y, arch=arch, root=root, fix="fix the network", at="when called",
+                            what=f"in forward() on a {shape} batch with labels {labels}")
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise UserError(f"model.arch={arch}: the network returned {got} for input {tuple(x.shape)}; "
+        raise UserError(f"model.arch={arch}: the network returned {got} for input {shape}; "
                         "it must return a tensor shaped like its input")
+
+
+def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device) -> int:
+    """Build on `device` and run one forward pass on a batch of 2: class 0 and the null class K."""
+    net = build_network(arch, kwargs, resolution, in_channels, num_classes, device)
+    root = None if is_builtin(arch) else _package_root(arch.partition(":")[0])
+    shape, k = (2, in_channels, resolution, resolution), num_classes
+    with torch.device(device):
+        try:
+            _forward(net, arch, root, shape, [0, k] if k else None)
+        except CodeError as e:
+            if device == "meta" or not k:
+                raise
+            try:  # does it run without the null class? Then label K is what it refuses.
+                _forward(net, arch, root, shape, [0, k - 1])
+            except CodeError:
+                raise e from None
+            raise UserError(f"model.arch={arch}: {e.where}: the network fails on label {k} = num_classes, the "
+                            f"null class ({e.did}); a conditional network must accept label num_classes as \"no "
+                            f"class\" (label dropout trains it, guidance samples with it): give its class embedding "
+                            f"num_classes + 1 rows, e.g. nn.Embedding(num_classes + 1, dim)") from e
     return num_params(net)
+
+
+def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int) -> int:
+    """Build the configured network and run one forward pass on a batch of 2 (labels 0 and the null class
+    K); check the output shape. Returns the parameter count; raises UserError with one line.
+
+    The meta device costs no memory and no weights, but it does not bounds-check indices (an embedding of K
+    rows takes label K there) and cannot run data-dependent Python or ops without a meta kernel. So a
+    user's conditional network, and any user network the meta pass fails on, is built and run on the CPU
+    with real tensors. The built-in networks' null class is covered by tests, so they stay on meta."""
+    arch, kwargs = arch_kwargs(model_cfg)
+    if is_builtin(arch) or not num_classes:
+        try:
+            return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta")
+        except CodeError:
+            pass  # a real pass answers the same question, and its error is the one to report
+    return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu")
