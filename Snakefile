@@ -41,8 +41,8 @@ onstart:
 
 
 onsuccess:
-    print(f"diffrelay: run {RUN} done; report in {RUN_DIR_NAME}/report")
+    print(drlogs.workflow_end(RUN, RUN_DIR_NAME, True))
 
 
 onerror:
-    print(f"diffrelay: run {RUN} failed; see the failed job's log above (logs/{RUN}/)")
+    print(drlogs.workflow_end(RUN, RUN_DIR_NAME, False, getattr(workflow, "scheduler", None)))

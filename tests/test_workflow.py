@@ -188,6 +188,36 @@ def test_slurm_profile_dry_run_names_the_placeholders_to_fill_in(tmp_path, write
     assert "profiles/README.md" in errors[0] and "Traceback" not in p.stderr
 
 
+def test_a_stop_signal_says_stopped_not_failed_and_a_partial_run_names_no_report(tmp_path, write_config):
+    """SIGTERM to Snakemake lets the running jobs finish and ends the run: no job failed, so the last line must
+    not say "failed"; a run of one target made no report, so it must not point at one."""
+    import signal
+    import time
+
+    cfg = write_config()
+    out = tmp_path / "snakemake.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([BIN / "snakemake", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--cores", "1",
+                                 "--configfile", cfg], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "Shell command:" not in out.read_text():  # the first job has started
+            assert proc.poll() is None and time.time() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # Snakemake alone, as `kill PID` or a scheduler's stop does
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    last = [line for line in text.splitlines() if line.startswith("diffrelay: run")][-1]
+    assert proc.returncode != 0 and "stopped by a signal; no job failed" in last and "failed; see" not in last, text
+    dataset = tmp_path / "results" / "tiny" / "dataset"
+    p = snakemake(tmp_path, dataset, "--configfile", cfg)
+    last = [line for line in p.stdout.splitlines() if line.startswith("diffrelay: run")][-1]
+    assert last == f"diffrelay: run tiny done; results in {tmp_path / 'results' / 'tiny'}", p.stdout
+
+
 # --- slow: one real tiny run, then reruns of parts of it -----------------------------------------
 # Sampling must take longer than torchrun's extra start-up, so that sampling of checkpoint 1
 # overlaps the training of segment 2 even when measured inside the processes.

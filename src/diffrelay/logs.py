@@ -66,3 +66,21 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def workflow_end(run: str, run_dir: str, ok: bool, scheduler=None) -> str:
+    """The last line the Snakefile prints (onsuccess/onerror). Snakemake calls onerror also when it was told
+    to stop (SIGTERM: it lets the running jobs finish, then returns False), so the scheduler is asked
+    whether a signal ended the run and whether any job failed; "report in" only when the report exists."""
+    if ok:
+        report = os.path.join(run_dir, "report", "metrics.csv")
+        where = f"; report in {run_dir}/report" if os.path.exists(report) else f"; results in {run_dir}"
+        return f"diffrelay: run {run} done{where}"
+    # Snakemake's scheduler records a stop signal in _user_kill and failed jobs in `failed` (snakemake 9).
+    stopped = getattr(scheduler, "_user_kill", None)
+    failed = len(getattr(scheduler, "failed", ()) or ())
+    if stopped:
+        jobs = (f"{failed} job(s) were stopped mid-way (training keeps a recovery checkpoint)" if failed
+                else "no job failed")
+        return f"diffrelay: run {run} stopped by a signal; {jobs}; rerun the same command to go on, finished work is kept"
+    return f"diffrelay: run {run} failed; see the failed job's log above (logs/{run}/)"

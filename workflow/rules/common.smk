@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
 from diffrelay.evaluation import protocol  # noqa: E402
 from diffrelay import preflight  # noqa: E402
+from diffrelay import logs as drlogs  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.
