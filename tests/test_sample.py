@@ -121,6 +121,24 @@ def test_images_match_generate_and_differ_between_seeds(snap, tmp_path):
 # Resume, up to date, replace
 
 
+def test_two_runs_into_one_out_both_succeed_and_leave_no_work_folder(snap, tmp_path):
+    """Two `sample` runs started into one --out share its work folder; whichever finishes first publishes
+    it, and the other, whose next write finds the folder gone, must end well instead of recreating it."""
+    args = ["--num-images", 8, "--steps", 30, "--batch-size", 2]
+    out = tmp_path / "out"
+    cmd = [str(BIN / "diffrelay"), *map(str, sample_args(snap, out, *args))]
+    # Started together, each finds no image yet and makes all of them: one finishes while the other still writes.
+    first, second = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for _ in range(2))
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in (first, second)]
+    assert [code for code, _ in results] == [0, 0], results
+    assert not any("Traceback" in err for _, err in results), results
+    ref = tmp_path / "ref"
+    sample.run(snap, ref, settings(num_images=8, steps=30, batch_size=2))
+    assert folder_bytes(out) == folder_bytes(ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]  # no .out.partial, no stale folder
+
+
 def test_killed_run_resumes_with_same_files_and_skips_done_images(snap, tmp_path):
     # 4 forward batches of 59 network calls each: slow enough to kill between two of them
     args = ["--num-images", 8, "--steps", 30, "--batch-size", 2]

@@ -29,11 +29,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path, mode="wb"):
-    """Yield a file object; on success it replaces `path` in one rename, on error nothing changes."""
+def atomic_write(path, mode="wb", parents: bool = True):
+    """Yield a file object; on success it replaces `path` in one rename, on error nothing changes.
+    parents=False for a folder another process may rename away: the write then fails instead of making it anew."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results should be readable like any file
     except OSError as e:
@@ -55,18 +57,18 @@ def atomic_write(path, mode="wb"):
         raise
 
 
-def write_bytes(path, data: bytes) -> None:
-    with atomic_write(path, "wb") as f:
+def write_bytes(path, data: bytes, parents: bool = True) -> None:
+    with atomic_write(path, "wb", parents) as f:
         f.write(data)
 
 
-def write_text(path, text: str) -> None:
-    with atomic_write(path, "w") as f:
+def write_text(path, text: str, parents: bool = True) -> None:
+    with atomic_write(path, "w", parents) as f:
         f.write(text)
 
 
-def write_json(path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def write_json(path, obj, parents: bool = True) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", parents)
 
 
 def advice(e: OSError) -> str:

@@ -109,7 +109,18 @@ def _open_work(work: Path, out: Path, key: dict, rank: int) -> bool:
             os.replace(work, stale / "x")
             shutil.rmtree(stale, ignore_errors=True)
         if not work.exists():
-            io.write_json(settings_file, key)
+            # Made whole, settings inside, in one rename: a second run into the same --out never sees it
+            # half-made (and so never clears it as a folder of other settings).
+            work.parent.mkdir(parents=True, exist_ok=True)
+            fresh = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".new"))
+            io.write_json(fresh / "settings.json", key)
+            try:
+                os.rename(fresh, work)
+            except OSError:  # another process made it first
+                shutil.rmtree(fresh, ignore_errors=True)
+                if _read_json_or_none(settings_file) != key:
+                    raise UserError(f"{out}: another run is sampling into it with other settings; wait for it to "
+                                    "finish or give another --out") from None
         return True
     deadline = time.monotonic() + WAIT_SECONDS
     while _read_json_or_none(settings_file) != key:

@@ -309,42 +309,51 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     log.info("sampling %d images (%d here) from %s, step %s, %s weights, %d %s steps, %d process(es), device %s",
              s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.solver, world, device)
 
-    t0, last = time.time(), time.time()
-    # One writer thread: the fsyncs of each atomic write (about 8% of the time on a local disk) then overlap
-    # the next batch's compute. Errors surface at the next image and at the end.
-    with ThreadPoolExecutor(max_workers=1) as writer:
-        pending = collections.deque()
-        model = speed.compile_model(net, s.compile, resources, s.threads)
-        try:
-            for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
-                pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x)), work / png_name(i),
-                                             pixels))
-                while pending and pending[0].done():
-                    pending.popleft().result()
-                now = time.time()
-                if now - last > 10 or n == len(todo):
-                    rate = n / max(now - t0, 1e-9)
-                    log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
-                             logs.fmt_duration((len(todo) - n) / rate))
-                    last = now
-        except NonFiniteSamples as e:
-            raise UserError(f"{snapshot}: {e}") from e
-        for f in pending:
-            f.result()
+    try:
+        t0, last = time.time(), time.time()
+        # One writer thread: the fsyncs of each atomic write (about 8% of the time on a local disk) then overlap
+        # the next batch's compute. Errors surface at the next image and at the end.
+        with ThreadPoolExecutor(max_workers=1) as writer:
+            pending = collections.deque()
+            model = speed.compile_model(net, s.compile, resources, s.threads)
+            try:
+                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
+                    pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x), parents=False),
+                                                 work / png_name(i), pixels))
+                    while pending and pending[0].done():
+                        pending.popleft().result()
+                    now = time.time()
+                    if now - last > 10 or n == len(todo):
+                        rate = n / max(now - t0, 1e-9)
+                        log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
+                                 logs.fmt_duration((len(todo) - n) / rate))
+                        last = now
+            except NonFiniteSamples as e:
+                raise UserError(f"{snapshot}: {e}") from e
+            for f in pending:
+                f.result()
 
-    # Done marker, then the last process to finish writes grid and manifest and renames the folder.
-    io.write_json(_marker(work, rank, world), {"rank": rank, "world": world, "generated": len(todo),
-                                               "started": started, "finished": time.time()})
-    if not all(_marker(work, r, world).exists() for r in range(world)):
-        return None
-    manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
-                "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
-                "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started,
-                "phema": meta.get("phema")}  # a post-hoc EMA reconstruction's width and error (training/phema.py)
-    result = finalize(work, out, meta, s, manifest, world)
-    if result:
-        log.info("%s: %d images, grid.png, manifest.json (%.1f img/s)", out, s.num_images, result["images_per_s"])
-    return result
+        # Done marker, then the last process to finish writes grid and manifest and renames the folder.
+        record = {"rank": rank, "world": world, "generated": len(todo), "started": started, "finished": time.time()}
+        io.write_json(_marker(work, rank, world), record, parents=False)
+        if not all(_marker(work, r, world).exists() for r in range(world)):
+            return None
+        manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
+                    "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
+                    "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started,
+                    "phema": meta.get("phema")}  # a post-hoc EMA reconstruction's width and error (training/phema.py)
+        result = finalize(work, out, meta, s, manifest, world)
+        if result:
+            log.info("%s: %d images, grid.png, manifest.json (%.1f img/s)", out, s.num_images, result["images_per_s"])
+        return result
+    except UserError:
+        # Another run into the same --out may have finished first and published the shared work folder; this
+        # run's next write then fails (parents=False: it never makes the folder anew). That result is ours too.
+        done = None if work.is_dir() else up_to_date(out, key)
+        if done is None:
+            raise
+        log.info("%s: finished by another process meanwhile (%d images)", out, done["num_images"])
+        return done
 
 
 def _settings_from_args(args) -> tuple[Settings, dict]:
