@@ -75,6 +75,45 @@ def test_compiled_sampling_compiles_once_for_a_short_last_batch_and_matches_eage
     assert cache_files(tmp_path / "resources")
 
 
+COMPILE_ONCE = """
+import sys, torch
+from diffrelay import cli
+from diffrelay.errors import UserError
+from diffrelay.runtime import speed
+torch.manual_seed(0)
+model = speed.compile_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), True, sys.argv[1])
+try:
+    print(model(torch.ones(2, 4)).sum().item())
+except UserError as e:
+    sys.exit(f"diffrelay: {e}")
+"""
+
+
+@needs_cxx
+def test_a_damaged_compile_cache_is_one_line_naming_the_folder_and_deleting_it_fixes_it(tmp_path):
+    """A cache entry damaged after it was written (torch.compile fails the same way on every retry)."""
+    import subprocess
+    import sys
+
+    script, resources = tmp_path / "once.py", tmp_path / "resources"
+    script.write_text(COMPILE_ONCE)
+    run = lambda: subprocess.run([sys.executable, script, resources], capture_output=True, text=True, timeout=600)  # noqa: E731
+    good = run()
+    assert good.returncode == 0, good.stderr
+    cache = (resources / "compile-cache").resolve()
+    for f in cache.rglob("*"):
+        if f.is_file() and f.suffix != ".lock":
+            f.write_text("garbage\n")
+    bad = run()
+    # torch's own logger may warn with its traceback (lines prefixed "W..."); no traceback of ours escapes
+    assert bad.returncode != 0 and not any(x.startswith("Traceback") for x in bad.stderr.splitlines()), bad.stderr
+    line = bad.stderr.strip().splitlines()[-1]
+    assert "torch.compile failed" in line and f"compile cache {cache} may be damaged" in line, bad.stderr
+    shutil.rmtree(cache)  # what the line says to do
+    again = run()
+    assert again.returncode == 0 and again.stdout == good.stdout, again.stderr
+
+
 def test_channels_last_trains_and_resumes_bitwise(write_config, tmp_path):
     over = {"train": {"channels_last": True}}
     one = prepared(write_config, config_merge(over, {"run": {"name": "one"}}), "one")

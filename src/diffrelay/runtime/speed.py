@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from diffrelay import logs
+from diffrelay.errors import UserError
 
 # Every segment and every sampling job is a new process. Inductor keeps its compiled kernels (FX graph
 # cache), AOTAutograd keeps the backward graphs, and Triton keeps its GPU binaries in folders named by
@@ -62,7 +64,38 @@ def compile_model(model, enabled: bool, resources, threads: int = 1):
     inductor_config.compile_threads = threads
     root = use_compile_cache(resources)
     logs.get().info("torch.compile on; compile cache %s (the first run compiles, later ones load)", root)
-    return torch.compile(model)
+    return CompileErrors(torch.compile(model), root)
+
+
+def _compile_error_types() -> tuple:
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return tuple(t for t in (getattr(torch._inductor.exc, "InductorError", None),
+                             getattr(torch._dynamo.exc, "BackendCompilerFailed", None)) if t is not None)
+
+
+class CompileErrors(nn.Module):
+    """Calls the compiled model; a failure of torch.compile itself becomes one line naming the cache folder.
+
+    torch.compile compiles at the first call, and a damaged cache entry (a killed writer on a file system
+    without atomic rename, a full disk, files copied between machines) fails there, the same way on every
+    retry, in a long traceback that never names the folder. Which entry is bad cannot be told from outside,
+    so the line says to delete the folder (every entry is rebuilt) and, if a fresh cache fails the same way,
+    to turn compile off."""
+
+    def __init__(self, compiled, cache: Path):
+        super().__init__()
+        self.compiled, self.cache = compiled, cache
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.compiled(*args, **kwargs)
+        except _compile_error_types() as e:
+            cause = (str(e).strip().splitlines() or [""])[0][:200]  # torch adds paragraphs of advice below
+            raise UserError(f"torch.compile failed ({type(e).__name__}: {cause}); the compile cache {self.cache} may "
+                            "be damaged: delete that folder (it is rebuilt) and rerun; if it fails again, set "
+                            "train.compile / sample.compile to false") from e
 
 
 def set_backends(device: torch.device, tf32: bool) -> None:
