@@ -38,6 +38,7 @@ rule all:
 
 onstart:
     print(f"diffrelay: run {RUN} -> {RUN_DIR_NAME}; {CONFIG_ARGS}")
+    watch_slurm_jobs()
 
 
 onsuccess:

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from conftest import run_cli
+from conftest import deep_merge, run_cli
 from diffrelay import config
 from diffrelay.errors import UserError
 
@@ -189,3 +189,39 @@ def test_tensorboard_without_the_package_is_refused_when_the_config_is_read(monk
     with pytest.raises(UserError, match="train.tensorboard=true: the tensorboard package is not installed"):
         config.validate({"train": {"tensorboard": True}})
     assert config.validate({"train": {"tensorboard": False}})["train"]["tensorboard"] is False
+
+
+@pytest.mark.parametrize("base, change, same", [
+    # Keys a run does not use: a UNet setting in a DiT run or one the UNet's kwargs/preset sets again; a
+    # generator setting (count, seed) in a folder run; a folder setting in a generated run.
+    ({"model": {"arch": "dit"}}, {"model": {"channels": 64, "dropout": 0.1}}, True),
+    ({"model": {"kwargs": {"preset": "cifar10"}}}, {"model": {"channels": 64, "channel_mult": [1, 2]}}, True),
+    ({"model": {"kwargs": {"channels": 16}}}, {"model": {"channels": 64}}, True),
+    ({"data": {"kind": "folder", "path": "imgs"}}, {"data": {"count": 10, "seed": 3}}, True),
+    ({}, {"data": {"path": "imgs", "on_corrupt": "skip"}}, True),
+    # Keys it does use.
+    ({}, {"model": {"channels": 64}}, False),
+    ({"model": {"kwargs": {"channels": 16}}}, {"model": {"dropout": 0.1}}, False),
+    ({}, {"data": {"count": 10}}, False),
+    ({"data": {"kind": "folder", "path": "imgs"}}, {"data": {"path": "other"}}, False),
+    ({"model": {"arch": "dit"}}, {"model": {"kwargs": {"depth": 3}}}, False),
+])
+def test_only_settings_that_change_the_run_are_its_identity(base, change, same):
+    a = config.Config(config.validate(base))
+    b = config.Config(config.validate(deep_merge(base, change)))
+    assert (config.trajectory_hash(a) == config.trajectory_hash(b)) is same
+    assert (config.data_hash(a) == config.data_hash(b)) is (same or "data" not in change)
+
+
+def test_a_run_that_sets_no_unused_key_keeps_the_hash_every_key_gave():
+    """The hash written by earlier versions (every key as given) is unchanged for a run that never set a key
+    it does not use, so such runs keep their identity with no help; others are matched by run_hash."""
+    for over in ({}, {"model": {"arch": "dit"}}, {"data": {"kind": "folder", "path": "x"}},
+                 {"model": {"kwargs": {"preset": "cifar10"}}}):
+        d = config.validate(over)
+        assert config.trajectory_hash(config.Config(d)) == config._hash(config._trajectory_of(d))
+    d = config.validate({"model": {"arch": "dit", "channels": 64}})
+    old = {"trajectory": config._hash(config._trajectory_of(d)), "config": d}
+    assert old["trajectory"] != config.trajectory_hash(config.Config(d))
+    assert config.is_same_run(old, config.trajectory_hash(config.Config(config.validate({"model": {"arch": "dit"}}))))
+    assert not config.is_same_run(old, config.trajectory_hash(config.Config(config.validate({}))))

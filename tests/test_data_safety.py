@@ -3,6 +3,7 @@ work, records what a run folder is made from, keeps the divergence guard across 
 line instead of a traceback or a silently wrong result."""
 
 import json
+import re
 import logging
 import os
 import signal
@@ -194,6 +195,56 @@ def test_reusing_a_run_name_with_another_dataset_is_refused_everywhere(write_con
     # Settings that do not change the weights, and a longer run, are not a different run.
     longer = write_config({"train": {"total_steps": 8, "segment_steps": 4, "threads": 2}}, name="longer.yaml")
     run_cli("validate", "--config", longer)
+
+
+TINY_DIT = {"arch": "dit", "kwargs": {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2}}
+
+
+def test_settings_that_do_not_apply_are_no_part_of_a_runs_identity(write_config, tmp_path):
+    """A DiT run does not use the UNet's channels; a generated dataset has no data.path. Another base config
+    that sets them differently is the same run: it validates, resumes, plans nothing new and samples."""
+    two = {"train": {"total_steps": 4, "segment_steps": 2}}
+    a = write_config({"model": {**TINY_DIT, "channels": 16}, **two}, name="a.yaml")
+    run_cli("prepare", "--config", a)
+    run_cli("train", "--config", a, "--until-step", 2)
+    b = write_config({"model": {**TINY_DIT, "channels": 64, "attn_resolutions": [8]},
+                      "data": {"path": str(tmp_path / "unused")}, **two}, name="b.yaml")
+    run_cli("validate", "--config", b)
+    p = run_cli("train", "--config", b, "--until-step", 4)
+    assert "resumed from" in p.stderr and "step_0000002" in p.stderr, p.stderr
+    # The workflow counts both checkpoints as this run's: a new segment length plans no new segment end.
+    b3 = write_config({"model": {**TINY_DIT, "channels": 64}, "train": {"total_steps": 4, "segment_steps": 3}},
+                      name="b3.yaml")
+    planned = re.findall(r"--until-step (\d+)", snakemake_dry(tmp_path, b3).stdout)
+    assert sorted(set(planned)) == ["2", "4"], planned
+    snap = tmp_path / "results/tiny/snapshots/step_0000004.safetensors"
+    run_cli("sample", "--config", a, "--snapshot", snap, "--out", tmp_path / "samples")
+    # A setting the DiT uses is still a different run.
+    c = write_config({"model": {**TINY_DIT, "kwargs": {**TINY_DIT["kwargs"], "depth": 3}}, **two}, name="c.yaml")
+    assert "model.kwargs.depth=3" in error_line(run_cli("validate", "--config", c, check=False))
+
+
+def test_a_checkpoint_written_with_every_key_in_its_hash_still_belongs_to_its_run(write_config, tmp_path):
+    """Checkpoints and run.json written before inapplicable keys were set aside carry the hash of every key
+    as given; the same run resumes from them, and a config that differs only in such keys does too."""
+    two = {"train": {"total_steps": 4, "segment_steps": 2}}
+    a = write_config({"model": {**TINY_DIT, "channels": 16}, **two}, name="a.yaml")
+    run_cli("prepare", "--config", a)
+    old = tmp_path / "old.py"  # the earlier rule: every key, applicable or not, in the trajectory
+    old.write_text("import sys\n"
+                   "from diffrelay import config\n"
+                   "from diffrelay.training import train\n"
+                   "config.trajectory = lambda cfg: config._trajectory_of(cfg.to_dict() if isinstance(cfg, config.Config) else cfg)\n"
+                   "assert train.run(config.load(sys.argv[1]), until_step=2) == 0\n")
+    run_cli(sys.executable, old, a)
+    meta = json.loads((tmp_path / "results/tiny/checkpoints/step_0000002/meta.json").read_text())
+    cfg_a = config.load(a)
+    assert meta["trajectory"] != config.trajectory_hash(cfg_a)  # really the old hash
+    assert config.is_same_run(meta, config.trajectory_hash(cfg_a))
+    b = write_config({"model": {**TINY_DIT, "channels": 64}, **two}, name="b.yaml")
+    run_cli("validate", "--config", b)
+    p = run_cli("train", "--config", b, "--until-step", 4)
+    assert "resumed from" in p.stderr and "step_0000002" in p.stderr, p.stderr
 
 
 # ---- 2. The divergence guard ---------------------------------------------------------------------

@@ -118,6 +118,23 @@ def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tmp_path, w
             in log.read_text(), log
 
 
+def test_a_cluster_without_accounting_is_watched_with_squeue_not_a_silent_hang(tmp_path, write_config):
+    """This cluster has no accounting storage (cluster.sh): with the shipped profile's sacct the plugin would
+    wait forever. The workflow's one sacct probe at start switches to squeue (MinJobAge=3600 s here)."""
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    text = (PROFILE / "config.yaml").read_text()
+    assert "slurm-status-command: squeue" in text
+    (profile / "config.yaml").write_text(text.replace("slurm-status-command: squeue", "slurm-status-command: sacct"))
+    cfg = write_config()
+    target = tmp_path / "results" / "tiny" / "dataset"  # one short SLURM job (and the local extractor fetch)
+    p = run_cli("snakemake", "--directory", tmp_path, "--workflow-profile", profile, "--snakefile",
+                REPO / "Snakefile", target, "--configfile", cfg, cwd=tmp_path, timeout=300)
+    assert "this cluster keeps no SLURM accounting (sacct: Slurm accounting storage is disabled)" in p.stdout, p.stdout
+    assert "watched with squeue" in p.stdout and (target / "images.npy").is_file()
+    assert_completed_here(slurm_jobs(tmp_path, "prepare_dataset"), tmp_path, "prepare_dataset")
+
+
 def read_losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics" / "train.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}

@@ -1,10 +1,10 @@
 """Load, validate and freeze a run config. Imports only yaml and jsonschema, so the Snakefile can use it."""
 
 import copy
+import functools
 import importlib.util
 import json
 import math
-import re
 from importlib import resources
 from pathlib import Path
 
@@ -12,12 +12,11 @@ import jsonschema
 import yaml
 
 from diffrelay import nets
+from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
 from diffrelay.errors import UserError
 
 SCHEMA_FILE = "config.schema.yaml"
-MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything bigger is a wrong path
 MAX_WIDTH = 16384  # channels at a UNet's widest level; more is a typo, not a model
-MAX_CONFIG_VALUES = 100_000  # values after YAML aliases are expanded (a "billion laughs" file stops here)
 
 
 def load_schema() -> dict:
@@ -240,72 +239,6 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with two YAML 1.2 habits: 1e-3 is a number, and a repeated key is an error.
-
-    PyYAML follows YAML 1.1, which reads `lr: 1e-3` as a string and lets a repeated key silently replace
-    the first one (a whole section can vanish that way)."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-                              list("-+0123456789."))
-
-
-class DuplicateKey(yaml.YAMLError):
-    def __init__(self, key, line):
-        super().__init__(f"key {key!r} appears twice (again at line {line})")
-        self.key, self.line = key, line
-
-
-def _construct_mapping(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # `<<: *defaults` may be overridden by the keys beside it
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise DuplicateKey(key, key_node.start_mark.line + 1)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _expanded_size(obj, memo=None) -> int:
-    """How many values `obj` holds once shared (aliased) parts are counted every time they are used."""
-    memo = {} if memo is None else memo
-    if id(obj) in memo:
-        return memo[id(obj)]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
-    memo[id(obj)] = 1  # a self-referencing alias counts once instead of recursing forever
-    memo[id(obj)] = 1 + sum(_expanded_size(v, memo) for v in items)
-    return memo[id(obj)]
-
-
-def read_yaml(path) -> dict:
-    path = Path(path)
-    from diffrelay import io  # io imports errors only; kept local so the Snakefile's import stays light
-
-    io.check_regular_file(path, MAX_CONFIG_BYTES, what="config file", missing="pass an existing YAML file")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read config ({e})") from e
-    try:
-        d = yaml.load(text, Loader=_Loader)  # noqa: S506 -- _Loader is a SafeLoader
-    except DuplicateKey as e:
-        raise UserError(f"{path}: {e}; YAML keeps only the last one, so delete or merge the duplicate") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}: not valid YAML{where}; fix the syntax") from e
-    if _expanded_size(d) > MAX_CONFIG_VALUES:
-        raise UserError(f"{path}: YAML aliases expand to more than {MAX_CONFIG_VALUES} values; "
-                        "write the settings out instead of nesting aliases")
-    return {} if d is None else d
-
-
 def load(paths, overrides: dict | None = None) -> Config:
     """Read one or more YAML files (later ones override earlier ones), validate, freeze."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -371,9 +304,39 @@ _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "t
 _NOT_PIXELS = {"workers"}
 
 
-def trajectory(cfg) -> dict:
-    """Everything that changes the weights, by section: what a run folder is made from."""
-    d = cfg.to_dict() if isinstance(cfg, Config) else cfg
+# Keys that apply only to one kind of dataset or network. Elsewhere they are read as their schema default, so
+# a value a layered base config sets for, say, the UNet is no part of a DiT run's identity (issue 20.7).
+# Reset to the default rather than dropped: a run that never set them keeps the hash it always had.
+_DATA_ONLY_FOR = {"shapes": ("path", "on_corrupt"), "folder": ("count", "seed")}
+
+
+@functools.cache
+def _default_trajectory() -> dict:
+    return _trajectory_of(validate({}))
+
+
+def applicable(t: dict) -> dict:
+    """trajectory dict -> the same with every key that does not apply to this run set to its default."""
+    out, defaults = copy.deepcopy(t), _default_trajectory()
+    data = out["data"]
+    for key in _DATA_ONLY_FOR.get(data.get("kind"), ()):
+        if key in data:
+            data[key] = defaults["data"][key]
+    out["model"] = applicable_model(out["model"])
+    return out
+
+
+def applicable_model(model: dict) -> dict:
+    """A `model` section with the UNet's top-level settings at their defaults where they do not apply: in
+    any other network, and where model.kwargs (or its preset) sets the same keyword (nets.unet_settings)."""
+    out, defaults = dict(model), _default_trajectory()["model"]
+    for key in nets.unused_keys(out) & set(out):
+        out[key] = defaults[key]
+    return out
+
+
+def _trajectory_of(d: dict) -> dict:
+    """Everything that changes the weights, by section, every key as given (what diffrelay < 0.4 hashed)."""
     train = {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}
     # Off, post-hoc EMA drops out, so runs from before it keep their hash; on, its profiles are part of
     # the checkpoints' state (every only says how often they are stored).
@@ -387,13 +350,37 @@ def trajectory(cfg) -> dict:
     return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": d["model"], "train": train}
 
 
-def trajectory_hash(cfg: Config) -> str:
-    """Hash of trajectory(cfg): reruns training in Snakemake, guards resumes."""
+def trajectory(cfg) -> dict:
+    """Everything that changes the weights, by section: what a run folder is made from. Keys that do not
+    apply to this run (a UNet setting in a DiT run, a generator setting in a folder run) read as defaults."""
+    return applicable(_trajectory_of(cfg.to_dict() if isinstance(cfg, Config) else cfg))
+
+
+def _hash(t: dict) -> str:
     import hashlib
 
-    t = trajectory(cfg)
     blob = {"seed": t["run"]["seed"], "data": t["data"], "model": t["model"], "train": t["train"]}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def trajectory_hash(cfg: Config) -> str:
+    """Hash of trajectory(cfg): reruns training in Snakemake, guards resumes, is written in new checkpoints."""
+    return _hash(trajectory(cfg))
+
+
+def run_hash(meta: dict) -> str | None:
+    """The trajectory hash of the config a checkpoint's (snapshot's, post-hoc EMA file's) meta records, read
+    with today's defaults and rules; its stored hash when the config cannot be read."""
+    try:
+        return trajectory_hash(validate(meta["config"], "a checkpoint's config"))
+    except (KeyError, TypeError, UserError):
+        return meta.get("trajectory")
+
+
+def is_same_run(meta: dict, traj: str) -> bool:
+    """The file belongs to the run of trajectory hash `traj`: by the hash it carries, or (written before
+    inapplicable keys were set aside, or by a config that set such keys differently) by run_hash."""
+    return meta.get("trajectory") == traj or run_hash(meta) == traj
 
 
 def first_difference(a, b, prefix: str = "") -> str | None:

@@ -131,9 +131,11 @@ def check_run_folder(cfg, source: str) -> None:
     # A key the record lacks (added to diffrelay later) counts as its default.
     defaults = config.trajectory(config.validate({}))
     ours = config.trajectory(cfg)
-    key = config.first_difference(_with_defaults(recorded, defaults), ours)
+    # A record written before inapplicable keys were set aside holds them as given: set aside here too.
+    recorded = config.applicable(_with_defaults(recorded, defaults))
+    key = config.first_difference(recorded, ours)
     if key:
-        was, now = config.lookup(_with_defaults(recorded, defaults), key), config.lookup(ours, key)
+        was, now = config.lookup(recorded, key), config.lookup(ours, key)
         raise UserError(f"{source}: {key}={now!r}, but {run_dir} was made with {key}={was!r} ({where.name}); "
                         f"to start a different run use a new run.name (nothing is deleted), or set {key} back")
 

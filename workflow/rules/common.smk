@@ -144,7 +144,7 @@ def trained_steps():
         m = re.fullmatch(r"step_(\d{7})", p.name)
         try:
             complete = (p / "manifest.json").is_file()
-            same = json.loads((p / "meta.json").read_text()).get("trajectory") == want
+            same = drconfig.is_same_run(json.loads((p / "meta.json").read_text()), want)
         except (OSError, ValueError):
             continue
         if m and complete and same:
@@ -195,3 +195,21 @@ if CFG.model.arch not in ("unet", "dit"):
         check_network(CFG)
     except UserError as e:
         fail(f"{', '.join(map(str, CONFIG_FILES))}: {e}")
+
+
+def watch_slurm_jobs():
+    """At the start of a SLURM run (onstart: the executor is known by then), check that its status command
+    can see job states: without accounting storage `sacct` never can and the run would hang silently
+    (runtime/slurm.py). The plugin reads the setting at every check, so switching it here takes effect."""
+    plugin = getattr(workflow, "executor_plugin", None)
+    if getattr(plugin, "name", None) != "slurm":
+        return
+    from diffrelay.runtime import slurm
+
+    settings = workflow.executor_settings
+    command, line = slurm.choose_status_command(getattr(settings, "status_command", None))
+    if command is None:
+        raise WorkflowError(line)
+    if line:
+        print(line)
+        settings.status_command = command

@@ -55,6 +55,16 @@ def unet_settings(model_cfg: dict) -> dict:
     return out | kwargs
 
 
+def unused_keys(model_cfg: dict) -> set:
+    """Top-level UNet settings of a `model` section that build nothing: all of them for another network,
+    and those model.kwargs (or its preset) sets again for the UNet (unet_settings: kwargs win)."""
+    if model_cfg.get("arch", "unet") != "unet":
+        return set(UNET_SETTINGS)
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    preset = kwargs.pop("preset", None)
+    return set(UNET_SETTINGS) & (set(kwargs) | set(UNET_PRESETS.get(preset, {})))
+
+
 def arch_kwargs(model_cfg: dict) -> tuple[str, dict]:
     """(arch, keyword arguments) of a `model` section; the UNet also takes its top-level keys and a preset."""
     arch = model_cfg.get("arch", "unet")

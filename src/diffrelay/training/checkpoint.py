@@ -188,7 +188,9 @@ def same_network(recorded: dict, wanted: dict) -> str | None:
     """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
     differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
     recorded = {"arch": "unet", "kwargs": {}} | recorded
-    for key in sorted(set(recorded) | set(wanted)):
+    # Settings neither network uses (a UNet key in a DiT's section) do not make it another network.
+    unused = nets.unused_keys(recorded) & nets.unused_keys(wanted)
+    for key in sorted((set(recorded) | set(wanted)) - unused):
         if recorded.get(key) != wanted.get(key):
             return key
     return None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from diffrelay import logs
+from diffrelay import config, logs
 from diffrelay.training import checkpoint, optim
 from diffrelay.training.profiles import MAX_ERROR, MAX_SIGMA_REL, beta, error, sigma_to_gamma, solve
 from diffrelay.errors import UserError
@@ -117,9 +117,9 @@ def plan(run_dir, until_step: int, sigma_rel: float) -> tuple[list[tuple[Path, l
     steps = [s for s in stored_steps(run_dir) if 0 < s <= until_step]
     metas = [(file_path(run_dir, s), checkpoint.read_signed_meta(file_path(run_dir, s), FORMAT, WHAT, FIX))
              for s in steps]
-    traj = metas[-1][1].get("trajectory")
+    want = config.run_hash(metas[-1][1])
     for path, meta in metas:
-        if meta.get("trajectory") != traj or int(meta.get("step", -1)) != int(FILE.match(path.name).group(1)):
+        if not config.is_same_run(meta, want) or int(meta.get("step", -1)) != int(FILE.match(path.name).group(1)):
             raise UserError(f"{path}: from another training run (trajectory or step differs from {last}); "
                             "move it out of the phema/ folder")
     flat = [(i, meta["step"], g) for i, (_, meta) in enumerate(metas) for g in meta["gamma"]]

@@ -50,7 +50,7 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
     for folder in ("checkpoints", "recovery"):
         for step, path in checkpoint.list_checkpoints(run_dir / folder):
             try:
-                same = json.loads((path / "meta.json").read_text()).get("trajectory") == traj
+                same = config.is_same_run(json.loads((path / "meta.json").read_text()), traj)
             except (OSError, ValueError):
                 same = False
             if same and floor < step <= until:
@@ -71,14 +71,15 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
     return 0, None, None, None
 
 
-def _check_resume(cfg, path, meta, data, traj) -> None:
+def _check_resume(cfg, path, meta, data, traj: str) -> None:
     """One line instead of a silent wrong run or a state-dict traceback."""
-    model = cfg.to_dict()["model"]
-    key = config.first_difference(meta.get("model") or {}, model)
+    # Settings the network does not use (a UNet key in a DiT run) are no reason to refuse.
+    model, made = config.applicable_model(cfg.to_dict()["model"]), config.applicable_model(meta.get("model") or {})
+    key = config.first_difference(made, model)
     if key:
-        raise UserError(f"{path}: made with model.{key}={config.lookup(meta.get('model') or {}, key)!r}; this config "
+        raise UserError(f"{path}: made with model.{key}={config.lookup(made, key)!r}; this config "
                         f"has model.{key}={config.lookup(model, key)!r}; use the same model settings to resume from it")
-    if meta.get("trajectory") == traj and meta.get("dataset_fingerprint") != data.fingerprint:
+    if config.is_same_run(meta, traj) and meta.get("dataset_fingerprint") != data.fingerprint:
         raise UserError(f"{path}: trained on a dataset with fingerprint {str(meta.get('dataset_fingerprint'))[:12]}, "
                         f"but {data.path} now has {data.fingerprint[:12]} (images added, removed or changed); "
                         f"restore the images, or start a new run.name to train on the new set")
@@ -151,7 +152,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     distributed.agree(step, "the step to resume from")  # each rank searched the run folder itself
     if start_path is not None:
         _check_resume(cfg, start_path, meta, data, traj)
-        if meta.get("trajectory") != traj:
+        if not config.is_same_run(meta, traj):
             log.warning(f"{start_path}: made with different training settings; continuing from it as asked")
         st.load(state, meta, start_path)
         log.info(f"resumed from {start_path} at step {step}")
@@ -272,7 +273,7 @@ def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log
         return False
     checkpoint.verify_checkpoint(final_ckpt)
     made = io.read_json(final_ckpt / "meta.json")
-    if made.get("trajectory") != traj:
+    if not config.is_same_run(made, traj):
         key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
         raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
                         "use a new run.name for these settings (nothing was deleted)")
