@@ -113,6 +113,8 @@ CASES = [
          ("config.yaml", "model.kwargs.chanels", "did you mean channels?", "channel_mult")),
     Case("kwargs-sets-resolution", config_with({"model": {"arch": "dit", "kwargs": {"resolution": 32}}}), validate,
          ("config.yaml", "model.kwargs.resolution", "set by diffrelay itself", "remove it")),
+    Case("edm-sigma-order", config_with({"sample": {"edm": {"sigma_min": 100}}}), validate,
+         ("config.yaml", "sample.edm.sigma_min=100", "below sample.edm.sigma_max=80")),
     Case("yaml-syntax", raw_config("run:\n  name: x\ntrain: {lr: 0.1\n"), prepare,
          ("config.yaml", "not valid YAML at line", "fix the syntax")),
     Case("yaml-not-mapping", raw_config("- just\n- a list\n"), validate,

@@ -156,6 +156,11 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     elif guided and not t["label_dropout"]:
         bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
                     "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
+    e = s["edm"]
+    if e["sigma_min"] >= e["sigma_max"]:
+        bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
+    if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
+        bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
     cl = s["class_labels"]
     if isinstance(cl, str) and cl != "balanced":
         bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))

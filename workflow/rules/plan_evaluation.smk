@@ -126,12 +126,28 @@ def get_eval_launcher(wildcards, threads):
     return with_gpus("eval", 1) + "diffrelay"
 
 
+# sample.edm values off the schema's defaults (the paper's deterministic sampler).
+SAMPLER_EDM_CHANGED = {
+    k: v
+    for k, v in CFG.to_dict()["sample"]["edm"].items()
+    if v != drconfig.validate({})["sample"]["edm"][k]
+}
+
+
 def get_sample_settings(wildcards):
     """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
     count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
     count = count or CFG.sample.num_images
     first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
-    return f"--num-images {count} --first-seed {first} --guidance {guidance:g}"
+    # sample.edm values off the paper's defaults: flags, so that changing one resamples (a params change)
+    # while runs that keep the defaults keep the command they had.
+    edm_flags = "".join(
+        f" --{k.lower().replace('_', '-')} {v!r}"
+        for k, v in SAMPLER_EDM_CHANGED.items()
+    )
+    return (
+        f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
+    )
 
 
 def get_sample_threads(wildcards, threads):

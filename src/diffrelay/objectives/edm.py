@@ -1,4 +1,13 @@
-"""EDM (Karras et al. 2022): preconditioning, training loss and the deterministic Heun/Euler sampler."""
+"""EDM (Karras et al. 2022): preconditioning, training loss, and the Heun/Euler sampler with churn.
+
+The sampler follows EDM's Algorithm 2 (NVlabs/edm generate.py, edm_sampler): the rho schedule from
+sigma_max to sigma_min, then 0; with S_churn > 0 each step first raises the noise level from t to
+t_hat = t (1 + gamma), gamma = min(S_churn / steps, sqrt(2) - 1) inside [S_min, S_max], adding fresh
+noise of std sqrt(t_hat^2 - t^2) * S_noise. benchmarks/check_edm_sampler.py compares it with edm_sampler.
+"""
+
+import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -7,6 +16,26 @@ from diffrelay import nets
 from diffrelay.nets import registry
 
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """`sample.edm`: the schedule and EDM's stochasticity (Table 5 of the paper lists tuned values; S_churn
+    = 0 is the deterministic sampler). S_max None means no upper bound (edm_sampler's float('inf'))."""
+
+    sigma_min: float = SIGMA_MIN
+    sigma_max: float = SIGMA_MAX
+    rho: float = RHO
+    S_churn: float = 0.0
+    S_min: float = 0.0
+    S_max: float | None = None
+    S_noise: float = 1.0
+
+    def changed(self) -> dict:
+        """The settings that differ from the paper's deterministic defaults (what identifies a sample folder)."""
+        default = SamplerSettings()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
 
 
 class Denoiser(nn.Module):
@@ -62,20 +91,31 @@ def draw_noise(generator: torch.Generator, count: int, shape, device) -> tuple[t
     return rnd, torch.randn(count, *shape, generator=generator, device=device)
 
 
-def sigma_steps(num_steps: int, device=None) -> torch.Tensor:
-    """Noise levels from SIGMA_MAX down to SIGMA_MIN spaced by the rho schedule, then 0."""
+def sigma_steps(num_steps: int, device=None, sigma_min: float = SIGMA_MIN, sigma_max: float = SIGMA_MAX,
+                rho: float = RHO) -> torch.Tensor:
+    """Noise levels from sigma_max down to sigma_min spaced by the rho schedule, then 0."""
     i = torch.arange(num_steps, dtype=torch.float64, device=device)
-    t = (SIGMA_MAX ** (1 / RHO) + i / max(num_steps - 1, 1) * (SIGMA_MIN ** (1 / RHO) - SIGMA_MAX ** (1 / RHO))) ** RHO
+    t = (sigma_max ** (1 / rho) + i / max(num_steps - 1, 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
     return torch.cat([t, torch.zeros(1, dtype=torch.float64, device=device)])
 
 
 @torch.no_grad()
-def sample(net, latents, labels=None, num_steps: int = 18, solver: str = "heun"):
-    """Deterministic probability-flow ODE from latents ~ N(0, 1) to images in about [-1, 1]."""
-    t = sigma_steps(num_steps, latents.device)
+def sample(net, latents, labels=None, num_steps: int = 18, solver: str = "heun",
+           settings: SamplerSettings = SamplerSettings(), noise=None):
+    """From latents ~ N(0, 1) to images in about [-1, 1]: the probability-flow ODE, or with settings.S_churn > 0
+    EDM's stochastic sampler. noise(shape) gives the churn noise (float64, one stream per image: the caller's
+    per-seed generators, so an image does not depend on its batch); drawn at every step, as edm_sampler does."""
+    st = settings
+    t = sigma_steps(num_steps, latents.device, st.sigma_min, st.sigma_max, st.rho)
+    s_max = math.inf if st.S_max is None else st.S_max
     x = latents.to(torch.float64) * t[0]
     for i in range(num_steps):
         t_cur, t_next = t[i], t[i + 1]
+        if st.S_churn > 0:
+            gamma = min(st.S_churn / num_steps, math.sqrt(2) - 1) if st.S_min <= t_cur <= s_max else 0.0
+            t_hat = t_cur + gamma * t_cur
+            x = x + (t_hat**2 - t_cur**2).sqrt() * st.S_noise * noise(x.shape)
+            t_cur = t_hat
         d = (x - net(x.float(), t_cur.float().expand(x.shape[0]), labels).double()) / t_cur
         x_next = x + (t_next - t_cur) * d
         if solver == "heun" and i < num_steps - 1:

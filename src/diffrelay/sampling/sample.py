@@ -25,6 +25,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from diffrelay import config, io, logs
 from diffrelay.objectives import edm
+from diffrelay.objectives.edm import SamplerSettings
 from diffrelay.runtime import distributed, speed
 from diffrelay.sampling import guidance
 from diffrelay.training import checkpoint
@@ -44,6 +45,9 @@ PAD_ROWS = 16
 # Settings that change the pixels: a finished folder with the same values is up to date.
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
               "guidance")
+# sample.edm keys and their `diffrelay sample` flags (argparse attribute names).
+EDM_FLAGS = {"sigma_min": "sigma_min", "sigma_max": "sigma_max", "rho": "rho", "S_churn": "s_churn",
+             "S_min": "s_min", "S_max": "s_max", "S_noise": "s_noise"}
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX, TITLE_PX = 64, 8, 64, 12, 14
 
 
@@ -61,11 +65,13 @@ class Settings:
     precision: str  # fp32 | bf16
     threads: int
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
+    edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
         values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
+        values["edm"] = SamplerSettings(**values["edm"])
         g = values["guidance"]
         if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
             if len(g) > 1:
@@ -142,11 +148,19 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
     for start in range(0, len(indices), s.batch_size):
         batch = indices[start:start + s.batch_size]
         padded = batch + [batch[0]] * (rows - len(batch))  # padding rows repeat the first and are discarded
-        x = latents([s.first_seed + i for i in padded], shape).to(device)
+        # One generator per image, seeded by its seed: its latent first, then EDM's churn noise, as EDM's
+        # StackedRandomGenerator does, so an image is the same in any batch and on any process count.
+        gens = [torch.Generator().manual_seed(s.first_seed + i) for i in padded]
+        x = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
+
+        def noise(size, gens=gens):
+            return torch.stack([torch.randn(size[1:], generator=g, dtype=torch.float64) for g in gens]).to(device)
+
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
-            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver)[:len(batch)]
+            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver, settings=s.edm,
+                                noise=noise)[:len(batch)]
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
             finite = torch.isfinite(images).flatten(1).all(1)
@@ -284,6 +298,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     guidance.check(s.guidance, meta, snapshot)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
+    if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
+        key["edm"] = s.edm.changed()
     done = up_to_date(out, key)
     damaged = damaged_files(out, done) if done else []
     if done and not damaged:
@@ -374,6 +390,10 @@ def _settings_from_args(args) -> tuple[Settings, dict]:
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
+    flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
+    if flags:  # checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max)
+        cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
+        cfg = config.validate(cfg, source="diffrelay sample --sigma-min/--sigma-max/--rho/--s-* flags")
     s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
     if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
         raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "

@@ -1,0 +1,110 @@
+"""Our EDM sampler (diffrelay.objectives.edm.sample) against NVlabs/edm's edm_sampler, with churn and without.
+
+  python benchmarks/check_edm_sampler.py --edm-src /tmp/edmsrc
+
+--edm-src is a checkout of github.com/NVlabs/edm (e.g. `git archive HEAD | tar -x`). Only the function
+edm_sampler is taken from its generate.py (read with ast and run with torch and numpy, so its other imports
+are not needed); nothing of it enters the package. Both samplers get the same tiny seeded random network (our
+EDM-preconditioned UNet, class-conditional), the same latents and the same churn noise: one CPU generator
+per image seeded by the image's seed, latents first, then one float64 draw per step, as edm's
+StackedRandomGenerator gives them. Reported: the max abs difference of the final images (float64), per case.
+Writes benchmarks/results/edm_sampler.json. Not a test: CI cannot fetch the official source.
+"""
+
+import argparse
+import ast
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffrelay import config
+from diffrelay.objectives import edm
+
+HERE = Path(__file__).resolve().parent
+CASES = {  # name: (steps, sampler settings); ImageNet-64's tuned churn is Table 5 of the EDM paper
+    "ode-18": (18, edm.SamplerSettings()),
+    "ode-6-sigma-rho": (6, edm.SamplerSettings(sigma_min=0.01, sigma_max=40.0, rho=5.0)),
+    "churn-imagenet64-18": (18, edm.SamplerSettings(S_churn=40, S_min=0.05, S_max=50, S_noise=1.003)),
+    "churn-all-levels-8": (8, edm.SamplerSettings(S_churn=80, S_noise=1.0)),
+}
+
+
+def official_sampler(src: Path):
+    """edm_sampler from edm's generate.py, compiled alone."""
+    tree = ast.parse((src / "generate.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "edm_sampler")
+    namespace = {"torch": torch, "np": np}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src / "generate.py"), "exec"), namespace)
+    return namespace["edm_sampler"]
+
+
+class OfficialNet:
+    """What edm_sampler expects of its net (EDMPrecond's interface) around our denoiser."""
+
+    sigma_min, sigma_max = 0.0, math.inf
+
+    def __init__(self, denoiser):
+        self.denoiser = denoiser
+
+    def round_sigma(self, sigma):
+        return torch.as_tensor(sigma)
+
+    def __call__(self, x, sigma, labels):
+        sigma = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1).expand(x.shape[0])
+        return self.denoiser(x.float(), sigma.float(), labels)
+
+
+def streams(seeds, shape):
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    latents = torch.stack([torch.randn(shape, generator=g) for g in gens])
+
+    def draw(size, dtype=torch.float64):
+        return torch.stack([torch.randn(size[1:], generator=g, dtype=dtype) for g in gens])
+
+    return latents, draw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--edm-src", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "edm_sampler.json")
+    args = ap.parse_args()
+    edm_sampler = official_sampler(args.edm_src)
+    model = config.validate({"model": {"channels": 16, "channel_mult": [1, 2], "class_conditional": True}})["model"]
+    torch.manual_seed(0)
+    net = edm.build(model, resolution=16, num_classes=10).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # random everywhere, zero-initialised layers too
+    seeds, shape = [0, 1, 2, 3], (3, 16, 16)
+    labels = torch.tensor([0, 3, 7, 10])  # 10 = the null class of a 10-class network
+    results = {}
+    for name, (steps, st) in CASES.items():
+        z, draw = streams(seeds, shape)
+        with torch.no_grad():
+            ours = edm.sample(net, z, labels, num_steps=steps, solver="heun", settings=st, noise=draw).double()
+        z, draw = streams(seeds, shape)
+        s_max = math.inf if st.S_max is None else st.S_max
+        with torch.no_grad():
+            theirs = edm_sampler(OfficialNet(net), z, labels, randn_like=lambda x: draw(x.shape, x.dtype),
+                                 num_steps=steps, sigma_min=st.sigma_min, sigma_max=st.sigma_max, rho=st.rho,
+                                 S_churn=st.S_churn, S_min=st.S_min, S_max=s_max, S_noise=st.S_noise)
+        # ours returns float32 images; the official float64 result is compared after the same cast
+        diff = (ours - theirs.float().double()).abs().max().item()
+        results[name] = {"steps": steps, "settings": st.changed(), "max_abs_diff": diff,
+                         "image_std": theirs.std().item()}
+        print(f"{name:24s} steps {steps:2d}  max |ours - edm| = {diff:.3g}  (image std {theirs.std().item():.3g})")
+    out = {"what": "diffrelay edm.sample vs NVlabs/edm generate.py edm_sampler, same net and draws",
+           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
+           "cases": results}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
