@@ -105,3 +105,63 @@ def test_bad_sampler_flags_are_one_line_before_any_work(tmp_path, flags, words):
     lines = [x for x in p.stderr.splitlines() if x.startswith("diffrelay: error:")]
     assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
     assert not (tmp_path / "out").exists() and not sample.work_dir(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("solver", ["heun", "euler"])
+@pytest.mark.parametrize("lo, hi", [(0.5, 10.0), (0.0, 1000.0), (30.0, 30.5)])
+def test_guidance_interval_guides_exactly_the_steps_whose_level_lies_inside(solver, lo, hi):
+    """Which denoiser each evaluation used, against the schedule restated: a step of level t is guided iff
+    lo <= t <= hi, and Heun's second evaluation of that step follows its first."""
+    calls = []
+
+    def recorder(tag):
+        def fn(x, sigma, labels):
+            calls.append((tag, float(sigma[0])))
+            return x * 0.9
+        return fn
+
+    steps = 8
+    edm.sample(recorder("guided"), torch.zeros(1, 1, 2, 2), num_steps=steps, solver=solver,
+               unguided=recorder("plain"), interval=(lo, hi))
+    rho, smin, smax = 7.0, 0.002, 80.0
+    levels = [(smax ** (1 / rho) + i / (steps - 1) * (smin ** (1 / rho) - smax ** (1 / rho))) ** rho for i in range(steps)]
+    want = []
+    for i, t in enumerate(levels):
+        tag = "guided" if lo <= t <= hi else "plain"
+        want.append(tag)
+        if solver == "heun" and i < steps - 1:
+            want.append(tag)
+    assert [tag for tag, _ in calls] == want
+
+
+def test_guidance_interval_through_sample_run_changes_only_the_guided_images_and_is_recorded(tmp_path):
+    from test_nets import _snapshot
+
+    snap = tmp_path / "s.safetensors"
+    d = _snapshot(snap, {"channels": 8, "channel_mult": [1, 2]}, label_dropout=0.1)
+    with torch.no_grad():  # rewrite the snapshot with random weights, so every path shows in the pixels
+        from diffrelay.training import checkpoint
+        net, meta = checkpoint.load_snapshot(snap, model_cfg=d["model"])
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        checkpoint.save_snapshot(snap, net.state_dict(), net.state_dict(), meta)
+    s = settings(num_images=8, guidance=2.0)
+    full = sample.run(snap, tmp_path / "full", s, model_cfg=d["model"])
+    part = sample.run(snap, tmp_path / "part", sample.dataclasses.replace(s, guidance_interval=(0.3, 3.0)),
+                      model_cfg=d["model"])
+    every = sample.run(snap, tmp_path / "every", sample.dataclasses.replace(s, guidance_interval=(0.0, 1000.0)),
+                       model_cfg=d["model"])
+    images = {k: {n: b for n, b in folder_bytes(tmp_path / k).items() if n != "grid.png"}
+              for k in ("full", "part", "every")}
+    assert images["every"] == images["full"] and images["part"] != images["full"]
+    assert "guidance_interval" not in full and part["guidance_interval"] == [0.3, 3.0]
+
+
+@pytest.mark.parametrize("interval, words", [([3.0, 1.0], "lo < hi"), ([100.0, 200.0], "meet the schedule"),
+                                             ([0.0, 0.001], "meet the schedule")])
+def test_bad_guidance_interval_is_one_line_at_parse_time(interval, words):
+    from diffrelay import config
+    from diffrelay.errors import UserError
+
+    with pytest.raises(UserError, match=f"sample.guidance_interval=.*{words}"):
+        config.validate({"sample": {"guidance_interval": interval}})

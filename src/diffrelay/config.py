@@ -161,6 +161,10 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
     if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
         bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
+    gi = s["guidance_interval"]
+    if gi is not None and (gi[0] >= gi[1] or gi[1] < e["sigma_min"] or gi[0] > e["sigma_max"]):
+        bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{e['sigma_min']}, "
+                    f"{e['sigma_max']}] (sample.edm.sigma_min/max); e.g. [0.28, 2.9], or null for every step"))
     cl = s["class_labels"]
     if isinstance(cl, str) and cl != "balanced":
         bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))

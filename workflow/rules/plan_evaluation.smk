@@ -145,6 +145,9 @@ def get_sample_settings(wildcards):
         f" --{k.lower().replace('_', '-')} {v!r}"
         for k, v in SAMPLER_EDM_CHANGED.items()
     )
+    interval = CFG.to_dict()["sample"]["guidance_interval"]
+    if interval is not None and guidance != 1:
+        edm_flags += f" --guidance-interval {interval[0]!r} {interval[1]!r}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )

@@ -101,16 +101,23 @@ def sigma_steps(num_steps: int, device=None, sigma_min: float = SIGMA_MIN, sigma
 
 @torch.no_grad()
 def sample(net, latents, labels=None, num_steps: int = 18, solver: str = "heun",
-           settings: SamplerSettings = SamplerSettings(), noise=None):
+           settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
     """From latents ~ N(0, 1) to images in about [-1, 1]: the probability-flow ODE, or with settings.S_churn > 0
     EDM's stochastic sampler. noise(shape) gives the churn noise (float64, one stream per image: the caller's
-    per-seed generators, so an image does not depend on its batch); drawn at every step, as edm_sampler does."""
+    per-seed generators, so an image does not depend on its batch); drawn at every step, as edm_sampler does.
+
+    interval = (lo, hi): `net` (the guided denoiser) only at steps whose noise level lo <= t <= hi, `unguided`
+    elsewhere (Kynkaanniemi et al. 2024). Decided once per step by the step's level before churn, for both
+    of Heun's evaluations, as REPA's samplers.py decides by t_cur."""
     st = settings
     t = sigma_steps(num_steps, latents.device, st.sigma_min, st.sigma_max, st.rho)
     s_max = math.inf if st.S_max is None else st.S_max
     x = latents.to(torch.float64) * t[0]
+    guided = net
     for i in range(num_steps):
         t_cur, t_next = t[i], t[i + 1]
+        if interval is not None:
+            net = guided if interval[0] <= t_cur <= interval[1] else unguided
         if st.S_churn > 0:
             gamma = min(st.S_churn / num_steps, math.sqrt(2) - 1) if st.S_min <= t_cur <= s_max else 0.0
             t_hat = t_cur + gamma * t_cur

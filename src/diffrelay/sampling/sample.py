@@ -66,12 +66,14 @@ class Settings:
     threads: int
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
     edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
+    guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
         values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
         values["edm"] = SamplerSettings(**values["edm"])
+        values["guidance_interval"] = None if values["guidance_interval"] is None else tuple(values["guidance_interval"])
         g = values["guidance"]
         if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
             if len(g) > 1:
@@ -143,6 +145,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
             return net(x, sigma, labels)
 
     denoise = guidance.guided(plain, s.guidance, null=meta.get("num_classes", 0))  # the nets contract's null class
+    interval = s.guidance_interval if s.guidance != 1 else None
 
     indices, rows = list(indices), forward_rows(s)
     for start in range(0, len(indices), s.batch_size):
@@ -160,7 +163,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
             images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver, settings=s.edm,
-                                noise=noise)[:len(batch)]
+                                noise=noise, unguided=plain, interval=interval)[:len(batch)]
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
             finite = torch.isfinite(images).flatten(1).all(1)
@@ -300,6 +303,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
                                                      "image_shape": list(shape)}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
         key["edm"] = s.edm.changed()
+    if s.guidance_interval is not None and s.guidance != 1:
+        key["guidance_interval"] = list(s.guidance_interval)
     done = up_to_date(out, key)
     damaged = damaged_files(out, done) if done else []
     if done and not damaged:
@@ -391,9 +396,12 @@ def _settings_from_args(args) -> tuple[Settings, dict]:
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
-    if flags:  # checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max)
+    if flags or getattr(args, "guidance_interval", None) is not None:
+        # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
         cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
-        cfg = config.validate(cfg, source="diffrelay sample --sigma-min/--sigma-max/--rho/--s-* flags")
+        if getattr(args, "guidance_interval", None) is not None:
+            cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
+        cfg = config.validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--guidance-interval flags")
     s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
     if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
         raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "
