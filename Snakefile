@@ -46,4 +46,8 @@ onsuccess:
 
 
 onerror:
-    print(drlogs.workflow_end(RUN, RUN_DIR_NAME, False, getattr(workflow, "scheduler", None)))
+    print(
+        drlogs.workflow_end(
+            RUN, RUN_DIR_NAME, False, getattr(workflow, "scheduler", None)
+        )
+    )

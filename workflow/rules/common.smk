@@ -200,14 +200,17 @@ if CFG.model.arch not in ("unet", "dit"):
 def watch_slurm_jobs():
     """At the start of a SLURM run (onstart: the executor is known by then), check that its status command
     can see job states: without accounting storage `sacct` never can and the run would hang silently
-    (runtime/slurm.py). The plugin reads the setting at every check, so switching it here takes effect."""
+    (runtime/slurm.py). The plugin reads the setting at every check, so switching it here takes effect.
+    """
     plugin = getattr(workflow, "executor_plugin", None)
     if getattr(plugin, "name", None) != "slurm":
         return
     from diffrelay.runtime import slurm
 
     settings = workflow.executor_settings
-    command, line = slurm.choose_status_command(getattr(settings, "status_command", None))
+    command, line = slurm.choose_status_command(
+        getattr(settings, "status_command", None)
+    )
     if command is None:
         raise WorkflowError(line)
     if line:
