@@ -3,6 +3,7 @@
 The reference below restates Algorithm 2 of Karras et al. 2022 from the paper, step by step and per image;
 benchmarks/check_edm_sampler.py compares the package with NVlabs/edm's own edm_sampler."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -147,10 +148,10 @@ def test_guidance_interval_through_sample_run_changes_only_the_guided_images_and
         checkpoint.save_snapshot(snap, net.state_dict(), net.state_dict(), meta)
     s = settings(num_images=8, guidance=2.0)
     full = sample.run(snap, tmp_path / "full", s, model_cfg=d["model"])
-    part = sample.run(snap, tmp_path / "part", sample.dataclasses.replace(s, guidance_interval=(0.3, 3.0)),
+    part = sample.run(snap, tmp_path / "part", dataclasses.replace(s, guidance_interval=(0.3, 3.0)),
                       model_cfg=d["model"])
-    every = sample.run(snap, tmp_path / "every", sample.dataclasses.replace(s, guidance_interval=(0.0, 1000.0)),
-                       model_cfg=d["model"])
+    sample.run(snap, tmp_path / "every", dataclasses.replace(s, guidance_interval=(0.0, 1000.0)),
+               model_cfg=d["model"])
     images = {k: {n: b for n, b in folder_bytes(tmp_path / k).items() if n != "grid.png"}
               for k in ("full", "part", "every")}
     assert images["every"] == images["full"] and images["part"] != images["full"]
