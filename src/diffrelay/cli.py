@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int)
     p.add_argument("--first-seed", type=int)
     p.add_argument("--steps", type=int)
-    p.add_argument("--solver", choices=["heun", "euler"])
+    p.add_argument("--solver", choices=["heun", "euler", "sde"], help="sde: flow runs only (model.objective flow)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--weights", choices=["ema", "raw"])
     p.add_argument("--class-labels", help="balanced or a class index")
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     # sample.edm: EDM's schedule and churn (docs/config.md); a flag overrides the config's value
     for key in ("sigma_min", "sigma_max", "rho", "S_churn", "S_min", "S_max", "S_noise"):
         p.add_argument("--" + key.lower().replace("_", "-"), type=float, help=f"sample.edm.{key}")
+    p.add_argument("--flow-shift", type=float, help="sample.flow.shift")
+    p.add_argument("--flow-last-step", type=float, help="sample.flow.last_step")
     p.set_defaults(module="diffrelay.sampling.sample")
 
     p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")

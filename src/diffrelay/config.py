@@ -148,28 +148,10 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     bad += check_config(d)
     if m["class_conditional"] and data["labels"] == "none":
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
-    scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
-    guided = [g for g in scales if g != 1]
-    if guided and not m["class_conditional"]:
-        bad.append((f"sample.guidance={guided[0]}", "guidance needs a class-conditional network; "
-                    "set model.class_conditional: true or sample.guidance: 1"))
-    elif guided and not t["label_dropout"]:
-        bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
-                    "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
-    e = s["edm"]
-    if e["sigma_min"] >= e["sigma_max"]:
-        bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
-    if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
-        bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
-    gi = s["guidance_interval"]
-    if gi is not None and (gi[0] >= gi[1] or gi[1] < e["sigma_min"] or gi[0] > e["sigma_max"]):
-        bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{e['sigma_min']}, "
-                    f"{e['sigma_max']}] (sample.edm.sigma_min/max); e.g. [0.28, 2.9], or null for every step"))
-    cl = s["class_labels"]
-    if isinstance(cl, str) and cl != "balanced":
-        bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))
-    if isinstance(cl, int) and cl < 0:
-        bad.append((f"sample.class_labels={cl}", "a class index must be 0 or more"))
+    from diffrelay.sampling.checks import check_config as check_sampling  # light: no torch
+
+    edm = load_schema()["properties"]["sample"]["properties"]["edm"]["properties"]
+    bad += check_sampling(d, {k: v.get("default") for k, v in edm.items()})
     return bad
 
 
@@ -341,6 +323,8 @@ def applicable_model(model: dict) -> dict:
     out, defaults = dict(model), _default_trajectory()["model"]
     for key in nets.unused_keys(out) & set(out):
         out[key] = defaults[key]
+    if out.get("objective", "edm") == "edm":
+        out.pop("objective", None)  # sections from before model.objective existed are EDM's
     return out
 
 
@@ -356,7 +340,18 @@ def _trajectory_of(d: dict) -> dict:
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]
     data = {k: v for k, v in d["data"].items() if k not in _NOT_PIXELS}
-    return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": d["model"], "train": train}
+    model = dict(d["model"])
+    # The objective's keys apply to its runs only; EDM runs read as they did before objectives existed.
+    if model.pop("objective", "edm") == "flow":
+        # EDM's noise-level keys do not apply: reset to their defaults (not dropped, so a record of this run
+        # has the same keys as any other and a change of them is no change of the run).
+        edm = _default_trajectory()
+        model["objective"] = "flow"
+        model["sigma_data"] = edm["model"]["sigma_data"]
+        train.update({k: edm["train"][k] for k in ("p_mean", "p_std")})
+    else:
+        train.pop("flow", None)
+    return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": model, "train": train}
 
 
 def trajectory(cfg) -> dict:

@@ -126,11 +126,16 @@ def get_eval_launcher(wildcards, threads):
     return with_gpus("eval", 1) + "diffrelay"
 
 
-# sample.edm values off the schema's defaults (the paper's deterministic sampler).
-SAMPLER_EDM_CHANGED = {
-    k: v
-    for k, v in CFG.to_dict()["sample"]["edm"].items()
-    if v != drconfig.validate({})["sample"]["edm"][k]
+# sample.edm and sample.flow values off the schema's defaults, as `diffrelay sample` flags.
+SAMPLER_FLAGS = {
+    (
+        f"--{k.lower().replace('_', '-')}"
+        if part == "edm"
+        else f"--flow-{k.replace('_', '-')}"
+    ): v
+    for part in ("edm", "flow")
+    for k, v in CFG.to_dict()["sample"][part].items()
+    if v != drconfig.validate({})["sample"][part][k]
 }
 
 
@@ -141,10 +146,7 @@ def get_sample_settings(wildcards):
     first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
     # sample.edm values off the paper's defaults: flags, so that changing one resamples (a params change)
     # while runs that keep the defaults keep the command they had.
-    edm_flags = "".join(
-        f" --{k.lower().replace('_', '-')} {v!r}"
-        for k, v in SAMPLER_EDM_CHANGED.items()
-    )
+    edm_flags = "".join(f" {flag} {v!r}" for flag, v in SAMPLER_FLAGS.items())
     interval = CFG.to_dict()["sample"]["guidance_interval"]
     if interval is not None and guidance != 1:
         edm_flags += f" --guidance-interval {interval[0]!r} {interval[1]!r}"

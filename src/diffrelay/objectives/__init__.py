@@ -1,5 +1,35 @@
 """Objectives: what the network is trained to predict and how images are drawn from it. Each objective
-owns its preconditioning, training loss, noise draws and samplers (`edm`: Karras et al. 2022).
+owns its preconditioning, training loss, noise/time draws and samplers: `edm` (Karras et al. 2022) and
+`flow` (flow matching, linear interpolant, velocity prediction). `model.objective` picks one.
 
 Imports the base modules and nets only.
 """
+
+
+def objective(model_cfg: dict) -> str:
+    """model.objective of a `model` section; sections from before it existed are EDM's."""
+    return model_cfg.get("objective", "edm")
+
+
+def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3):
+    """The network of a `model` section wrapped as its objective wants: EDM's Denoiser or flow's
+    VelocityModel. Both take (x, time, labels); what `time` means is the objective's (see each module)."""
+    from diffrelay.nets import registry
+    from diffrelay.objectives import edm, flow
+    from diffrelay import nets
+
+    if objective(model_cfg) == "edm":
+        return edm.build(model_cfg, resolution, num_classes, in_channels)
+    arch, kwargs = nets.arch_kwargs(model_cfg)
+    classes = num_classes if model_cfg["class_conditional"] else 0
+    return flow.VelocityModel(registry.build_network(arch, kwargs, resolution, in_channels, classes))
+
+
+def sample(model_cfg: dict, net, latents, labels, num_steps: int, solver: str, edm_settings, flow_settings,
+           noise, unguided=None, interval=None):
+    """Draw images with the objective's sampler (edm: heun/euler with churn; flow: euler/heun/sde)."""
+    from diffrelay.objectives import edm, flow
+
+    if objective(model_cfg) == "edm":
+        return edm.sample(net, latents, labels, num_steps, solver, edm_settings, noise, unguided, interval)
+    return flow.sample(net, latents, labels, num_steps, solver, flow_settings, noise, unguided, interval)

@@ -23,9 +23,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrelay import config, io, logs
-from diffrelay.objectives import edm
-from diffrelay.objectives.edm import SamplerSettings
+from diffrelay import config, io, logs, objectives
+from diffrelay.sampling.settings import EDM_FLAGS, PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
 from diffrelay.sampling import guidance
 from diffrelay.training import checkpoint
@@ -42,56 +41,8 @@ from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_wo
 # for different batch sizes, so there only the process count and resuming are sure not to matter (the shape
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
-# Settings that change the pixels: a finished folder with the same values is up to date.
-PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
-              "guidance")
-# sample.edm keys and their `diffrelay sample` flags (argparse attribute names).
-EDM_FLAGS = {"sigma_min": "sigma_min", "sigma_max": "sigma_max", "rho": "rho", "S_churn": "s_churn",
-             "S_min": "s_min", "S_max": "s_max", "S_noise": "s_noise"}
 GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX, TITLE_PX = 64, 8, 64, 12, 14
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The schema's `sample` section, minus nproc (the process count comes from torchrun)."""
-
-    num_images: int
-    first_seed: int
-    steps: int
-    solver: str  # heun | euler
-    batch_size: int  # images per forward pass per process, before padding to PAD_ROWS
-    weights: str  # ema | raw
-    class_labels: str | int  # "balanced" or one class index
-    precision: str  # fp32 | bf16
-    threads: int
-    compile: bool = False  # torch.compile the network (one shape: forward_rows)
-    edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
-    guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
-    guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
-
-    @classmethod
-    def from_section(cls, section: dict) -> "Settings":
-        values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
-        values["edm"] = SamplerSettings(**values["edm"])
-        values["guidance_interval"] = None if values["guidance_interval"] is None else tuple(values["guidance_interval"])
-        g = values["guidance"]
-        if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
-            if len(g) > 1:
-                raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
-            values["guidance"] = g[0]
-        values["guidance"] = float(values["guidance"])
-        return cls(**values)
-
-
-def default_settings(**overrides) -> "Settings":
-    """Schema defaults with some keys replaced, e.g. default_settings(num_images=64, steps=8)."""
-    return dataclasses.replace(Settings.from_section(config.validate({})["sample"]), **overrides)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure helpers: which images, which seeds, which classes
-
-
+# Settings that change the pixels: a finished folder with the same values is up to date.
 def rank_share(num_images: int, rank: int, world: int) -> range:
     """Indices made by process `rank` of `world`: round robin, so each process gets about the same work."""
     return range(rank, num_images, world)
@@ -162,8 +113,8 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
-            images = edm.sample(denoise, x, labels, num_steps=s.steps, solver=s.solver, settings=s.edm,
-                                noise=noise, unguided=plain, interval=interval)[:len(batch)]
+            images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
+                                       noise, unguided=plain, interval=interval)[:len(batch)]
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
             finite = torch.isfinite(images).flatten(1).all(1)
@@ -299,10 +250,19 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     shape = tuple(meta["image_shape"])
     class_labels([0], meta, s.class_labels)
     guidance.check(s.guidance, meta, snapshot)
+    kind = objectives.objective(meta["model"])
+    if kind == "edm" and s.solver == "sde":
+        raise UserError(f"--solver sde: {snapshot} is a model.objective edm network and sde is flow's sampler; use "
+                        "heun or euler (EDM's stochastic sampler is heun with --s-churn above 0)")
+    if kind == "flow" and s.edm.changed():
+        raise UserError(f"sample.edm {s.edm.changed()}: {snapshot} is a model.objective flow network and these are "
+                        "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
         key["edm"] = s.edm.changed()
+    if s.flow.changed():
+        key["flow"] = s.flow.changed()
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
     done = up_to_date(out, key)
@@ -377,6 +337,15 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         return done
 
 
+def default_settings(**overrides) -> "Settings":
+    """Schema defaults with some keys replaced, e.g. default_settings(num_images=64, steps=8)."""
+    return dataclasses.replace(Settings.from_section(config.validate({})["sample"]), **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: which images, which seeds, which classes
+
+
 def _settings_from_args(args) -> tuple[Settings, dict]:
     """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
@@ -396,12 +365,16 @@ def _settings_from_args(args) -> tuple[Settings, dict]:
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
-    if flags or getattr(args, "guidance_interval", None) is not None:
+    flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step")
+                  if getattr(args, f"flow_{k}", None) is not None}
+    if flow_flags:
+        cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
+    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None:
         # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
         cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
         if getattr(args, "guidance_interval", None) is not None:
             cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
-        cfg = config.validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--guidance-interval flags")
+        cfg = config.validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
     s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
     if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
         raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from diffrelay import io, nets
-from diffrelay.objectives import edm
+from diffrelay import objectives
 from diffrelay.errors import UserError
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
@@ -187,7 +187,8 @@ def read_snapshot(path) -> tuple[dict, dict]:
 def same_network(recorded: dict, wanted: dict) -> str | None:
     """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
     differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
-    recorded = {"arch": "unet", "kwargs": {}} | recorded
+    recorded = {"arch": "unet", "kwargs": {}, "objective": "edm"} | recorded
+    wanted = {"objective": "edm"} | wanted
     # Settings neither network uses (a UNet key in a DiT's section) do not make it another network.
     unused = nets.unused_keys(recorded) & nets.unused_keys(wanted)
     for key in sorted((set(recorded) | set(wanted)) - unused):
@@ -224,6 +225,6 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
         raise UserError(f"{path}: holds no {weights} weights (a post-hoc EMA reconstruction has ema only); "
                         "sample it with --weights ema")
     _, h, w = meta["image_shape"]
-    net = edm.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
+    net = objectives.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
     net.load_state_dict(state)
     return net.to(device).eval().requires_grad_(False), meta

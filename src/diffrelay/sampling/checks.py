@@ -1,0 +1,42 @@
+"""Checks of the `sample` section against the rest of the config, at parse time (no torch: the Snakefile
+runs them). config.validate reports the first; each names the key and the fix.
+"""
+
+import json
+
+
+def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
+    """(key, message) pairs for sample settings that cannot work with the model and training chosen;
+    edm_defaults: the schema's sample.edm defaults (EDM's deterministic sampler)."""
+    bad, s, m, t = [], d["sample"], d["model"], d["train"]
+    scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
+    guided = [g for g in scales if g != 1]
+    if guided and not m["class_conditional"]:
+        bad.append((f"sample.guidance={guided[0]}", "guidance needs a class-conditional network; "
+                    "set model.class_conditional: true or sample.guidance: 1"))
+    elif guided and not t["label_dropout"]:
+        bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
+                    "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
+    e, flow = s["edm"], m["objective"] == "flow"
+    if flow and e != edm_defaults:
+        bad.append(("sample.edm", "EDM's sampler settings do not apply to model.objective: flow; remove them "
+                    "(the flow samplers take sample.flow)"))
+    if not flow and s["solver"] == "sde":
+        bad.append(("sample.solver=sde", "a flow sampler (model.objective: flow); EDM's stochastic sampler is "
+                    "heun with sample.edm.S_churn > 0"))
+    if e["sigma_min"] >= e["sigma_max"]:
+        bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
+    if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
+        bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
+    gi = s["guidance_interval"]
+    lo, hi, unit = (0.0, 1.0, "t of model.objective flow") if flow else \
+        (e["sigma_min"], e["sigma_max"], "sample.edm.sigma_min/max")
+    if gi is not None and (gi[0] >= gi[1] or gi[1] < lo or gi[0] > hi):
+        bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{lo}, {hi}] "
+                    f"({unit}); e.g. {'[0, 0.7]' if flow else '[0.28, 2.9]'}, or null for every step"))
+    cl = s["class_labels"]
+    if isinstance(cl, str) and cl != "balanced":
+        bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))
+    if isinstance(cl, int) and cl < 0:
+        bad.append((f"sample.class_labels={cl}", "a class index must be 0 or more"))
+    return bad
