@@ -82,29 +82,30 @@ def max_diff(a: dict, b: dict) -> float:
                default=0.0)
 
 
-def check_segments(tmp: Path, dataset) -> dict:
-    out = {}
+def check_segments(tmp: Path, dataset, nproc: int) -> dict:
+    out = {"processes": nproc}
     for det in (True, False):
         tag = "det" if det else "nondet"
         over = {"train": {"deterministic": det}}
-        train(tmp, f"split_{tag}", over, 20, dataset=dataset)
-        train(tmp, f"split_{tag}", over, 40, dataset=dataset)
-        train(tmp, f"straight_{tag}", over, 40, dataset=dataset)
+        train(tmp, f"split_{tag}", over, 20, nproc=nproc, dataset=dataset)
+        train(tmp, f"split_{tag}", over, 40, nproc=nproc, dataset=dataset)
+        train(tmp, f"straight_{tag}", over, 40, nproc=nproc, dataset=dataset)
         d = max_diff(state(tmp, f"split_{tag}", 40)["net"], state(tmp, f"straight_{tag}", 40)["net"])
         out[tag] = {"max_abs_weight_difference": d, "bitwise": d == 0.0}
     out["passed"] = out["det"]["bitwise"]
     return out
 
 
-def check_sampling(tmp: Path) -> dict:
+def check_sampling(tmp: Path, nproc: int) -> dict:
+    """One process against nproc (on one GPU: batch 16 against batch 8, the same process count)."""
     snap = tmp / "results" / "split_det" / "snapshots" / "step_0000040.safetensors"
     one, two = tmp / "s1", tmp / "s2"
     diffrelay("sample", "--snapshot", snap, "--out", one, "--num-images", 64, "--steps", 8, "--batch-size", 16)
-    diffrelay("launch", "--standalone", "--nproc-per-node", 2, "-m", "diffrelay", "sample", "--snapshot", snap,
+    diffrelay("launch", "--standalone", "--nproc-per-node", nproc, "-m", "diffrelay", "sample", "--snapshot", snap,
               "--out", two, "--num-images", 64, "--steps", 8, "--batch-size", 8)
     names = sorted(p.name for p in one.glob("0*.png"))
     same = sum((one / n).read_bytes() == (two / n).read_bytes() for n in names)
-    return {"images": len(names), "byte_identical": same, "passed": same == len(names) == 64}
+    return {"processes": nproc, "images": len(names), "byte_identical": same, "passed": same == len(names) == 64}
 
 
 def check_fid_foreign(tmp: Path, dataset) -> dict:
@@ -193,14 +194,15 @@ def main() -> int:
               "gpus": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "nvidia_smi": smi, "checks": {}}
     two = torch.cuda.device_count() >= 2
+    nproc = 2 if two else 1  # one GPU still checks segments, batch sizes, a foreign reference
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg = config_file(tmp, "data", {})
         diffrelay("prepare", "--config", cfg)
         dataset = tmp / "results" / "data" / "dataset"
-        checks = [("segments_2gpu", lambda: check_segments(tmp, dataset), two),
-                  ("sampling_2gpu", lambda: check_sampling(tmp), two),
-                  ("fid_foreign_reference", lambda: check_fid_foreign(tmp, dataset), two),
+        checks = [("segments", lambda: check_segments(tmp, dataset, nproc), True),
+                  ("sampling", lambda: check_sampling(tmp, nproc), True),
+                  ("fid_foreign_reference", lambda: check_fid_foreign(tmp, dataset), True),
                   ("channels_last_switch", lambda: check_channels_last(tmp, dataset), True),
                   ("kill_one_rank", lambda: check_dead_rank(tmp, dataset), two),
                   ("with_gpus_real_ids", lambda: check_with_gpus(tmp), two)]

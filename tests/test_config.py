@@ -225,3 +225,24 @@ def test_a_run_that_sets_no_unused_key_keeps_the_hash_every_key_gave():
     assert old["trajectory"] != config.trajectory_hash(config.Config(d))
     assert config.is_same_run(old, config.trajectory_hash(config.Config(config.validate({"model": {"arch": "dit"}}))))
     assert not config.is_same_run(old, config.trajectory_hash(config.Config(config.validate({}))))
+
+
+def test_the_packages_own_anchored_patterns_end_at_the_very_end():
+    """The same mistake in code: re.compile("^...$") with .match accepts "step_0000040\\n" (a --pool id, a
+    checkpoint folder, a PNG name). YAML's float resolver is PyYAML's own rule and reads plain scalars only."""
+    import re
+    from pathlib import Path
+
+    src = Path(config.__file__).parent
+    found = []
+    for path in src.rglob("*.py"):
+        for m in re.finditer(r"re\.compile\(r?f?\"(\^[^\"]*)\"", path.read_text()):
+            if path.name != "yamlfile.py":
+                found.append((path.name, m.group(1)))
+    assert len(found) >= 8
+    assert [f for f in found if not f[1].endswith(r"\Z")] == []
+    from diffrelay.runtime import gpus
+    from diffrelay.training import checkpoint
+
+    assert checkpoint.STEP_DIR.match("step_0000040") and not checkpoint.STEP_DIR.match("step_0000040\n")
+    assert not gpus.UUID.match("GPU-abc\n")

@@ -235,17 +235,33 @@ def test_auto_device_refuses_a_cpu_torch_beside_gpus_the_driver_lists(tmp_path, 
     with pytest.raises(UserError, match=r"run.device=auto: nvidia-smi lists 2 GPU\(s\) but this torch .* cannot use"):
         distributed.pick_device("auto")
     assert distributed.pick_device("cpu") == torch.device("cpu")  # on purpose
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose: the CPU is what was asked for
-    assert distributed.pick_device("auto") == torch.device("cpu")
+    for handed in ("0,1", "GPU-5e1f0c3a-aaaa-bbbb-cccc-0123456789ab"):  # a SLURM allocation, with-gpus ids
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", handed)
+        with pytest.raises(UserError, match="run.device=auto: nvidia-smi lists 2 GPU"):
+            distributed.pick_device("auto")
+    for hidden in ("", "-1"):  # GPUs hidden on purpose: the CPU is what was asked for
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert distributed.pick_device("auto") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("case", ["file", "read-only"])
+@pytest.mark.parametrize("case", ["file", "read-only", "lock-taken-by-a-folder"])
 def test_an_unusable_lock_dir_is_one_line(tmp_path, case):
     # /proc takes no new folders, whoever asks (root ignores a folder's write permission bits).
-    lock_dir = tmp_path / "locks" if case == "file" else Path("/proc/diffrelay-gpu-locks")
+    lock_dir = tmp_path / "locks" if case != "read-only" else Path("/proc/diffrelay-gpu-locks")
     if case == "file":
         lock_dir.write_text("not a folder")
+    if case == "lock-taken-by-a-folder":  # pool.lock is usable; the id's own lock file cannot be made
+        (lock_dir / "gpu-0.lock").mkdir(parents=True)
     p = run_cli("with-gpus", "--pool", "0", "--count", 1, "--lock-dir", lock_dir, "--", "true", check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert f"--lock-dir {lock_dir}:" in p.stderr
     assert ("is not a folder" if case == "file" else "cannot be used") in p.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU machine the scripts run for real")
+@pytest.mark.parametrize("cmd", [["bash", "benchmarks/gpu_smoke.sh"], [str(BIN / "python"), "benchmarks/bench_gpu.py"]])
+def test_gpu_scripts_without_cuda_exit_2_with_one_line_and_write_nothing(cmd, tmp_path):
+    before = set((REPO / "benchmarks" / "results").iterdir())
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no CUDA device here" in p.stderr, p.stderr
+    assert set((REPO / "benchmarks" / "results").iterdir()) == before

@@ -230,3 +230,29 @@ def test_switching_channels_last_between_fused_segments_matches_a_run_without_th
     b = load_state(tmp_path / "results/switch/checkpoints/step_0000006")
     for name, v in a["net"].items():
         assert torch.allclose(v, b["net"][name], atol=1e-5), name
+
+
+def test_a_compile_failure_in_the_lazily_lowered_backward_is_the_same_one_line(tmp_path):
+    """Inductor lowers the backward graph at the first backward, outside the forward; a damaged cache entry
+    of the backward raises there. A stand-in backward raises inductor's error type."""
+    import torch._inductor.exc
+
+    from diffrelay.errors import UserError
+    from diffrelay.runtime import speed
+
+    class Damaged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise torch._inductor.exc.InductorError(RuntimeError("bad cache entry"), None)
+
+    model = speed.CompileErrors(lambda x: Damaged.apply(x), tmp_path / "compile-cache")
+    loss = model(torch.ones(3, requires_grad=True)).sum()  # the forward passes
+    with pytest.raises(UserError, match=rf"torch.compile failed .*compile cache {tmp_path / 'compile-cache'} may be"):
+        with speed.backward_errors(model):
+            loss.backward()
+    with speed.backward_errors(lambda x: x):  # no compile: nothing to name
+        pass

@@ -17,7 +17,7 @@ from diffrelay.runtime import parallel
 from diffrelay.errors import UserError
 
 # clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.
-NUMBERED = re.compile(r"^\d+\.(bmp|jpg|jpeg|pgm|png|ppm|tif|tiff|webp)$", re.IGNORECASE)
+NUMBERED = re.compile(r"^\d+\.(bmp|jpg|jpeg|pgm|png|ppm|tif|tiff|webp)\Z", re.IGNORECASE)
 NATIVE = "native"
 
 

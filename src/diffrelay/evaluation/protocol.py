@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 VARIANT = r"(_ema[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
-_VARIANT = re.compile(rf"^{VARIANT}$")
-STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})$")
+_VARIANT = re.compile(rf"^{VARIANT}\Z")
+STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
 
 # Extractors diffrelay can fetch or build, by the name a config uses; the value is the file's stem under
 # <run.resources>/extractors/ (random's carries the run's seed).

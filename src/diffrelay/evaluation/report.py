@@ -31,12 +31,12 @@ from diffrelay import io, logs
 from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
-STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json$")
+STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
 COLUMNS = ["step", "phema", "phema_error", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
            "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
            "sample_images_per_s", "fid_s"]
 # "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
-COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?$")
+COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?\Z")
 
 
 def family(metric: str) -> str:

@@ -33,3 +33,14 @@ def sample(model_cfg: dict, net, latents, labels, num_steps: int, solver: str, e
     if objective(model_cfg) == "edm":
         return edm.sample(net, latents, labels, num_steps, solver, edm_settings, noise, unguided, interval)
     return flow.sample(net, latents, labels, num_steps, solver, flow_settings, noise, unguided, interval)
+
+
+def loss(cfg, net, images, labels, rnd_normal, noise):
+    """The training loss of cfg's objective (a Config) at the caller's standard normal draws: one per sample
+    (EDM's ln sigma, flow's time) and the noise images. The training loop calls this and nothing else."""
+    from diffrelay.objectives import edm, flow
+
+    t = cfg.train
+    if cfg.model.objective == "flow":
+        return flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
+    return edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data)

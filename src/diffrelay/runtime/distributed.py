@@ -39,9 +39,11 @@ def pick_device(want: str = "auto"):
     """cuda:LOCAL_RANK when a GPU is wanted and present, else cpu."""
     import torch
 
-    if want == "auto" and not torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    if want == "auto" and not torch.cuda.is_available() and not hidden:
         # A torch without CUDA (a conda env solved on a login node gets the CPU build) would train on the
-        # CPU beside idle GPUs, silently. CUDA_VISIBLE_DEVICES set (even empty) means GPUs were hidden on purpose.
+        # CPU beside idle GPUs, silently: with the variable unset, and as much when SLURM or with-gpus handed
+        # this job GPU ids. Only an empty CUDA_VISIBLE_DEVICES (or -1) hides the GPUs on purpose.
         from diffrelay.runtime.gpus import nvidia_smi_ids
 
         if listed := nvidia_smi_ids():

@@ -27,7 +27,7 @@ WAIT_LOG_SECONDS = 60
 
 # CUDA_VISIBLE_DEVICES entries are ordinals (0, 1), or GPU/MIG UUIDs (GPU-8f3c..., MIG-4b1a... or the older
 # MIG-GPU-<uuid>/<gi>/<ci>), as SLURM and Kubernetes often set them.
-UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
+UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+\Z")
 
 
 def visible_ids() -> list:
@@ -157,9 +157,13 @@ def acquire(pool: list[int], count: int, lock_dir, log=None) -> dict[int, int]:
     lock_dir = Path(lock_dir)
     try:
         lock_dir.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(lock_dir / "pool.lock", os.O_RDWR | os.O_CREAT, 0o666))
+        # Every lock file this job may take, made once now: a folder that cannot hold one (read-only, a
+        # lock name taken by a folder) is one line here, not a traceback in the wait loop.
+        for name in ["pool.lock"] + [lock_name(gpu) for gpu in pool]:
+            os.close(os.open(lock_dir / name, os.O_RDWR | os.O_CREAT, 0o666))
     except OSError as e:
-        what = "is not a folder" if lock_dir.exists() and not lock_dir.is_dir() else f"cannot be used ({e.strerror})"
+        what = "is not a folder" if lock_dir.exists() and not lock_dir.is_dir() else \
+            f"cannot be used ({e.strerror}: {Path(e.filename).name if e.filename else lock_dir})"
         raise UserError(f"--lock-dir {lock_dir}: {what}; give a writable folder (the workflow uses "
                         "<run.resources>/gpu-locks)") from e
     started, last_log = time.monotonic(), None

@@ -3,6 +3,7 @@
 Each is a config key and off where it would change a guarantee (see docs/gpus.md, "Speed switches").
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -89,13 +90,26 @@ class CompileErrors(nn.Module):
         self.compiled, self.cache = compiled, cache
 
     def forward(self, *args, **kwargs):
-        try:
+        with compile_errors(self.cache):
             return self.compiled(*args, **kwargs)
-        except _compile_error_types() as e:
-            cause = (str(e).strip().splitlines() or [""])[0][:200]  # torch adds paragraphs of advice below
-            raise UserError(f"torch.compile failed ({type(e).__name__}: {cause}); the compile cache {self.cache} may "
-                            "be damaged: delete that folder (it is rebuilt) and rerun; if it fails again, set "
-                            "train.compile / sample.compile to false") from e
+
+
+@contextlib.contextmanager
+def compile_errors(cache: Path):
+    """torch.compile's own failures inside the block become one line naming the cache folder."""
+    try:
+        yield
+    except _compile_error_types() as e:
+        cause = (str(e).strip().splitlines() or [""])[0][:200]  # torch adds paragraphs of advice below
+        raise UserError(f"torch.compile failed ({type(e).__name__}: {cause}); the compile cache {cache} may "
+                        "be damaged: delete that folder (it is rebuilt) and rerun; if it fails again, set "
+                        "train.compile / sample.compile to false") from e
+
+
+def backward_errors(model):
+    """The same for a backward pass: inductor lowers the backward graph lazily, at the first backward, so
+    a damaged cache entry of the backward fails there, outside the model's forward."""
+    return compile_errors(model.cache) if isinstance(model, CompileErrors) else contextlib.nullcontext()
 
 
 def set_backends(device: torch.device, tf32: bool) -> None:

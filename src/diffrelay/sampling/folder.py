@@ -19,7 +19,7 @@ from diffrelay.errors import UserError
 
 MANIFEST_FORMAT = "diffrelay-samples/2"  # /2 added per-file sizes and hashes
 OLD_FORMATS = ("diffrelay-samples/1",)
-PNG_NAME = re.compile(r"^\d{6}\.png$")
+PNG_NAME = re.compile(r"^\d{6}\.png\Z")
 WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
 
 

@@ -23,7 +23,7 @@ from diffrelay.errors import UserError
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
 SNAPSHOT_FORMAT = "diffrelay-snapshot/1"
-STEP_DIR = re.compile(r"^step_(\d{7})$")
+STEP_DIR = re.compile(r"^step_(\d{7})\Z")
 FILES = ("state.pt", "meta.json", "manifest.json")
 
 

@@ -25,7 +25,7 @@ from diffrelay.training.profiles import MAX_ERROR, MAX_SIGMA_REL, beta, error, s
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-phema/1"
-FILE = re.compile(r"^step_(\d{7})\.safetensors$")
+FILE = re.compile(r"^step_(\d{7})\.safetensors\Z")
 WHAT, FIX = "post-hoc EMA file", "move it out of phema/ to reconstruct from the others, or retrain from an earlier checkpoint"
 
 

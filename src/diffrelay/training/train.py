@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffrelay import config, io, logs, preflight
 from diffrelay.data import augment, datasets, loader
-from diffrelay.objectives import edm, flow
+from diffrelay import objectives
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema
 from diffrelay.training.state import TrainState
@@ -295,12 +295,9 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
         with sync, distributed.peers("gradient all-reduce"), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            labels = labels if data.num_classes else None
-            if cfg.model.objective == "flow":
-                loss = flow.loss(model, images, labels, rnd, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
-            else:
-                loss = edm.loss(model, images, labels, rnd, noise, t.p_mean, t.p_std, cfg.model.sigma_data)
-            st.scaler.scale(loss / t.grad_accum).backward()
+            loss = objectives.loss(cfg, model, images, labels if data.num_classes else None, rnd, noise)
+            with speed.backward_errors(model):
+                st.scaler.scale(loss / t.grad_accum).backward()
         loss_sum += loss.detach() / t.grad_accum
     st.scaler.unscale_(st.opt)
     gnorm = torch.nn.utils.clip_grad_norm_(st.net.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
