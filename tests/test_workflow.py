@@ -92,7 +92,7 @@ def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_p
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
                                   "config/examples/own-images-cpu.yaml",
                                   "config/examples/slurm-multinode.yaml", "config/examples/cifar10-unet.yaml",
-                                  "config/examples/dit-s2.yaml"])
+                                  "config/examples/dit-s2.yaml", "config/examples/flow-cpu.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
     cfg = drconfig.load(files)
@@ -443,6 +443,32 @@ def test_custom_network_in_the_working_directory_trains_samples_and_sweeps_guida
     cfg.write_text(yaml.safe_dump(d, sort_keys=False))
     plan = job_counts(snakemake(tmp_path, "-n", "--configfile", cfg).stdout)
     assert plan.get("sample_snapshot") == 2 and plan.get("compute_fid") == 2 and "train_segment" not in plan
+
+
+@pytest.mark.slow
+def test_flow_recipe_trains_samples_with_the_sde_and_the_guidance_interval_and_reports(tmp_path):
+    """config/examples/flow-cpu.yaml as shipped, only shorter: flow training in two segments, SiT's SDE
+    sampler at every checkpoint, one job per guidance scale, the interval only where guidance is on."""
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump({
+        "run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources")},
+        "data": {"count": 200}, "train": {"total_steps": 4, "segment_steps": 2, "warmup_steps": 1, "log_every": 1},
+        "sample": {"num_images": 16, "steps": 4, "batch_size": 16}, "fid": {"batch_size": 16, "ref_images": 0}}))
+    out = snakemake(tmp_path, "--configfile", REPO / "config/config.yaml", REPO / "config/examples/flow-cpu.yaml",
+                    short)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["train_segment"] == 2 and ran["sample_snapshot"] == 4 and ran["compute_fid"] == 4, ran
+    run = tmp_path / "results" / "flow-cpu"
+    commands = {p.name: p.read_text().splitlines()[0] for p in (tmp_path / "logs/flow-cpu/sample_snapshot").glob("*.log")}
+    assert all("--solver sde" in c for c in commands.values()) and len(commands) == 4
+    assert ["--guidance-interval 0.0 0.7" in c for _, c in sorted(commands.items())] == [False, True, False, True]
+    manifest = json.loads((run / "samples" / "step_0000004_g1.8" / "manifest.json").read_text())
+    assert manifest["solver"] == "sde" and manifest["guidance_interval"] == [0.0, 0.7]
+    meta = json.loads((run / "checkpoints" / "step_0000004" / "meta.json").read_text())
+    assert meta["config"]["model"]["objective"] == "flow"
+    with open(run / "report" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["step"], float(r["guidance"])) for r in rows) == [("2", 1.0), ("2", 1.8), ("4", 1.0), ("4", 1.8)]
 
 
 # --- the evaluation protocol: extractors, seed sets, the second pass ------------------------------
