@@ -1,6 +1,6 @@
 """Our EDM sampler (diffrelay.objectives.edm.sample) against NVlabs/edm's edm_sampler, with churn and without.
 
-  python benchmarks/check_edm_sampler.py --edm-src /tmp/edmsrc
+  python benchmarks/check_edm_sampler.py --edm-src /tmp/edmsrc [--edm2-src /tmp/edm2src]
 
 --edm-src is a checkout of github.com/NVlabs/edm (e.g. `git archive HEAD | tar -x`). Only the function
 edm_sampler is taken from its generate.py (read with ast and run with torch and numpy, so its other imports
@@ -8,6 +8,9 @@ are not needed); nothing of it enters the package. Both samplers get the same ti
 EDM-preconditioned UNet, class-conditional), the same latents and the same churn noise: one CPU generator
 per image seeded by the image's seed, latents first, then one float64 draw per step, as edm's
 StackedRandomGenerator gives them. Reported: the max abs difference of the final images (float64), per case.
+With --edm2-src (a checkout of github.com/NVlabs/edm2), also autoguidance: our sampler guided by a second,
+weaker tiny network (guidance.autoguided) against edm2's generate_images.py edm_sampler(net, ..., gnet, guidance)
+run in float64, deterministic and with edm2's churn.
 Writes benchmarks/results/edm_sampler.json. Not a test: CI cannot fetch the official source.
 """
 
@@ -34,12 +37,12 @@ CASES = {  # name: (steps, sampler settings); ImageNet-64's tuned churn is Table
 }
 
 
-def official_sampler(src: Path):
-    """edm_sampler from edm's generate.py, compiled alone."""
-    tree = ast.parse((src / "generate.py").read_text())
+def official_sampler(src: Path, file: str = "generate.py"):
+    """edm_sampler from edm's generate.py (edm2's generate_images.py), compiled alone."""
+    tree = ast.parse((src / file).read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "edm_sampler")
     namespace = {"torch": torch, "np": np}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src / "generate.py"), "exec"), namespace)
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src / file), "exec"), namespace)
     return namespace["edm_sampler"]
 
 
@@ -69,9 +72,43 @@ def streams(seeds, shape):
     return latents, draw
 
 
+def check_autoguidance(src: Path, net, model: dict, labels, seeds, shape) -> dict:
+    """Ours (guidance.autoguided around edm.sample) against edm2's edm_sampler with gnet, in float64."""
+    from diffrelay.sampling import guidance
+
+    edm2_sampler = official_sampler(src, "generate_images.py")
+    torch.manual_seed(1)
+    weak = edm.build(model | {"channels": 8}, resolution=16, num_classes=10).eval()  # smaller, as edm2's XS
+    with torch.no_grad():
+        for p in weak.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    results = {}
+    for name, steps, scale, st in (("autoguidance-32-g2", 32, 2.0, edm.SamplerSettings()),
+                                   ("autoguidance-12-g1.4-churn", 12, 1.4, edm.SamplerSettings(S_churn=20, S_noise=1.003))):
+        z, draw = streams(seeds, shape)
+        with torch.no_grad():
+            ours = edm.sample(guidance.autoguided(net, weak, scale), z, labels, num_steps=steps, solver="heun",
+                              settings=st, noise=draw).double()
+        z, draw = streams(seeds, shape)
+        s_max = math.inf if st.S_max is None else st.S_max
+        # edm2 draws churn noise only at steps inside [S_min, S_max]; edm, and so ours, at every step: the
+        # streams line up where every step is inside, as in this case (S_min 0, no S_max).
+        with torch.no_grad():
+            theirs = edm2_sampler(OfficialNet(net), z, labels, gnet=OfficialNet(weak), num_steps=steps,
+                                  guidance=scale, S_churn=st.S_churn, S_min=st.S_min, S_max=s_max,
+                                  S_noise=st.S_noise, dtype=torch.float64,
+                                  randn_like=lambda x: draw(x.shape, x.dtype))
+        diff = (ours - theirs.float().double()).abs().max().item()
+        results[name] = {"steps": steps, "guidance": scale, "settings": st.changed(), "max_abs_diff": diff,
+                         "image_std": theirs.std().item()}
+        print(f"{name:28s} steps {steps:2d}  max |ours - edm2| = {diff:.3g}  (image std {theirs.std().item():.3g})")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--edm-src", type=Path, required=True)
+    ap.add_argument("--edm2-src", type=Path, help="also check autoguidance against edm2's edm_sampler")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "edm_sampler.json")
     args = ap.parse_args()
     edm_sampler = official_sampler(args.edm_src)
@@ -99,7 +136,10 @@ def main() -> None:
         results[name] = {"steps": steps, "settings": st.changed(), "max_abs_diff": diff,
                          "image_std": theirs.std().item()}
         print(f"{name:24s} steps {steps:2d}  max |ours - edm| = {diff:.3g}  (image std {theirs.std().item():.3g})")
-    out = {"what": "diffrelay edm.sample vs NVlabs/edm generate.py edm_sampler, same net and draws",
+    if args.edm2_src:
+        results |= check_autoguidance(args.edm2_src, net, model, labels, seeds, shape)
+    out = {"what": "diffrelay edm.sample vs NVlabs/edm generate.py edm_sampler (and edm2's, for autoguidance), "
+                   "same nets and draws",
            "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
            "cases": results}
     args.out.write_text(json.dumps(out, indent=2) + "\n")

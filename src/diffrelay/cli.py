@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int)
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
+    p.add_argument("--guide", metavar="SNAPSHOT", help="autoguidance: this snapshot guides instead of the null class "
+                   "(sample.guide)")
     p.add_argument("--guidance-interval", type=float, nargs=2, metavar=("LO", "HI"),
                    help="guide only at noise levels LO <= sigma <= HI (sample.guidance_interval)")
     # sample.edm: EDM's schedule and churn (docs/config.md); a flag overrides the config's value

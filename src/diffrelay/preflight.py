@@ -72,6 +72,12 @@ def check_inputs(cfg, source: str) -> None:
     elif f.ref_images > d.count:
         raise UserError(f"{source}: fid.ref_images={f.ref_images}: the dataset has data.count={d.count} images; "
                         "use at most that, or 0 for all")
+    if s.guide is not None:
+        try:
+            io.check_regular_file(Path(s.guide).expanduser(), 1 << 40, "file", "give the path of a snapshot "
+                                  "(.safetensors), e.g. results/<run>/snapshots/step_0001000.safetensors, or null")
+        except UserError as e:
+            raise UserError(f"{source}: sample.guide={e}") from e
     if s.num_images < 2:
         raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
     fid = cfg.to_dict()["fid"]

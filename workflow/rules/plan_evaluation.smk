@@ -150,9 +150,18 @@ def get_sample_settings(wildcards):
     interval = CFG.to_dict()["sample"]["guidance_interval"]
     if interval is not None and guidance != 1:
         edm_flags += f" --guidance-interval {interval[0]!r} {interval[1]!r}"
+    if get_guide(wildcards):
+        edm_flags += f" --guide {shlex.quote(CFG.sample.guide)}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )
+
+
+def get_guide(wildcards):
+    """sample.guide (autoguidance) for a guided evaluation: an input, so the job waits for it and reruns
+    when it changes; none for guidance 1."""
+    _, guidance, _ = protocol.parse_variant(wildcards.variant)
+    return [CFG.sample.guide] if CFG.sample.guide is not None and guidance != 1 else []
 
 
 def get_sample_threads(wildcards, threads):

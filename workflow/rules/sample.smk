@@ -7,6 +7,7 @@ rule sample_snapshot:
     input:
         snapshot=get_snapshot,
         checkpoint=get_snapshot_checkpoint,
+        guide=get_guide,
     output:
         samples=report(
             directory(f"{RUN_DIR}/samples/step_{STEP}{VARIANT}"),

@@ -11,6 +11,8 @@ def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
     bad, s, m, t = [], d["sample"], d["model"], d["train"]
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     guided = [g for g in scales if g != 1]
+    if s.get("guide") is not None:
+        guided = []  # autoguidance: the guide network replaces the null class, no label dropout needed
     if guided and not m["class_conditional"]:
         bad.append((f"sample.guidance={guided[0]}", "guidance needs a class-conditional network; "
                     "set model.class_conditional: true or sample.guidance: 1"))

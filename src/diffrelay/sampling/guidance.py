@@ -1,8 +1,10 @@
-"""Classifier-free guidance (Ho & Salimans 2022) at sampling time, and the check that a network supports it."""
+"""Classifier-free guidance (Ho & Salimans 2022) and autoguidance (Karras et al. 2024) at sampling time, and
+the checks that a network (and a guide) support them."""
 
 import torch
 
 from diffrelay.errors import UserError
+from diffrelay.training import checkpoint
 
 
 def check(scale: float, meta: dict, source) -> None:
@@ -30,3 +32,40 @@ def guided(denoise, scale: float, null: int):
         return uncond + scale * (cond - uncond)
 
     return fn
+
+
+def autoguided(denoise, reference, scale: float):
+    """Autoguidance: reference + scale (denoise - reference), both with the image's own labels, as edm2's
+    generate_images.py guides (`ref_Dx.lerp(Dx, guidance)`); the reference is a weaker network of the same
+    kind instead of the null class."""
+
+    def fn(x, sigma, labels):
+        return torch.lerp(reference(x, sigma, labels), denoise(x, sigma, labels), scale)
+
+    return fn
+
+
+def load_guide(path, meta: dict, weights: str, device):
+    """The guiding network of sample.guide, after checking that it can guide the sampled one: the same
+    objective, architecture, image shape and classes (its size may differ, as edm2's XS guides its XXL). It is
+    built from its own `model` record only where that names the architecture the run's config names, so a
+    file never chooses which code runs."""
+    from pathlib import Path
+
+    from diffrelay.objectives import objective
+
+    path = Path(path)
+    _, guide_meta = checkpoint.read_snapshot(path)
+    ours, theirs = meta["model"], guide_meta.get("model", {})
+    checks = [("model.objective", objective(ours), objective(theirs)),
+              ("model.arch", ours.get("arch", "unet"), theirs.get("arch", "unet")),
+              ("image shape", meta["image_shape"], guide_meta.get("image_shape")),
+              ("classes", meta.get("num_classes", 0) if ours.get("class_conditional") else 0,
+               guide_meta.get("num_classes", 0) if theirs.get("class_conditional") else 0)]
+    for what, want, got in checks:
+        if want != got:
+            raise UserError(f"sample.guide={path} (--guide): {what} is {got!r} there and {want!r} in the sampled "
+                            f"network; a guide must be the same kind of network (it may be smaller or trained "
+                            f"less), e.g. an earlier snapshot of this run")
+    net, _ = checkpoint.load_snapshot(path, weights, device, dict(theirs))  # its arch is the run's (checked)
+    return net

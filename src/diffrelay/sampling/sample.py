@@ -85,7 +85,7 @@ class NonFiniteSamples(UserError):
     """A batch came out with NaN or inf values (run() names the snapshot)."""
 
 
-def generate(net, meta: dict, indices, s: Settings, device=None):
+def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
     """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep."""
     device = torch.device(device or next(net.parameters()).device)
     shape = tuple(meta["image_shape"])
@@ -96,6 +96,13 @@ def generate(net, meta: dict, indices, s: Settings, device=None):
             return net(x, sigma, labels)
 
     denoise = guidance.guided(plain, s.guidance, null=meta.get("num_classes", 0))  # the nets contract's null class
+    if guide is not None and s.guidance != 1:
+
+        def reference(x, sigma, labels):
+            with autocast:
+                return guide(x, sigma, labels)
+
+        denoise = guidance.autoguided(plain, reference, s.guidance)
     interval = s.guidance_interval if s.guidance != 1 else None
 
     indices, rows = list(indices), forward_rows(s)
@@ -249,7 +256,11 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg)
     shape = tuple(meta["image_shape"])
     class_labels([0], meta, s.class_labels)
-    guidance.check(s.guidance, meta, snapshot)
+    guide = None
+    if s.guide is not None and s.guidance != 1:  # autoguidance: checked against the sampled network's record
+        guide = guidance.load_guide(s.guide, meta, s.weights, device)
+    else:
+        guidance.check(s.guidance, meta, snapshot)
     kind = objectives.objective(meta["model"])
     if kind == "edm" and s.solver == "sde":
         raise UserError(f"--solver sde: {snapshot} is a model.objective edm network and sde is flow's sampler; use "
@@ -265,6 +276,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["flow"] = s.flow.changed()
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
+    if guide is not None:  # only then: CFG folders keep the key they had
+        key["guide_sha256"] = io.sha256_file(s.guide)
     done = up_to_date(out, key)
     damaged = damaged_files(out, done) if done else []
     if done and not damaged:
@@ -298,7 +311,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             pending = collections.deque()
             model = speed.compile_model(net, s.compile, resources, s.threads)
             try:
-                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device), start=1):
+                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device, guide), start=1):
                     pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x), parents=False),
                                                  work / png_name(i), pixels))
                     while pending and pending[0].done():
@@ -349,9 +362,11 @@ def default_settings(**overrides) -> "Settings":
 def _settings_from_args(args) -> tuple[Settings, dict]:
     """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision", "guidance") if getattr(args, k) is not None}
+                                          "weights", "precision", "guidance", "guide") if getattr(args, k, None) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
+        if name == "guide":
+            continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
     if not math.isfinite(over.get("guidance", 1)) or over.get("guidance", 1) < 0:

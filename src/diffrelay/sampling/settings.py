@@ -34,6 +34,7 @@ class Settings:
     flow: FlowSamplerSettings = FlowSamplerSettings()  # sample.flow: grid shift and the sde's last step
     guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
+    guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":

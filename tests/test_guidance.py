@@ -1,0 +1,94 @@
+"""Autoguidance (sample.guide, Karras et al. 2024): the formula restated, the guide's checks, its seeds and its
+place in the workflow. benchmarks/check_edm_sampler.py compares it with edm2's own edm_sampler(gnet=...)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_cli
+from diffrelay import io
+from diffrelay.errors import UserError
+from diffrelay.sampling import guidance, sample
+from test_sample import folder_bytes, make_snapshot, sample_args, settings
+
+
+def test_autoguidance_moves_from_the_guide_towards_the_network_by_the_scale():
+    g = torch.Generator().manual_seed(0)
+    x, sigma, labels = torch.randn(3, 2, 4, 4, generator=g), torch.rand(3, generator=g) + 0.1, torch.tensor([0, 1, 2])
+    main = lambda x, s, y: x * 0.5 + s.reshape(-1, 1, 1, 1)  # noqa: E731
+    weak = lambda x, s, y: x * 0.2 - y.reshape(-1, 1, 1, 1).float()  # noqa: E731  # sees the same labels
+    got = guidance.autoguided(main, weak, 2.5)(x, sigma, labels)
+    d_main, d_weak = main(x, sigma, labels).double(), weak(x, sigma, labels).double()
+    torch.testing.assert_close(got.double(), d_weak + 2.5 * (d_main - d_weak), rtol=1e-6, atol=1e-6)
+
+
+def test_a_guide_equal_to_the_network_gives_the_unguided_images_and_another_changes_them(tmp_path):
+    """An unconditional network (no label dropout: the null class is not needed) guided by itself is the
+    unguided sampler bit for bit; a weaker guide changes every image, is recorded, and is the same for any
+    batch size and process count."""
+    snap = make_snapshot(tmp_path / "step_0000040.safetensors", conditional=False)
+    weak = make_snapshot(tmp_path / "weak.safetensors", conditional=False, seed=1)
+    plain = sample.run(snap, tmp_path / "plain", settings(num_images=12))
+    sample.run(snap, tmp_path / "self", settings(num_images=12, guidance=2.0, guide=str(snap)))
+    auto = sample.run(snap, tmp_path / "auto", settings(num_images=12, guidance=2.0, guide=str(weak)))
+    ref = {k: v for k, v in folder_bytes(tmp_path / "plain").items() if k != "grid.png"}
+    assert {k: v for k, v in folder_bytes(tmp_path / "self").items() if k != "grid.png"} == ref
+    got = folder_bytes(tmp_path / "auto")
+    assert all(got[k] != v for k, v in ref.items())
+    assert "guide_sha256" in auto and "guide_sha256" not in plain
+    two = tmp_path / "two"
+    run_cli("torchrun", "--standalone", "--nproc-per-node", 2, "-m", "diffrelay",
+            *sample_args(snap, two, "--num-images", 12, "--steps", 3, "--batch-size", 5, "--guidance", 2,
+                         "--guide", weak))
+    assert folder_bytes(two) == got
+
+
+def test_a_guide_of_another_kind_is_one_line_before_any_folder(tmp_path):
+    snap = make_snapshot(tmp_path / "s.safetensors", num_classes=3)
+    other = make_snapshot(tmp_path / "o.safetensors", num_classes=4)
+    with pytest.raises(UserError, match=r"sample.guide=.*o.safetensors \(--guide\): classes is 4 there and 3"):
+        sample.run(snap, tmp_path / "out", settings(guidance=2.0, guide=str(other)))
+    from test_flow import flow_snapshot
+
+    flow = flow_snapshot(tmp_path / "f.safetensors")
+    with pytest.raises(UserError, match="model.objective is 'flow' there and 'edm'"):
+        sample.run(snap, tmp_path / "out", settings(guidance=2.0, guide=str(flow)))
+    assert not (tmp_path / "out").exists() and not sample.work_dir(tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_guide_is_an_input_of_guided_sampling_jobs_only_and_checked_at_parse_time(tmp_path, write_config):
+    """A tiny run with guidance [1, 2] and an own guide: only the guided jobs get --guide and the file as an
+    input, so a new guide resamples those and nothing else; a missing guide is one line before any job."""
+    from test_workflow import finished_rules, job_counts, snakemake
+
+    guide = make_snapshot(tmp_path / "guide.safetensors", num_classes=3)
+    cfg = write_config({"sample": {"guidance": [1, 2], "guide": str(guide)}})
+    out = snakemake(tmp_path, "--configfile", cfg)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["train_segment"] == 2 and ran["sample_snapshot"] == 4, ran
+    logs = {p.name: p.read_text().splitlines()[0] for p in (tmp_path / "logs/tiny/sample_snapshot").glob("*.log")}
+    assert sorted(name for name, c in logs.items() if f"--guide {guide}" in c) == ["step_0000003_g2.log",
+                                                                                  "step_0000006_g2.log"], logs
+    manifest = json.loads((tmp_path / "results/tiny/samples/step_0000006_g2/manifest.json").read_text())
+    assert manifest["guide_sha256"] == io.sha256_file(guide) and "guide_sha256" not in json.loads(
+        (tmp_path / "results/tiny/samples/step_0000006/manifest.json").read_text())
+    make_snapshot(guide, num_classes=3, seed=5)  # another guide: only the guided evaluations are redone
+    plan = job_counts(snakemake(tmp_path, "-n", "--configfile", cfg).stdout)
+    assert plan.get("sample_snapshot") == 2 and plan.get("compute_fid") == 2 and "train_segment" not in plan, plan
+    d = yaml.safe_load(cfg.read_text())
+    d["sample"]["guide"] = str(tmp_path / "missing.safetensors")
+    cfg.write_text(yaml.safe_dump(d))
+    p = snakemake(tmp_path, "-n", "--configfile", cfg, check=False)
+    line = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith("diffrelay: error:")]
+    assert p.returncode != 0 and len(line) == 1 and "sample.guide=" in line[0] and "not found" in line[0], p.stderr
+
+
+def test_autoguidance_needs_no_label_dropout_but_classifier_free_guidance_does():
+    from diffrelay import config
+
+    config.validate({"model": {"class_conditional": False}, "sample": {"guidance": 2, "guide": "g.safetensors"}})
+    with pytest.raises(UserError, match="sample.guidance=2"):
+        config.validate({"model": {"class_conditional": False}, "sample": {"guidance": 2}})
