@@ -31,6 +31,25 @@ def test_a_post_hoc_ema_variant_names_its_width_first():
     assert protocol.variant_ema("_n64_s1") is None
 
 
+def test_an_ema_decay_variant_is_named_only_for_other_than_the_first_decay():
+    name = protocol.variant(50000, 1.5, 1, decay=0.9999)
+    assert name == "_decay0.9999_n50000_g1.5_s1"
+    assert protocol.variant_decay(name) == 0.9999 and protocol.parse_variant(name) == (50000, 1.5, 1)
+    assert protocol.variant_decay("_g2") is None and protocol.variant_ema(name) is None
+    d = config.validate({"train": {"ema_decays": [0.999, 0.9999, 0.99]}, "sample": {"ema_decay": [0.9999, 0.999]}})
+    assert protocol.ema_decays(d) == [0.9999, None]  # the first decay keeps the plain names
+    assert protocol.ema_decays(config.validate({})) == [None]
+
+
+def test_ranking_keeps_decays_apart_and_names_only_the_others():
+    rows = [{"step": 4, "guidance": 1.0, "decay": None, "fid": 3.0}, {"step": 4, "guidance": 1.0, "decay": 0.99,
+                                                                       "fid": 2.0},
+            {"step": 4, "guidance": 1.0, "decay": 0.99, "fid": 4.5}, {"step": 8, "guidance": 1.0, "fid": 1.0}]
+    assert protocol.rank(rows, 3) == [{"step": 8, "guidance": 1.0, "score": 1.0},
+                                      {"step": 4, "guidance": 1.0, "score": 3.0},
+                                      {"step": 4, "guidance": 1.0, "score": 3.25, "decay": 0.99}]
+
+
 def test_a_name_that_is_no_variant_is_refused():
     with pytest.raises(ValueError):
         protocol.parse_variant("_s1_g2")  # the order is fixed: count, guidance, seed set

@@ -92,3 +92,51 @@ def test_autoguidance_needs_no_label_dropout_but_classifier_free_guidance_does()
     config.validate({"model": {"class_conditional": False}, "sample": {"guidance": 2, "guide": "g.safetensors"}})
     with pytest.raises(UserError, match="sample.guidance=2"):
         config.validate({"model": {"class_conditional": False}, "sample": {"guidance": 2}})
+
+
+@pytest.mark.slow
+def test_a_later_snapshot_of_the_run_guides_and_each_ema_decay_is_its_own_evaluation(tmp_path, write_config):
+    """sample.guide: 6 (a step) guides with this run's own step-6 snapshot, which the step-3 evaluation waits
+    for; sample.ema_decay [0.999, 0.3] samples both EMAs of every snapshot, the second under _decay0.3, and the
+    report has a row for each (0.3: below the warm-up's 7/16 at step 6, so the two EMAs differ). A step the run writes no snapshot at is one line at parse time."""
+    from test_workflow import finished_rules, snakemake
+
+    cfg = write_config({"train": {"ema_decays": [0.999, 0.3]},
+                        "sample": {"guidance": 2, "guide": 6, "ema_decay": [0.999, 0.3]}})
+    out = snakemake(tmp_path, "--configfile", cfg)
+    ran = finished_rules(out.stdout + out.stderr)
+    assert ran["train_segment"] == 2 and ran["sample_snapshot"] == 4, ran
+    guide = tmp_path / "results/tiny/snapshots/step_0000006.safetensors"
+    logs = {p.stem: p.read_text().splitlines()[0] for p in (tmp_path / "logs/tiny/sample_snapshot").glob("*.log")}
+    assert sorted(logs) == ["step_0000003_decay0.3_g2", "step_0000003_g2", "step_0000006_decay0.3_g2",
+                            "step_0000006_g2"], logs
+    assert all(f"--guide {guide}" in c or f"--guide {guide.relative_to(tmp_path)}" in c for c in logs.values())
+    assert sorted(k for k, c in logs.items() if "--ema-decay 0.3 " in c) == sorted(k for k in logs if "decay" in k)
+    samples = tmp_path / "results/tiny/samples"
+    m = {k: json.loads((samples / k / "manifest.json").read_text()) for k in logs}
+    assert m["step_0000003_decay0.3_g2"]["ema_decay"] == 0.3 and "ema_decay" not in m["step_0000003_g2"]
+    assert m["step_0000003_g2"]["guide_sha256"] == io.sha256_file(guide)
+    pngs = {k: sorted((samples / k).glob("0*.png")) for k in logs}
+    assert [p.read_bytes() for p in pngs["step_0000006_g2"]] != [p.read_bytes() for p in pngs["step_0000006_decay0.3_g2"]]
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "results/tiny/report/metrics.csv").open()))
+    assert sorted((r["step"], r["ema_decay"]) for r in rows) == [("3", ""), ("3", "0.3"), ("6", ""), ("6", "0.3")]
+    d = yaml.safe_load(cfg.read_text())
+    d["sample"]["guide"] = 5
+    cfg.write_text(yaml.safe_dump(d))
+    p = snakemake(tmp_path, "-n", "--configfile", cfg, check=False)
+    line = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith("diffrelay: error:")]
+    assert p.returncode != 0 and len(line) == 1 and "sample.guide=5: this run writes no snapshot" in line[0], p.stderr
+
+
+def test_an_ema_decay_the_run_does_not_train_or_a_guide_step_past_the_end_is_one_line():
+    from diffrelay import config
+
+    with pytest.raises(UserError, match=r"sample.ema_decay=0.99: not one of train.ema_decays=\[0.999\]"):
+        config.validate({"sample": {"ema_decay": [0.999, 0.99]}})
+    with pytest.raises(UserError, match="sample.ema_decay=0.999: sample.weights is raw"):
+        config.validate({"sample": {"ema_decay": 0.999, "weights": "raw"}})
+    with pytest.raises(UserError, match="sample.guide=99999999: a step past train.total_steps"):
+        config.validate({"sample": {"guide": 99999999}})
+    assert config.validate({"train": {"ema_decays": [0.9, 0.99]}, "sample": {"ema_decay": 0.99}})

@@ -272,6 +272,35 @@ def test_grid_has_eight_columns_with_class_names_under_enlarged_tiles(snap, unco
         assert im.size == (5 * 64, top + 64)
 
 
+def test_sample_ema_decay_picks_one_of_the_runs_emas_and_is_recorded(tmp_path, capsys):
+    """A snapshot of train.ema_decays [0.9, 0.99] whose two EMAs are different networks: --ema-decay 0.99 gives
+    exactly the images of a snapshot holding that EMA alone; the default (and 0.9) the first's."""
+    model = config.validate({"model": {"channels": 8, "channel_mult": [1, 2], "class_conditional": True}})["model"]
+    nets = [edm.build(model, 16, 3) for _ in range(2)]
+    for seed, net in enumerate(nets):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    meta = {"step": 40, "model": model, "image_shape": [3, 16, 16], "num_classes": 3, "class_names": CLASS_NAMES,
+            "config": {"train": {"ema_decays": [0.9, 0.99]}}}
+    both = checkpoint.save_snapshot(tmp_path / "both.safetensors", nets[0].state_dict(), nets[0].state_dict(), meta,
+                                    [nets[1].state_dict()])
+    second = checkpoint.save_snapshot(tmp_path / "second.safetensors", nets[1].state_dict(), {}, meta)
+    m = sample.run(both, tmp_path / "d99", settings(num_images=8, ema_decay=0.99))
+    sample.run(second, tmp_path / "alone", settings(num_images=8))
+    first = sample.run(both, tmp_path / "first", settings(num_images=8))
+    pngs = {k: {n: b for n, b in folder_bytes(tmp_path / k).items() if n != "grid.png"} for k in ("d99", "alone", "first")}
+    assert pngs["d99"] == pngs["alone"] != pngs["first"]  # the grids differ in their titles (EMA 0.99, EMA 0.9)
+    assert m["ema_decay"] == 0.99 and "ema_decay" not in first
+    assert sample.grid_title(meta, settings(ema_decay=0.99)).endswith("| EMA 0.99")
+    assert cli.main(sample_args(both, tmp_path / "raw", "--weights", "raw", "--ema-decay", 0.99)) == 2
+    assert "--ema-decay=0.99: with --weights raw there is no EMA" in capsys.readouterr().err
+    assert cli.main(sample_args(both, tmp_path / "raw", "--ema-decay", 0.5)) == 2
+    assert "train.ema_decays=[0.9, 0.99]; choose one of those" in capsys.readouterr().err
+    assert not (tmp_path / "raw").exists() and not sample.work_dir(tmp_path / "raw").exists()
+
+
 def test_grid_title_names_the_step_guidance_and_weights():
     s = sample.default_settings(guidance=1.5)
     meta = {"step": 400, "config": {"train": {"ema_decays": [0.999, 0.9999]}}}

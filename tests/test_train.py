@@ -12,6 +12,7 @@ import torch
 
 from conftest import run_cli
 from diffrelay import io
+from diffrelay.errors import UserError
 from diffrelay.training import checkpoint
 
 TRAIN = ["-m", "diffrelay", "train"]
@@ -144,6 +145,31 @@ def test_boundary_at_step_one_and_mid_epoch_resume_exactly(runs, tmp_path, bound
     run_cli(sys.executable, *TRAIN, "--config", c, "--until-step", 5)
     assert_tensors_equal(load_state(tmp_path / "r/checkpoints/step_0000005"),
                          load_state(tmp_path / "straight/r/checkpoints/step_0000005"))
+
+
+def test_a_snapshot_holds_every_ema_and_each_samples_its_own_weights(runs, tmp_path):
+    """train.ema_decays [0.9, 0.99]: the snapshot keeps both (ema. and ema1.), equal to the checkpoint's; a
+    decay picks its EMA, and one the run did not train is one line naming the ones it did."""
+    _, out = runs
+    rd = out["one"][1]
+    state = load_state(rd / "checkpoints/step_0000006")
+    snap = rd / "snapshots/step_0000006.safetensors"
+    tensors, _ = checkpoint.read_snapshot(snap)
+    assert {k.split(".")[0] for k in tensors} == {"ema", "ema1", "raw"}
+    for i, decay in enumerate((None, 0.9, 0.99)):
+        net, _ = checkpoint.load_snapshot(snap, decay=decay)
+        assert_tensors_equal(net.state_dict(), state["ema"][max(i - 1, 0)], f"decay {decay}")
+    with pytest.raises(UserError, match=r"sample.ema_decay=0.999 \(--ema-decay\): .* train.ema_decays=\[0.9, 0.99\]"):
+        checkpoint.load_snapshot(snap, decay=0.999)
+    # One decay: the file holds what it held before every EMA was kept (ema. and raw. only, the same record).
+    ema, raw = state["ema"][0], state["net"]
+    meta = checkpoint.read_snapshot(snap)[1]
+    alone = checkpoint.save_snapshot(tmp_path / "one.safetensors", ema, raw, meta, [])
+    tensors, got = checkpoint.read_snapshot(alone)
+    assert {k.split(".")[0] for k in tensors} == {"ema", "raw"} and got == meta
+    assert_tensors_equal(tensors, {f"ema.{k}": v for k, v in ema.items()} | {f"raw.{k}": v for k, v in raw.items()})
+    with pytest.raises(UserError, match="holds only the EMA of the first of train.ema_decays"):
+        checkpoint.load_snapshot(alone, decay=0.99)  # a file written before: one line, not a wrong network
 
 
 def test_snapshot_loads_and_runs_in_a_fresh_process_without_dataset(runs, tmp_path):

@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=["heun", "euler", "sde"], help="sde: flow runs only (model.objective flow)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--weights", choices=["ema", "raw"])
+    p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs (sample.ema_decay); default the first")
     p.add_argument("--class-labels", help="balanced or a class index")
     p.add_argument("--precision", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int)

@@ -72,7 +72,7 @@ def check_inputs(cfg, source: str) -> None:
     elif f.ref_images > d.count:
         raise UserError(f"{source}: fid.ref_images={f.ref_images}: the dataset has data.count={d.count} images; "
                         "use at most that, or 0 for all")
-    if s.guide is not None:
+    if isinstance(s.guide, str):  # a step (int) is this run's snapshot, which the workflow waits for
         try:
             io.check_regular_file(Path(s.guide).expanduser(), 1 << 40, "file", "give the path of a snapshot "
                                   "(.safetensors), e.g. results/<run>/snapshots/step_0001000.safetensors, or null")

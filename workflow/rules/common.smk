@@ -156,16 +156,25 @@ SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
 STEP = "{step}"
 # Every evaluation of a snapshot is named by the step and a variant suffix (protocol.py): a post-hoc
 # EMA width (_ema0.08), the second pass's image count (_n50000), the guidance scale (_g1.5) and the seed
-# set (_s2), each absent for the default, so a run with none of them keeps the plain step_XXXXXXX names.
+# set (_s2), each absent for the default, so a run with none of them keeps the plain step_XXXXXXX names;
+# a sampled EMA other than the first of train.ema_decays adds _decay<d>.
 VARIANT = "{variant}"
 GUIDANCE_SCALES = protocol.guidance_scales(CFG.to_dict()["sample"])
+EMA_DECAYS = protocol.ema_decays(CFG.to_dict())
 SEED_SETS = range(CFG.sample.seed_sets)
-FIRST_PASS = [protocol.variant(None, g, s) for g in GUIDANCE_SCALES for s in SEED_SETS]
+FIRST_PASS = [
+    protocol.variant(None, g, s, decay=d)
+    for d in EMA_DECAYS
+    for g in GUIDANCE_SCALES
+    for s in SEED_SETS
+]
 FINAL = CFG.fid.final
 
 
-def final_variants(guidance):
-    return [protocol.variant(FINAL.num_images, guidance, s) for s in SEED_SETS]
+def final_variants(guidance, decay=None):
+    return [
+        protocol.variant(FINAL.num_images, guidance, s, decay=decay) for s in SEED_SETS
+    ]
 
 
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.

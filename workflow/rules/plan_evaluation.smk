@@ -100,7 +100,7 @@ def final_evaluations(run):
     return [
         (step_name(pick["step"]), v)
         for pick in selected
-        for v in final_variants(pick["guidance"])
+        for v in final_variants(pick["guidance"], pick.get("decay"))
     ]
 
 
@@ -142,6 +142,11 @@ SAMPLER_FLAGS = {
 def get_sample_settings(wildcards):
     """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
     count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
+    decay = protocol.variant_decay(wildcards.variant)
+    if decay is None and CFG.sample.ema_decay is not None:
+        decay = CFG.train.ema_decays[
+            0
+        ]  # the config names decays: each job says which one
     count = count or CFG.sample.num_images
     first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
     # sample.edm values off the paper's defaults: flags, so that changing one resamples (a params change)
@@ -150,8 +155,11 @@ def get_sample_settings(wildcards):
     interval = CFG.to_dict()["sample"]["guidance_interval"]
     if interval is not None and guidance != 1:
         edm_flags += f" --guidance-interval {interval[0]!r} {interval[1]!r}"
-    if get_guide(wildcards):
-        edm_flags += f" --guide {shlex.quote(CFG.sample.guide)}"
+    guide = get_guide(wildcards)
+    if guide:
+        edm_flags += f" --guide {shlex.quote(guide[0])}"
+    if decay is not None:
+        edm_flags += f" --ema-decay {decay!r}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )
@@ -159,9 +167,42 @@ def get_sample_settings(wildcards):
 
 def get_guide(wildcards):
     """sample.guide (autoguidance) for a guided evaluation: an input, so the job waits for it and reruns
-    when it changes; none for guidance 1."""
+    when it changes; none for guidance 1. A step names this run's snapshot there: the job then waits for
+    the segment that writes it (which may still be to train)."""
     _, guidance, _ = protocol.parse_variant(wildcards.variant)
-    return [CFG.sample.guide] if CFG.sample.guide is not None and guidance != 1 else []
+    if CFG.sample.guide is None or guidance == 1:
+        return []
+    if not isinstance(CFG.sample.guide, int):
+        return [CFG.sample.guide]
+    end = next(e for e in SEGMENT_ENDS if e >= CFG.sample.guide)
+    checkpoints.train_segment.get(run=wildcards.run, step=step_name(end))
+    return expand(
+        f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",
+        run=wildcards.run,
+        step=step_name(CFG.sample.guide),
+    )
+
+
+def snapshot_steps_of_run():
+    """Every step this run writes a snapshot at."""
+    return sorted(
+        {
+            s
+            for e in SEGMENT_ENDS
+            for s in drconfig.snapshot_steps(CFG, previous_end(e), e)
+        }
+    )
+
+
+if (
+    isinstance(CFG.sample.guide, int)
+    and CFG.sample.guide not in snapshot_steps_of_run()
+):
+    fail(
+        f"{', '.join(map(str, CONFIG_FILES))}: sample.guide={CFG.sample.guide}: this run writes no snapshot at "
+        f"that step; use one of {snapshot_steps_of_run()[:8]} (segment ends and train.snapshot_every), or a "
+        f"snapshot file"
+    )
 
 
 def get_sample_threads(wildcards, threads):

@@ -5,6 +5,7 @@ Plain Python (no torch), so the Snakefile, `validate` and `report` share one rea
 
 Names of one evaluation (a sample folder and its score file): `step_0000400` plus a variant suffix,
   _ema0.08 a post-hoc EMA reconstruction of that width (sample.phema; none: the training's EMA)
+  _decay0.9999  which of train.ema_decays's EMAs is sampled (sample.ema_decay; none: the first)
   _n50000  the second ("final") pass with fid.final.num_images images (none: sample.num_images)
   _g1.5    classifier-free guidance scale (none: 1)
   _s2      seed set 2 of sample.seed_sets (none: set 0), seeds first_seed + 2 x images + i
@@ -14,7 +15,7 @@ in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1.
 import re
 from pathlib import Path
 
-VARIANT = r"(_ema[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
+VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
 _VARIANT = re.compile(rf"^{VARIANT}\Z")
 STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
 
@@ -29,9 +30,11 @@ BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "
 # Variants
 
 
-def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, ema: float | None = None) -> str:
-    """The suffix of one evaluation's names; "" for the training's EMA, first pass, guidance 1, seed set 0."""
-    return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_n{count}" if count else "")
+def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, ema: float | None = None,
+            decay: float | None = None) -> str:
+    """The suffix of one evaluation's names; "" for the training's first EMA, first pass, guidance 1, seed set 0."""
+    return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_decay{float(decay):g}" if decay is not None else "")
+            + (f"_n{count}" if count else "")
             + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else ""))
 
 
@@ -44,7 +47,7 @@ def _groups(suffix: str):
 
 def parse_variant(suffix: str) -> tuple[int | None, float, int]:
     """(count or None, guidance, seed set) of a variant suffix; ValueError if it is not one."""
-    _, count, guidance, seed_set = _groups(suffix)
+    _, _, count, guidance, seed_set = _groups(suffix)
     return (int(count[2:]) if count else None, float(guidance[2:]) if guidance else 1.0,
             int(seed_set[2:]) if seed_set else 0)
 
@@ -53,6 +56,21 @@ def variant_ema(suffix: str) -> float | None:
     """sigma_rel of a post-hoc EMA variant (_ema0.08...), None for the training's own EMA."""
     ema = _groups(suffix)[0]
     return float(ema[4:]) if ema else None
+
+
+def variant_decay(suffix: str) -> float | None:
+    """The EMA decay a variant samples (_decay0.9999), None for the first of train.ema_decays."""
+    decay = _groups(suffix)[1]
+    return float(decay[6:]) if decay else None
+
+
+def ema_decays(d: dict) -> list[float | None]:
+    """The EMAs the evaluation samples (sample.ema_decay, one or a list), each as its variant names it: None for
+    the first of train.ema_decays (so runs that never set it keep their names), else the decay."""
+    want = d["sample"].get("ema_decay")
+    want = want if isinstance(want, list) else [want]
+    first = float(d["train"]["ema_decays"][0])
+    return [None if x is None or float(x) == first else float(x) for x in want]
 
 
 def first_seed(first: int, num_images: int, seed_set: int) -> int:
@@ -133,15 +151,17 @@ def check_config(d: dict) -> list[tuple[str, str]]:
 
 
 def rank(results: list[dict], best: int) -> list[dict]:
-    """The `best` (step, guidance) pairs with the lowest primary score, averaged over seed sets.
+    """The `best` (step, guidance, EMA decay) evaluations with the lowest primary score, averaged over seed sets.
 
-    results: score records of the first pass, each with step, guidance and the primary metric's value."""
-    by_pair: dict[tuple[int, float], list[float]] = {}
+    results: score records of the first pass, each with step, guidance, decay (None: the first EMA) and the
+    primary metric's value. A pick names its decay only when it is not the first, as its variant does."""
+    by_pair: dict[tuple, list[float]] = {}
     for r in results:
-        by_pair.setdefault((r["step"], r["guidance"]), []).append(r["fid"])
+        by_pair.setdefault((r["step"], r["guidance"], r.get("decay")), []).append(r["fid"])
     mean = {k: sum(v) / len(v) for k, v in by_pair.items() if all(x == x for x in v)}  # NaN scores never win
-    order = sorted(mean, key=lambda k: (mean[k], k))
-    return [{"step": k[0], "guidance": k[1], "score": mean[k]} for k in order[:best]]
+    order = sorted(mean, key=lambda k: (mean[k], k[0], k[1], -1 if k[2] is None else k[2]))
+    return [{"step": k[0], "guidance": k[1], "score": mean[k]} | ({} if k[2] is None else {"decay": k[2]})
+            for k in order[:best]]
 
 
 def first_pass_results(score_files) -> list[dict]:
@@ -160,7 +180,7 @@ def first_pass_results(score_files) -> list[dict]:
         if isinstance(fid, bool) or not isinstance(fid, (int, float)):
             raise UserError(f"{path}: fid={fid!r}: missing or not a number; score that folder again (diffrelay fid)")
         out.append({"step": int(m.group(1)), "guidance": guidance, "seed_set": seed_set,
-                    "metric": rec.get("metric"), "fid": float(fid)})
+                    "decay": variant_decay(m.group(2)), "metric": rec.get("metric"), "fid": float(fid)})
     return out
 
 
@@ -180,5 +200,6 @@ def main_select_best(args) -> int:
     selected = rank(results, args.best)
     io.write_json(args.out, dict(zip(SELECTED_KEYS, (args.best, metrics, selected))))
     for s in selected:
-        log.info(f"second pass: step {s['step']}, guidance {s['guidance']:g} ({', '.join(metrics)} {s['score']:.4g})")
+        ema = f", EMA decay {s['decay']:g}" if "decay" in s else ""
+        log.info(f"second pass: step {s['step']}, guidance {s['guidance']:g}{ema} ({', '.join(metrics)} {s['score']:.4g})")
     return 0

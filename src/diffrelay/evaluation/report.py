@@ -3,9 +3,10 @@
 Example:
   diffrelay report --run-dir results/demo --out results/demo/report
 
-metrics.csv has one row per evaluated (step, phema, guidance, metric); phema is the width of a post-hoc EMA
-reconstruction (sample.phema), empty for the training's own EMA, and phema_error how far its rebuilt profile
-is from that width (relative L2, training/profiles.py). Each extractor of fid.extractors is its own
+metrics.csv has one row per evaluated (step, phema, ema_decay, guidance, metric); phema is the width of a
+post-hoc EMA reconstruction (sample.phema), empty for the training's own EMA, and phema_error how far its
+rebuilt profile is from that width (relative L2, training/profiles.py); ema_decay is the training EMA
+sampled (sample.ema_decay), empty for the first of train.ema_decays. Each extractor of fid.extractors is its own
 metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
 different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
 variant (protocol.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
@@ -32,7 +33,7 @@ from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
-COLUMNS = ["step", "phema", "phema_error", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
+COLUMNS = ["step", "phema", "phema_error", "ema_decay", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
            "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
            "sample_images_per_s", "fid_s"]
 # "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
@@ -81,6 +82,7 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         m = STEP_FILE.match(path.name)
         count, guidance, seed_set = protocol.parse_variant(m.group(2))
         ema = protocol.variant_ema(m.group(2))
+        decay = protocol.variant_decay(m.group(2))
         scores = rec.get("scores", [rec])  # files from before several extractors hold one score at the top
         if not isinstance(scores, list) or not scores or not all(isinstance(r, dict) for r in scores):
             raise UserError(f"{path}: scores={scores!r}: expected a list of results; regenerate it with `diffrelay fid`")
@@ -88,20 +90,22 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
             metric = score.get("metric")
             if not isinstance(metric, str) or not metric:
                 raise UserError(f"{path}: metric={metric!r}: missing; regenerate it with `diffrelay fid`")
-            rows.append({"step": int(m.group(1)), "phema": math.nan if ema is None else ema, "guidance": guidance, "seed_set": seed_set, "metric": metric,
+            rows.append({"step": int(m.group(1)), "phema": math.nan if ema is None else ema,
+                         "ema_decay": math.nan if decay is None else decay, "guidance": guidance, "seed_set": seed_set, "metric": metric,
                          "primary": i == 0, "num_images": _number(rec, "num_images", path, required=False),
                          "fid": _number(score, "fid", path), "kid": _number(score, "kid", path, required=False),
                          "precision": _number(score, "precision", path, required=False),
                          "recall": _number(score, "recall", path, required=False),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
-                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema)}"})
+                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
 
 
 def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
-    """One row per (step, post-hoc EMA width, guidance, metric): mean, standard deviation and minimum over
-    the seed sets. Rows of the training's own EMA have no width (NaN), which must stay a group of its own."""
-    groups = fid.groupby(["step", "phema", "guidance", "metric"], sort=True, dropna=False)
+    """One row per (step, post-hoc EMA width, EMA decay, guidance, metric): mean, standard deviation and minimum
+    over the seed sets. Rows of the training's own (first) EMA have no width or decay (NaN), which must stay a
+    group of its own."""
+    groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "metric"], sort=True, dropna=False)
     out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
                      fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
                      precision=("precision", "mean"), recall=("recall", "mean"), fid_s=("fid_s", "mean"),
@@ -171,7 +175,8 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
         sample_s = sum(m["sample_s"] for m in samples) / len(samples)
         made = sum(m["num_images"] for m in samples) / len(samples)
         rows.append({
-            "step": r.step, "phema": r.phema, "phema_error": samples[0]["phema_error"], "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
+            "step": r.step, "phema": r.phema, "phema_error": samples[0]["phema_error"], "ema_decay": r.ema_decay,
+            "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
             "seed_sets": r.seed_sets, "fid": r.fid, "fid_std": r.fid_std, "fid_min": r.fid_min, "kid": r.kid,
             "precision": r.precision, "recall": r.recall,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
@@ -215,9 +220,11 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
     several_scales = table.guidance.nunique() > 1
     for ax, fam in zip(axes, families):
         part = table[table.metric.map(family) == fam]
-        for (m, g, ema), curve in part.groupby(["metric", "guidance", "phema"], sort=True, dropna=False):
+        for (m, g, ema, decay), curve in part.groupby(["metric", "guidance", "phema", "ema_decay"], sort=True,
+                                                      dropna=False):
             label = m + (f", guidance {g:g}" if several_scales else "")
             label += "" if math.isnan(ema) else f", post-hoc EMA {ema:g}"
+            label += "" if math.isnan(decay) else f", EMA decay {decay:g}"
             if curve.seed_sets.max() > 1:
                 label += f" (mean of {int(curve.seed_sets.max())} seed sets, bars: std)"
             ax.errorbar(curve.step, curve.fid, yerr=curve.fid_std.fillna(0) if curve.seed_sets.max() > 1 else None,
@@ -308,6 +315,7 @@ def main(args) -> int:
         "kid": None if math.isnan(best.kid) else float(best.kid), "seed_sets": int(best.seed_sets),
         "fid_min": float(best.fid_min), "fid_std": None if math.isnan(best.fid_std) else float(best.fid_std),
         "phema": None if math.isnan(best.phema) else float(best.phema),
+        "ema_decay": None if math.isnan(best.ema_decay) else float(best.ema_decay),
         "snapshot": str(run_dir / "snapshots" / (f"step_{int(best.step):07d}.safetensors" if math.isnan(best.phema)
                                                  else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
         "samples": str(run_dir / "samples" / best.grid),

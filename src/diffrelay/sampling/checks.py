@@ -36,6 +36,19 @@ def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
     if gi is not None and (gi[0] >= gi[1] or gi[1] < lo or gi[0] > hi):
         bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{lo}, {hi}] "
                     f"({unit}); e.g. {'[0, 0.7]' if flow else '[0.28, 2.9]'}, or null for every step"))
+    want = s.get("ema_decay")
+    have = [float(x) for x in t["ema_decays"]]
+    for x in want if isinstance(want, list) else [] if want is None else [want]:
+        if s["weights"] == "raw":
+            bad.append((f"sample.ema_decay={x}", "sample.weights is raw, which has no EMA; remove sample.ema_decay "
+                        "or set sample.weights: ema"))
+        elif float(x) not in have:
+            bad.append((f"sample.ema_decay={x}", f"not one of train.ema_decays={have}; choose one of them (a decay "
+                        "the run did not train has no weights)"))
+    g = s.get("guide")
+    if isinstance(g, int) and not isinstance(g, bool) and g > t["total_steps"]:
+        bad.append((f"sample.guide={g}", f"a step past train.total_steps={t['total_steps']}; name a step this run "
+                    "writes a snapshot at, or a snapshot file"))
     cl = s["class_labels"]
     if isinstance(cl, str) and cl != "balanced":
         bad.append((f"sample.class_labels={json.dumps(cl)}", "use balanced or a class index"))

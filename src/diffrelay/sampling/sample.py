@@ -24,11 +24,11 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from diffrelay import config, io, logs, objectives
-from diffrelay.sampling.settings import EDM_FLAGS, PIXEL_KEYS, Settings
+from diffrelay.sampling import settings
+from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
 from diffrelay.sampling import guidance
 from diffrelay.training import checkpoint
-from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
@@ -159,6 +159,11 @@ def is_valid_png(path: Path, shape) -> bool:
         return False
 
 
+def decays(meta: dict) -> list[float]:
+    """train.ema_decays of the run that wrote a snapshot ([] if it does not say)."""
+    return [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
+
+
 def grid_title(meta: dict, s: Settings) -> str:
     """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
     if s.weights == "raw":
@@ -166,8 +171,8 @@ def grid_title(meta: dict, s: Settings) -> str:
     elif "phema" in meta:
         weights = f"post-hoc EMA sigma_rel {meta['phema']['sigma_rel']:g}"
     else:
-        decays = ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []
-        weights = f"EMA {decays[0]:g}" if decays else "EMA"
+        decay = s.ema_decay if s.ema_decay is not None else (decays(meta) or [None])[0]
+        weights = "EMA" if decay is None else f"EMA {decay:g}"
     return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
 
 
@@ -253,7 +258,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     torch.set_num_threads(s.threads)
 
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
-    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg)
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
     shape = tuple(meta["image_shape"])
     class_labels([0], meta, s.class_labels)
     guide = None
@@ -276,6 +281,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["flow"] = s.flow.changed()
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
+    if s.weights == "ema" and checkpoint.ema_index(snapshot, meta, s.ema_decay):  # only then: folders of the
+        key["ema_decay"] = s.ema_decay  # first EMA keep the key they had
     if guide is not None:  # only then: CFG folders keep the key they had
         key["guide_sha256"] = io.sha256_file(s.guide)
     done = up_to_date(out, key)
@@ -359,49 +366,12 @@ def default_settings(**overrides) -> "Settings":
 # Pure helpers: which images, which seeds, which classes
 
 
-def _settings_from_args(args) -> tuple[Settings, dict]:
-    """Config (or schema defaults) overridden by the flags given; cheap checks name the flag."""
-    over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision", "guidance", "guide") if getattr(args, k, None) is not None}
-    for name, v in over.items():
-        low = 0 if name == "first_seed" else 1
-        if name == "guide":
-            continue
-        if isinstance(v, int) and v < low:
-            raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
-    if not math.isfinite(over.get("guidance", 1)) or over.get("guidance", 1) < 0:
-        raise UserError(f"--guidance={over['guidance']}: must be a finite number, 0 or more (1 = off)")
-    if args.class_labels is not None:
-        cl = args.class_labels.strip()
-        if cl != "balanced" and not cl.isdigit():
-            raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
-        over["class_labels"] = cl if cl == "balanced" else int(cl)
-    cfg = config.load(args.config).to_dict() if args.config else config.validate({})
-    if "guidance" in over:
-        cfg["sample"]["guidance"] = over["guidance"]
-    flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
-    flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step")
-                  if getattr(args, f"flow_{k}", None) is not None}
-    if flow_flags:
-        cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
-    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None:
-        # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
-        cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
-        if getattr(args, "guidance_interval", None) is not None:
-            cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
-        cfg = config.validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
-    s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
-    if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
-        raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "
-                        f"seed {MAX_SEED}; use a smaller one")
-    return s, cfg["run"]
-
-
 def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
-    s, run_cfg = _settings_from_args(args)
-    model_cfg = config.load(args.config).to_dict()["model"] if args.config else None
+    cfg = config.load(args.config).to_dict() if args.config else config.validate({})
+    s, run_cfg = settings.from_args(args, cfg, config.validate)
+    model_cfg = cfg["model"] if args.config else None
     run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
         run_cfg["resources"])
     return 0

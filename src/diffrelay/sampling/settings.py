@@ -4,13 +4,16 @@ Imports the base modules and objectives (each objective's sampler settings).
 """
 
 import dataclasses
+import math
+from pathlib import Path
 
+from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 from diffrelay.objectives.edm import SamplerSettings
 from diffrelay.objectives.flow import SamplerSettings as FlowSamplerSettings
 
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
-              "guidance")
+              "guidance")  # and ema_decay, guide_sha256, edm, flow, guidance_interval where not the default
 # sample.edm keys and their `diffrelay sample` flags (argparse attribute names).
 EDM_FLAGS = {"sigma_min": "sigma_min", "sigma_max": "sigma_max", "rho": "rho", "S_churn": "s_churn",
              "S_min": "s_min", "S_max": "s_max", "S_noise": "s_noise"}
@@ -35,6 +38,7 @@ class Settings:
     guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
     guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
+    ema_decay: float | None = None  # which of train.ema_decays's EMAs; None = the first
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
@@ -48,4 +52,59 @@ class Settings:
                 raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
             values["guidance"] = g[0]
         values["guidance"] = float(values["guidance"])
+        d = values["ema_decay"]
+        if isinstance(d, list):  # a sweep: the workflow passes one value a job with --ema-decay
+            if len(d) > 1:
+                raise UserError(f"sample.ema_decay={d}: a list; pass one value with --ema-decay")
+            d = d[0]
+        values["ema_decay"] = None if d is None else float(d)
         return cls(**values)
+
+
+def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
+    """`cfg` (the run's config, or the schema defaults) overridden by the flags given; cheap checks name the flag.
+    validate: config.validate, to check the flags like the config file's values."""
+    over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
+                                          "weights", "precision", "guidance", "guide", "ema_decay")
+            if getattr(args, k, None) is not None}
+    for name, v in over.items():
+        low = 0 if name == "first_seed" else 1
+        if name in ("guide", "ema_decay"):
+            continue
+        if isinstance(v, int) and v < low:
+            raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
+    if not math.isfinite(over.get("guidance", 1)) or over.get("guidance", 1) < 0:
+        raise UserError(f"--guidance={over['guidance']}: must be a finite number, 0 or more (1 = off)")
+    if not 0 < over.get("ema_decay", 0.5) < 1:
+        raise UserError(f"--ema-decay={over['ema_decay']}: a decay lies between 0 and 1; give one of train.ema_decays")
+    if args.class_labels is not None:
+        cl = args.class_labels.strip()
+        if cl != "balanced" and not cl.isdigit():
+            raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
+        over["class_labels"] = cl if cl == "balanced" else int(cl)
+    if "guidance" in over:
+        cfg["sample"]["guidance"] = over["guidance"]
+    if "ema_decay" in over:
+        cfg["sample"]["ema_decay"] = over["ema_decay"]
+    flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
+    flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step")
+                  if getattr(args, f"flow_{k}", None) is not None}
+    if flow_flags:
+        cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
+    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None:
+        # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
+        cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
+        if getattr(args, "guidance_interval", None) is not None:
+            cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
+        cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
+    if isinstance(cfg["sample"]["guide"], int) and "guide" not in over:
+        # A step: this run's snapshot there (the workflow passes the path; this serves a hand-run with --config).
+        step = cfg["sample"]["guide"]
+        cfg["sample"]["guide"] = str(Path(cfg["run"]["results"]) / cfg["run"]["name"] / "snapshots" / f"step_{step:07d}.safetensors")
+    s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
+    if s.ema_decay is not None and s.weights == "raw":
+        raise UserError(f"--ema-decay={s.ema_decay:g}: with --weights raw there is no EMA to choose; drop one of them")
+    if s.first_seed + s.num_images - 1 > MAX_SEED:  # before any folder exists: a seed too large for numpy/torch
+        raise UserError(f"--first-seed={s.first_seed}: with {s.num_images} images the last seed passes the largest "
+                        f"seed {MAX_SEED}; use a smaller one")
+    return s, cfg["run"]

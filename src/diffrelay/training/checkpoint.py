@@ -170,10 +170,33 @@ def read_signed(path, fmt: str, what: str, fix: str) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict) -> Path:
-    """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ..."""
+def ema_prefix(index: int) -> str:
+    """Key prefix of the EMA of train.ema_decays[index]: `ema.` for the first (the one sampled by default, and
+    the only one a snapshot held before every EMA was kept), `ema1.`, `ema2.`, ... for the others."""
+    return "ema." if index == 0 else f"ema{index}."
+
+
+def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict, more_emas: tuple = ()) -> Path:
+    """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ...
+    more_emas: the EMAs of the second, third, ... of train.ema_decays (none: a file as before they were kept)."""
     tensors = {f"ema.{k}": v for k, v in ema_state.items()} | {f"raw.{k}": v for k, v in raw_state.items()}
+    for i, state in enumerate(more_emas, start=1):
+        tensors |= {f"{ema_prefix(i)}{k}": v for k, v in state.items()}
     return write_signed(path, tensors, {"format": SNAPSHOT_FORMAT, **meta})
+
+
+def ema_index(path, meta: dict, decay: float | None) -> int:
+    """Where train.ema_decays holds `decay` (None: the first), or one line naming the decays there are."""
+    if decay is None:
+        return 0
+    if "phema" in meta:
+        raise UserError(f"{path}: a post-hoc EMA reconstruction holds one EMA (sigma_rel "
+                        f"{meta['phema'].get('sigma_rel')}); sample it without sample.ema_decay (--ema-decay)")
+    decays = [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
+    if float(decay) not in decays:
+        raise UserError(f"sample.ema_decay={decay:g} (--ema-decay): {path} was trained with train.ema_decays="
+                        f"{decays}; choose one of those")
+    return decays.index(float(decay))
 
 
 def read_snapshot(path) -> tuple[dict, dict]:
@@ -197,8 +220,9 @@ def same_network(recorded: dict, wanted: dict) -> str | None:
     return None
 
 
-def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None):
-    """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off.
+def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None, decay: float | None = None):
+    """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off. `decay` picks which of
+    train.ema_decays's EMAs (None: the first) when weights is ema.
 
     The network is the one `model_cfg` (the run config's `model` section) names; a snapshot recording
     another is refused. Without a config only a built-in arch is built from the snapshot's record, so
@@ -219,8 +243,11 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
             raise UserError(f"{path}: made by a different network (model.{key}={json.dumps(recorded.get(key))} "
                             f"in the snapshot, {json.dumps(model_cfg.get(key))} in the config); "
                             "sample it with the config it was trained with")
-    prefix = weights + "."
+    prefix = ema_prefix(ema_index(path, meta, decay)) if weights == "ema" else "raw."
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not state and prefix not in ("ema.", "raw."):
+        raise UserError(f"{path}: holds only the EMA of the first of train.ema_decays (written before snapshots "
+                        f"kept every EMA); sample it without sample.ema_decay, or train again to get the others")
     if not state:
         raise UserError(f"{path}: holds no {weights} weights (a post-hoc EMA reconstruction has ema only); "
                         "sample it with --weights ema")

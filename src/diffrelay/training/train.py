@@ -367,7 +367,9 @@ def _stop_diverged(run_dir, step, st, save, metrics_path) -> None:
 
 def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:
     path = run_dir / "snapshots" / f"{checkpoint.step_name(step)}.safetensors"
-    checkpoint.save_snapshot(path, ema.nets[0].state_dict(), net.state_dict(), _meta(cfg, step, data, traj))
+    # Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as it was.
+    checkpoint.save_snapshot(path, ema.nets[0].state_dict(), net.state_dict(), _meta(cfg, step, data, traj),
+                             [e.state_dict() for e in ema.nets[1:]])
 
 
 def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:
