@@ -135,6 +135,8 @@ def test_an_ema_decay_the_run_does_not_train_or_a_guide_step_past_the_end_is_one
 
     with pytest.raises(UserError, match=r"sample.ema_decay=0.99: not one of train.ema_decays=\[0.999\]"):
         config.validate({"sample": {"ema_decay": [0.999, 0.99]}})
+    with pytest.raises(UserError, match="sample.ema_decay=0.9999999: more than 6 significant digits"):
+        config.validate({"train": {"ema_decays": [0.999, 0.9999999]}, "sample": {"ema_decay": [0.9999999]}})
     with pytest.raises(UserError, match="sample.ema_decay=0.999: sample.weights is raw"):
         config.validate({"sample": {"ema_decay": 0.999, "weights": "raw"}})
     with pytest.raises(UserError, match="sample.guide=99999999: a step past train.total_steps"):

@@ -44,6 +44,96 @@ def test_dit_parameter_counts_match_the_paper_within_one_percent(size, paper):
     assert abs(n - paper) / paper < 0.01, (size, n)
 
 
+@pytest.mark.parametrize("size, published", [("S", 32_963_360), ("B", 130_512_416), ("L", 458_102_816),
+                                             ("XL", 675_129_632)])
+def test_dit_with_learned_sigma_has_exactly_the_published_parameter_count(size, published):
+    """DiT's count (its README: DiT-XL/2 675,129,632 at 4x32x32, 1000 classes) has the learned-sigma output (8
+    channels) and the fixed position table, which DiT stores as a frozen parameter."""
+    with torch.device("meta"):
+        net = dit.build(32, 4, 1000, size=size, patch=2, out_channels=8)
+    assert registry.num_params(net) == published
+    assert registry.num_params(net) - sum(p.numel() for p in net.parameters()) == 256 * dit.SIZES[size][1]
+
+
+def test_dit_position_table_puts_the_column_first_as_dit_does():
+    """Restated: token k = (row i, column j) of a g x g grid, omega_m = 10000^(-m / (D/4)); features
+    [sin(j w), cos(j w), sin(i w), cos(i w)] (DiT's meshgrid puts the width coordinate first)."""
+    g, d = 5, 16
+    table = dit._sincos_2d(g, d).double()
+    omega = 10000.0 ** (-torch.arange(d // 4, dtype=torch.float64) / (d // 4))
+    for k in range(g * g):
+        i, j = divmod(k, g)
+        want = torch.cat([torch.sin(j * omega), torch.cos(j * omega), torch.sin(i * omega), torch.cos(i * omega)])
+        torch.testing.assert_close(table[k], want.float().double(), rtol=0, atol=0)
+    rows = dit._sincos_2d(g, d, columns_first=False)
+    assert torch.equal(rows, torch.cat([table[:, d // 2:], table[:, :d // 2]], dim=1).float())
+
+
+def test_dit_starts_as_dit_initialises():
+    torch.manual_seed(0)
+    net = dit.build(16, 3, 1000, depth=2, hidden_size=256, num_heads=4)
+    assert 0.018 < float(net.class_emb.weight.detach().std()) < 0.022  # not nn.Embedding's N(0, 1)
+    assert 0.018 < float(net.noise_emb.mlp[0].weight.detach().std()) < 0.022
+    zero = [net.ada_out, net.out, *[b.ada for b in net.blocks]]
+    assert all(not layer.weight.any() and not layer.bias.any() for layer in zero)
+    fan = net.blocks[0].qkv.weight.shape
+    bound = (6 / (fan[0] + fan[1])) ** 0.5  # xavier-uniform
+    assert float(net.blocks[0].qkv.weight.detach().abs().max()) <= bound and not net.blocks[0].qkv.bias.any()
+    assert float(net.blocks[0].qkv.weight.detach().abs().max()) > 0.9 * bound
+
+
+def test_dit_learned_sigma_layout_returns_the_first_half_and_loads_dits_names():
+    """out_channels 2C: the output layer's rows are (p, q, channel), channel fastest; dropping the rows of
+    channels C..2C-1 gives the C-channel network, whose output is what the 2C one returns. DiT's own
+    state-dict names (written out here) load through official_keys."""
+    torch.manual_seed(0)
+    big = dit.build(8, 3, 4, patch=2, depth=1, hidden_size=32, num_heads=2, out_channels=6)
+    with torch.no_grad():
+        for p in big.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    small = dit.build(8, 3, 4, patch=2, depth=1, hidden_size=32, num_heads=2)
+    keep = torch.tensor([r for r in range(2 * 2 * 6) if r % 6 < 3])
+    state = big.state_dict() | {"out.weight": big.out.weight[keep], "out.bias": big.out.bias[keep]}
+    small.load_state_dict(state)
+    x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([0.1, -0.4]), torch.tensor([1, 4])
+    assert torch.equal(big(x, t, y), small(x, t, y)) and big(x, t, y).shape == (2, 3, 8, 8)
+    rename = {"embed": "x_embedder.proj", "noise_emb.mlp": "t_embedder.mlp", "class_emb": "y_embedder.embedding_table",
+              "out": "final_layer.linear", "ada_out": "final_layer.adaLN_modulation.1",
+              "blocks.0.qkv": "blocks.0.attn.qkv", "blocks.0.proj": "blocks.0.attn.proj",
+              "blocks.0.mlp.0": "blocks.0.mlp.fc1", "blocks.0.mlp.2": "blocks.0.mlp.fc2",
+              "blocks.0.ada": "blocks.0.adaLN_modulation.1"}
+    theirs = {"pos_embed": big.pos.clone()}
+    for k, v in big.state_dict().items():
+        prefix = max((p for p in rename if k.startswith(p + ".")), key=len)
+        theirs[rename[prefix] + k[len(prefix):]] = v
+    assert "blocks.0.attn.qkv.weight" in theirs and "y_embedder.embedding_table.weight" in theirs
+    again = dit.build(8, 3, 4, patch=2, depth=1, hidden_size=32, num_heads=2, out_channels=6)
+    again.load_state_dict(dit.official_keys(theirs))  # strict: every key, none left over
+    assert torch.equal(again(x, t, y), big(x, t, y))
+    with pytest.raises(ValueError, match="out_channels=5: 3 .* or 6"):
+        dit.build(8, 3, 4, depth=1, hidden_size=32, num_heads=2, out_channels=5)
+
+
+def test_a_dit_snapshot_from_before_dit_layout_2_samples_with_its_own_rows_first_table(tmp_path):
+    """Snapshots record dit_layout; one without it was trained with the rows-first table and loads with it,
+    so runs made before keep sampling what they trained. A DiT run's identity names its layout."""
+    d = config.validate({"data": {"resolution": 16}, "model": TINY_DIT | {"class_conditional": True}})
+    assert config.trajectory(d)["model"]["dit_layout"] == nets.DIT_LAYOUT
+    assert "dit_layout" not in config.trajectory(config.validate({}))["model"]  # UNet runs keep their hash
+    torch.manual_seed(0)
+    net = edm.build(d["model"], 16, 3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    meta = {"step": 1, "model": d["model"], "config": d, "image_shape": [3, 16, 16], "num_classes": 3,
+            "class_names": ["a", "b", "c"]}
+    old = checkpoint.save_snapshot(tmp_path / "old.safetensors", net.state_dict(), {}, meta)
+    new = checkpoint.save_snapshot(tmp_path / "new.safetensors", net.state_dict(), {}, meta | {"dit_layout": 2})
+    assert checkpoint.load_snapshot(new)[0].net.pos.equal(net.net.pos)
+    legacy = checkpoint.load_snapshot(old)[0].net
+    assert torch.equal(legacy.pos[0], dit._sincos_2d(4, 32, columns_first=False)) and not legacy.pos.equal(net.net.pos)
+
+
 def test_unet_cifar10_preset_is_the_size_of_edms_cifar10_network():
     model = config.validate({"data": {"resolution": 32}, "model": {"kwargs": {"preset": "cifar10"},
                                                                    "class_conditional": True}})["model"]

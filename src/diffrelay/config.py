@@ -341,6 +341,8 @@ def _trajectory_of(d: dict) -> dict:
         del train["total_steps"]
     data = {k: v for k, v in d["data"].items() if k not in _NOT_PIXELS}
     model = dict(d["model"])
+    if model.get("arch") == "dit":  # a checkpoint of the earlier DiT is another run (nets.DIT_LAYOUT)
+        model["dit_layout"] = nets.DIT_LAYOUT
     # The objective's keys apply to its runs only; EDM runs read as they did before objectives existed.
     if model.pop("objective", "edm") == "flow":
         # EDM's noise-level keys do not apply: reset to their defaults (not dropped, so a record of this run

@@ -143,10 +143,6 @@ def get_sample_settings(wildcards):
     """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
     count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
     decay = protocol.variant_decay(wildcards.variant)
-    if decay is None and CFG.sample.ema_decay is not None:
-        decay = CFG.train.ema_decays[
-            0
-        ]  # the config names decays: each job says which one
     count = count or CFG.sample.num_images
     first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
     # sample.edm values off the paper's defaults: flags, so that changing one resamples (a params change)

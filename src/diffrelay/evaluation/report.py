@@ -231,6 +231,7 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
                         marker="o", capsize=3, label=label, linestyle="-" if len(curve) > 1 else "none")
         if fam == family(best.metric):
             at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
+            at += "" if math.isnan(best.ema_decay) else f", EMA decay {best.ema_decay:g}"
             ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
                     label=f"best {best.metric}: {best.fid:.4g} at {at}")
         ax.set(ylabel=fam.split(" ")[0])

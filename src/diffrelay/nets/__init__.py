@@ -23,6 +23,10 @@ Imports the base modules only (errors).
 import difflib
 
 BUILTIN = ("unet", "dit")
+# The DiT as checked against DiT's code (columns-first position table, DiT's initialisation). Part of a DiT
+# run's identity and recorded in its snapshots as dit_layout; files without it were made by layout 1 (rows
+# first), which still loads them (pos_order rows) but trains no further.
+DIT_LAYOUT = 2
 UNET_SETTINGS = ("channels", "channel_mult", "num_blocks", "attn_resolutions", "dropout")
 # Named UNet settings. cifar10 has the shape of EDM's CIFAR-10 network (DDPM++, about 56 M parameters):
 # 128 channels, multipliers [2, 2, 2], 4 blocks a level, attention at 16x16.
@@ -36,7 +40,8 @@ UNET_PRESETS = {
 # them against unet.build/UNet and dit.build/DiT), so a typo in model.kwargs is caught without torch.
 BUILTIN_KWARGS = {
     "unet": ("preset", *UNET_SETTINGS),
-    "dit": ("size", "patch", "depth", "hidden_size", "num_heads", "mlp_ratio", "out_channels"),
+    "dit": ("size", "patch", "depth", "hidden_size", "num_heads", "mlp_ratio", "out_channels", "time_scale",
+            "pos_order"),
 }
 CONTRACT = ("resolution", "in_channels", "num_classes")
 

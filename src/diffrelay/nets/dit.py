@@ -1,7 +1,17 @@
 """Diffusion Transformer (Peebles & Xie 2023): patches as tokens, adaLN-Zero blocks, a learned class table.
 
-Written for diffrelay from the paper's description. Sizes S/B/L/XL and patch sizes 2/4/8 are presets;
-`depth`, `hidden_size` and `num_heads` may be given instead of `size` for small models.
+Written for diffrelay from the paper and checked number for number against facebookresearch/DiT's models.py
+(benchmarks/check_dit_equivalence.py): the same computation, fixed 2-D sine/cosine position table (columns
+first), initialisation (xavier-uniform linears, class table and time MLP N(0, 0.02^2), adaLN and output at
+zero) and, with `out_channels` = 2 x in_channels, DiT's learned-sigma output layout. diffrelay's objectives
+predict no variance: those extra channels are computed (so DiT's checkpoints load and count as published) and
+dropped. `official_keys` maps DiT's state-dict names onto these modules. Sizes S/B/L/XL and patch sizes 2/4/8
+are presets; `depth`, `hidden_size` and `num_heads` may be given instead of `size` for small models.
+
+The time input is multiplied by `time_scale` before the sinusoids: 1000 (the default) for EDM's c_noise =
+ln(sigma)/4 and flow's t in [0, 1]; 1 gives DiT's own embedding of its integer timesteps (and SiT's of t).
+`pos_order: rows` is the table diffrelay's DiT had before it was checked (rows first); snapshots written
+then record no `dit_layout` and load with it (checkpoint.load_snapshot), new runs never use it.
 """
 
 import math
@@ -23,8 +33,10 @@ def _modulate(x, shift, scale):  # x (B, N, D); shift, scale (B, D)
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
-    """Fixed 2-D sine/cosine position table (grid*grid, dim): half the features for rows, half for columns."""
+def _sincos_2d(grid: int, dim: int, columns_first: bool = True) -> torch.Tensor:
+    """Fixed 2-D sine/cosine position table (grid*grid, dim), tokens row by row: the first half of the features
+    encodes the token's column and the second its row, as DiT's get_2d_sincos_pos_embed (its meshgrid puts
+    the width coordinate first); each half is sin then cos of position x 10000^(-k / (dim/4))."""
     quarter = dim // 4
     omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
     pos = torch.arange(grid, dtype=torch.float64)
@@ -32,21 +44,24 @@ def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
     axis = torch.cat([ang.sin(), ang.cos()], dim=1)  # (grid, dim/2)
     rows = axis[:, None, :].expand(grid, grid, -1)
     cols = axis[None, :, :].expand(grid, grid, -1)
-    return torch.cat([rows, cols], dim=-1).reshape(grid * grid, dim).float()
+    halves = [cols, rows] if columns_first else [rows, cols]
+    return torch.cat(halves, dim=-1).reshape(grid * grid, dim).float()
 
 
 class NoiseEmbedder(nn.Module):
     """Scalar noise condition -> sinusoidal features -> MLP to the hidden size."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, time_scale: float = 1000.0):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(FREQ_DIM, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.time_scale = float(time_scale)
 
     def forward(self, c_noise):  # (B,) -> (B, hidden)
         half = FREQ_DIM // 2
         freqs = torch.exp(-math.log(10000) * torch.arange(half, device=c_noise.device, dtype=torch.float32) / half)
         # EDM's c_noise = ln(sigma)/4 spans about [-1.6, 1.1]; stretch it so the slow frequencies still vary.
-        x = (c_noise.float() * 1000)[:, None] * freqs[None]
+        t = c_noise.float() if self.time_scale == 1 else c_noise.float() * self.time_scale
+        x = t[:, None] * freqs[None]
         return self.mlp(torch.cat([x.cos(), x.sin()], dim=1).to(self.mlp[0].weight.dtype))
 
 
@@ -78,26 +93,52 @@ class Block(nn.Module):
 
 
 class DiT(nn.Module):
-    """F(x, c_noise, labels) -> same shape as x (out_channels = in_channels unless asked otherwise)."""
+    """F(x, c_noise, labels) -> same shape as x. out_channels: in_channels, or twice that for DiT's learned-sigma
+    layout, whose second half (the variance) is computed and dropped."""
 
     def __init__(self, resolution: int, in_channels: int, num_classes: int, patch: int = 2, depth: int = 12,
-                 hidden_size: int = 384, num_heads: int = 6, mlp_ratio: float = 4.0, out_channels: int | None = None):
+                 hidden_size: int = 384, num_heads: int = 6, mlp_ratio: float = 4.0, out_channels: int | None = None,
+                 time_scale: float = 1000.0, pos_order: str = "columns"):
         super().__init__()
         if resolution % patch:
             raise ValueError(f"patch={patch} does not divide the resolution {resolution}")
         if hidden_size % num_heads or hidden_size % 4:
             raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_heads={num_heads} and of 4")
+        if out_channels not in (None, in_channels, 2 * in_channels):
+            raise ValueError(f"out_channels={out_channels}: {in_channels} (the image's channels) or "
+                             f"{2 * in_channels} (DiT's learned-sigma layout)")
+        if pos_order not in ("columns", "rows"):
+            raise ValueError(f"pos_order={pos_order!r}: columns (DiT's) or rows (diffrelay's DiT before dit_layout 2)")
         self.patch, self.out_channels, self.grid = patch, out_channels or in_channels, resolution // patch
+        self.in_channels = in_channels
         self.embed = nn.Conv2d(in_channels, hidden_size, patch, stride=patch)
-        self.register_buffer("pos", _sincos_2d(self.grid, hidden_size)[None], persistent=False)
-        self.noise_emb = NoiseEmbedder(hidden_size)
+        self.register_buffer("pos", _sincos_2d(self.grid, hidden_size, pos_order == "columns")[None], persistent=False)
+        # DiT keeps this fixed table as a frozen parameter and counts it (registry.num_params adds it).
+        self.fixed_parameters = self.pos.numel()
+        self.noise_emb = NoiseEmbedder(hidden_size, time_scale)
         # Row `num_classes` is the null class that label dropout trains and guidance samples with.
         self.class_emb = nn.Embedding(num_classes + 1, hidden_size) if num_classes else None
         self.blocks = nn.ModuleList(Block(hidden_size, num_heads, mlp_ratio) for _ in range(depth))
         self.norm_out = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.ada_out = nn.Linear(hidden_size, 2 * hidden_size)
         self.out = nn.Linear(hidden_size, patch * patch * self.out_channels)
-        for layer in (self.ada_out, self.out):  # the output starts at zero, like the UNet's last conv
+        self._init_weights()
+
+    def _init_weights(self):
+        """DiT's initialize_weights: xavier-uniform linears and patch projection (as a linear) with zero biases,
+        class table and time MLP weights N(0, 0.02^2), every adaLN layer and the output layer at zero (each
+        block starts as the identity and the network's output at zero)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.xavier_uniform_(self.embed.weight.view(self.embed.weight.shape[0], -1))
+        nn.init.zeros_(self.embed.bias)
+        if self.class_emb is not None:
+            nn.init.normal_(self.class_emb.weight, std=0.02)
+        nn.init.normal_(self.noise_emb.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.noise_emb.mlp[2].weight, std=0.02)
+        for layer in [b.ada for b in self.blocks] + [self.ada_out, self.out]:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
@@ -113,7 +154,8 @@ class DiT(nn.Module):
         for block in self.blocks:
             h = block(h, cond)
         shift, scale = self.ada_out(F.silu(cond)).chunk(2, dim=1)
-        return self.unpatchify(self.out(_modulate(self.norm_out(h), shift, scale)))
+        out = self.unpatchify(self.out(_modulate(self.norm_out(h), shift, scale)))
+        return out[:, :self.in_channels] if self.out_channels != self.in_channels else out
 
 
 def build(resolution: int, in_channels: int, num_classes: int, size: str | None = None, patch: int = 2,
@@ -125,3 +167,24 @@ def build(resolution: int, in_channels: int, num_classes: int, size: str | None 
         depth, hidden, heads = SIZES[size]
         kwargs = {"depth": depth, "hidden_size": hidden, "num_heads": heads} | kwargs
     return DiT(resolution, in_channels, num_classes, patch=patch, **kwargs)
+
+
+# DiT's state-dict names (facebookresearch/DiT models.py) -> these modules'; pos_embed is the fixed table.
+_OFFICIAL = [("x_embedder.proj.", "embed."), ("t_embedder.mlp.", "noise_emb.mlp."),
+             ("y_embedder.embedding_table.", "class_emb."), ("final_layer.linear.", "out."),
+             ("final_layer.adaLN_modulation.1.", "ada_out."), (".attn.qkv.", ".qkv."), (".attn.proj.", ".proj."),
+             (".mlp.fc1.", ".mlp.0."), (".mlp.fc2.", ".mlp.2."), (".adaLN_modulation.1.", ".ada.")]
+
+
+def official_keys(state: dict) -> dict:
+    """A state dict in DiT's own layout, renamed to this module's (its fixed pos_embed left out)."""
+    out = {}
+    for key, value in state.items():
+        if key == "pos_embed":
+            continue
+        for theirs, ours in _OFFICIAL:
+            if key.startswith(theirs) or (theirs.startswith(".") and theirs in key):
+                key = key.replace(theirs, ours, 1)
+                break
+        out[key] = value
+    return out

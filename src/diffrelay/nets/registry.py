@@ -177,7 +177,8 @@ def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, nu
 
 
 def num_params(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
+    """Parameters as the papers count them: DiT counts its fixed position table (a frozen parameter there)."""
+    return sum(p.numel() for p in net.parameters()) + sum(getattr(m, "fixed_parameters", 0) for m in net.modules())
 
 
 def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None) -> None:

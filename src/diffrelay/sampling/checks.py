@@ -42,6 +42,9 @@ def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
         if s["weights"] == "raw":
             bad.append((f"sample.ema_decay={x}", "sample.weights is raw, which has no EMA; remove sample.ema_decay "
                         "or set sample.weights: ema"))
+        elif float(f"{float(x):g}") != float(x):
+            bad.append((f"sample.ema_decay={x}", "more than 6 significant digits, which an evaluation's name "
+                        "(_decay<d>) cannot tell apart; use a decay of at most 6 digits, e.g. 0.9999"))
         elif float(x) not in have:
             bad.append((f"sample.ema_decay={x}", f"not one of train.ema_decays={have}; choose one of them (a decay "
                         "the run did not train has no weights)"))

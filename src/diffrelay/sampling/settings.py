@@ -52,12 +52,9 @@ class Settings:
                 raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
             values["guidance"] = g[0]
         values["guidance"] = float(values["guidance"])
-        d = values["ema_decay"]
-        if isinstance(d, list):  # a sweep: the workflow passes one value a job with --ema-decay
-            if len(d) > 1:
-                raise UserError(f"sample.ema_decay={d}: a list; pass one value with --ema-decay")
-            d = d[0]
-        values["ema_decay"] = None if d is None else float(d)
+        # sample.ema_decay lists the workflow's evaluations; each job that samples another EMA than the first
+        # says so with --ema-decay (a post-hoc EMA reconstruction, or the first EMA, has no flag to pass).
+        values["ema_decay"] = None
         return cls(**values)
 
 
@@ -84,8 +81,6 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         over["class_labels"] = cl if cl == "balanced" else int(cl)
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
-    if "ema_decay" in over:
-        cfg["sample"]["ema_decay"] = over["ema_decay"]
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
     flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step")
                   if getattr(args, f"flow_{k}", None) is not None}

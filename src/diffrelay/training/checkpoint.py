@@ -251,6 +251,9 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
     if not state:
         raise UserError(f"{path}: holds no {weights} weights (a post-hoc EMA reconstruction has ema only); "
                         "sample it with --weights ema")
+    if model_cfg.get("arch") == "dit" and "dit_layout" not in meta:
+        # Written by diffrelay's DiT before it matched DiT's (rows-first position table): its own network.
+        model_cfg = model_cfg | {"kwargs": {**(model_cfg.get("kwargs") or {}), "pos_order": "rows"}}
     _, h, w = meta["image_shape"]
     net = objectives.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
     net.load_state_dict(state)

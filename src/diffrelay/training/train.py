@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import config, io, logs, preflight
+from diffrelay import config, io, logs, nets, preflight
 from diffrelay.data import augment, datasets, loader
 from diffrelay import objectives
 from diffrelay.runtime import distributed, speed
@@ -102,7 +102,7 @@ def _meta(cfg, step, data, traj) -> dict:
     return {"step": step, "trajectory": traj, "config": cfg.to_dict(), "model": cfg.to_dict()["model"],
             "image_shape": [3, data.resolution, data.resolution], "num_classes": data.num_classes,
             "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint,
-            "draws": loader.DRAWS_VERSION}
+            "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch == "dit" else {})
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:

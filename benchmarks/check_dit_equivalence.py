@@ -1,0 +1,115 @@
+"""Our DiT (diffrelay.nets.dit) against facebookresearch/DiT's models.py, on the same weights.
+
+  pip install --no-deps timm   # DiT's models.py imports PatchEmbed, Attention and Mlp from it
+  python benchmarks/check_dit_equivalence.py --dit-src /tmp/DiT
+
+--dit-src is a checkout of github.com/facebookresearch/DiT; its models.py is imported from there at run time
+and nothing of it enters the package. For each case the official DiT is built with its own initialisation,
+every parameter (its zero-initialised adaLN and output layers too) is then moved by seeded noise so that all
+of them matter, and its state dict is loaded into ours through dit.official_keys. Both get the same inputs:
+latents, integer timesteps (DiT's own; ours with time_scale 1) and labels, the null class among them.
+
+Cases (max abs difference of the outputs, eval mode):
+  tiny-learned-sigma:  depth 2, width 64, 4 heads, patch 2, 8x8x4 input, 10 classes, learn_sigma (the eps half:
+                       ours drops the variance half; the variance half is compared through our unpatchified
+                       full output too)
+  tiny-patch4-fixed:   patch 4, 16x16x3 input, learn_sigma off
+(float32 only: DiT's timestep_embedding casts to float32, so its network cannot run in float64.)
+  position table:      ours against DiT's get_2d_sincos_pos_embed, 16x16 grid, width 1152
+  parameter counts:    S/2, B/2, L/2, XL/2 at 32x32x4 with 1000 classes, both counted the same way
+Writes benchmarks/results/dit_equivalence.json. Not a test: CI cannot fetch the official sources.
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from diffrelay.nets import dit, registry
+
+HERE = Path(__file__).resolve().parent
+
+
+def official(src: Path):
+    sys.path.insert(0, str(src.resolve()))
+    import models  # noqa: PLC0415 -- DiT's models.py, from --dit-src
+
+    return models
+
+
+def pair(models, *, input_size, in_channels, patch, depth, hidden, heads, classes, learn_sigma, dtype):
+    torch.manual_seed(0)
+    theirs = models.DiT(input_size=input_size, patch_size=patch, in_channels=in_channels, hidden_size=hidden,
+                        depth=depth, num_heads=heads, num_classes=classes, learn_sigma=learn_sigma).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.requires_grad:  # not pos_embed, the fixed table
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    ours = dit.DiT(input_size, in_channels, classes, patch=patch, depth=depth, hidden_size=hidden, num_heads=heads,
+                   out_channels=2 * in_channels if learn_sigma else in_channels, time_scale=1).eval()
+    ours.load_state_dict(dit.official_keys(theirs.state_dict()))
+    return theirs.to(dtype), ours.to(dtype)
+
+
+def compare(models, dtype=torch.float32, **kw) -> dict:
+    theirs, ours = pair(models, dtype=dtype, **kw)
+    g = torch.Generator().manual_seed(2)
+    n = 6
+    x = torch.randn(n, kw["in_channels"], kw["input_size"], kw["input_size"], generator=g).to(dtype)
+    t = torch.tensor([0, 1, 17, 250, 500, 999])  # DiT's integer timesteps
+    y = torch.tensor([0, 3, kw["classes"], 7, kw["classes"], 9])  # the null class (label dropout's) twice
+    with torch.no_grad():
+        want = theirs(x, t, y)
+        got = ours(x, t.to(dtype), y)
+        # The full output (both halves of the learned-sigma layout), before ours drops the variance half.
+        h = ours.embed(x).flatten(2).transpose(1, 2) + ours.pos.to(dtype)
+        cond = ours.noise_emb(t.to(dtype)).to(dtype) + ours.class_emb(y)
+        for block in ours.blocks:
+            h = block(h, cond)
+        shift, scale = ours.ada_out(torch.nn.functional.silu(cond)).chunk(2, dim=1)
+        full = ours.unpatchify(ours.out(dit._modulate(ours.norm_out(h), shift, scale)))
+    return {"output_shape": list(want.shape), "max_abs_output": float(want.abs().max()),
+            "max_abs_diff": float((got - want[:, :kw["in_channels"]]).abs().max()),
+            "max_abs_diff_full_output": float((full - want).abs().max())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dit-src", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "dit_equivalence.json")
+    args = ap.parse_args()
+    models = official(args.dit_src)
+    tiny = dict(input_size=8, in_channels=4, patch=2, depth=2, hidden=64, heads=4, classes=10, learn_sigma=True)
+    cases = {"tiny-learned-sigma": compare(models, **tiny),
+             "tiny-patch4-fixed": compare(models, **(tiny | dict(input_size=16, in_channels=3, patch=4,
+                                                                 learn_sigma=False)))}
+    want = torch.from_numpy(models.get_2d_sincos_pos_embed(1152, 16)).float()
+    cases["position-table"] = {"grid": 16, "width": 1152,
+                               "max_abs_diff": float((dit._sincos_2d(16, 1152) - want).abs().max())}
+    counts = {}
+    for size in ("S", "B", "L", "XL"):
+        with torch.device("meta"):
+            theirs = models.DiT_models[f"DiT-{size}/2"](input_size=32, num_classes=1000)
+            ours = dit.build(32, 4, 1000, size=size, patch=2, out_channels=8)
+        counts[f"DiT-{size}/2"] = {"official": sum(p.numel() for p in theirs.parameters()),
+                                   "ours": registry.num_params(ours)}
+    cases["parameter-counts"] = counts
+    for name, r in cases.items():
+        if "max_abs_diff" in r:
+            print(f"{name:20s} max |ours - official| = {r['max_abs_diff']:.3g}")
+    for name, c in counts.items():
+        print(f"{name:20s} parameters: official {c['official']:,}, ours {c['ours']:,}")
+    out = {"what": "diffrelay nets.dit vs facebookresearch/DiT models.py, same weights and inputs",
+           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
+           "cases": cases}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
