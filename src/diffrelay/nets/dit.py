@@ -146,7 +146,8 @@ class DiT(nn.Module):
         b, p, g, c = x.shape[0], self.patch, self.grid, self.out_channels
         return x.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, g * p, g * p)
 
-    def forward(self, x, c_noise, labels=None):
+    def forward_all(self, x, c_noise, labels=None):
+        """Every output channel, the learned-sigma half too (DiT's own output)."""
         h = self.embed(x).flatten(2).transpose(1, 2) + self.pos.to(x.dtype)  # (B, N, D)
         cond = self.noise_emb(c_noise)
         if self.class_emb is not None:
@@ -154,7 +155,10 @@ class DiT(nn.Module):
         for block in self.blocks:
             h = block(h, cond)
         shift, scale = self.ada_out(F.silu(cond)).chunk(2, dim=1)
-        out = self.unpatchify(self.out(_modulate(self.norm_out(h), shift, scale)))
+        return self.unpatchify(self.out(_modulate(self.norm_out(h), shift, scale)))
+
+    def forward(self, x, c_noise, labels=None):
+        out = self.forward_all(x, c_noise, labels)
         return out[:, :self.in_channels] if self.out_channels != self.in_channels else out
 
 

@@ -159,11 +159,6 @@ def is_valid_png(path: Path, shape) -> bool:
         return False
 
 
-def decays(meta: dict) -> list[float]:
-    """train.ema_decays of the run that wrote a snapshot ([] if it does not say)."""
-    return [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
-
-
 def grid_title(meta: dict, s: Settings) -> str:
     """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
     if s.weights == "raw":
@@ -171,7 +166,7 @@ def grid_title(meta: dict, s: Settings) -> str:
     elif "phema" in meta:
         weights = f"post-hoc EMA sigma_rel {meta['phema']['sigma_rel']:g}"
     else:
-        decay = s.ema_decay if s.ema_decay is not None else (decays(meta) or [None])[0]
+        decay = s.ema_decay if s.ema_decay is not None else (checkpoint.ema_decays(meta) or [None])[0]
         weights = "EMA" if decay is None else f"EMA {decay:g}"
     return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
 

@@ -179,10 +179,15 @@ def ema_prefix(index: int) -> str:
 def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict, more_emas: tuple = ()) -> Path:
     """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ...
     more_emas: the EMAs of the second, third, ... of train.ema_decays (none: a file as before they were kept)."""
-    tensors = {f"ema.{k}": v for k, v in ema_state.items()} | {f"raw.{k}": v for k, v in raw_state.items()}
-    for i, state in enumerate(more_emas, start=1):
+    tensors = {f"raw.{k}": v for k, v in raw_state.items()}
+    for i, state in enumerate([ema_state, *more_emas]):
         tensors |= {f"{ema_prefix(i)}{k}": v for k, v in state.items()}
     return write_signed(path, tensors, {"format": SNAPSHOT_FORMAT, **meta})
+
+
+def ema_decays(meta: dict) -> list[float]:
+    """train.ema_decays of the run that wrote a snapshot ([] if its record does not say)."""
+    return [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
 
 
 def ema_index(path, meta: dict, decay: float | None) -> int:
@@ -192,7 +197,7 @@ def ema_index(path, meta: dict, decay: float | None) -> int:
     if "phema" in meta:
         raise UserError(f"{path}: a post-hoc EMA reconstruction holds one EMA (sigma_rel "
                         f"{meta['phema'].get('sigma_rel')}); sample it without sample.ema_decay (--ema-decay)")
-    decays = [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
+    decays = ema_decays(meta)
     if float(decay) not in decays:
         raise UserError(f"sample.ema_decay={decay:g} (--ema-decay): {path} was trained with train.ema_decays="
                         f"{decays}; choose one of those")
