@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                                  "step_XXXXXXX_ema<sigma>.safetensors]")
     p.set_defaults(module="diffrelay.training.phema")
 
+    p = sub.add_parser("import", help="a published checkpoint (plain state dict) as a snapshot to sample and score")
+    _config(p)
+    p.add_argument("--checkpoint", required=True, help="the file: .pt/.pth (torch zip, read weights_only) or "
+                                                        ".safetensors; pickles (.pkl) are refused")
+    p.add_argument("--out", required=True, help="snapshot to write (.safetensors); name it in sample.snapshot")
+    p.add_argument("--layout", help="parameter names of the file: dit (DiT's and SiT's), diffrelay "
+                                    "[default: model.arch's published layout]")
+    p.add_argument("--step", type=_non_negative, default=0, help="the step the snapshot is labelled with [0]")
+    p.set_defaults(module="diffrelay.training.convert")
+
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
     p.add_argument("--extractor", required=True,
                    help="inception | random | dinov2 (= dinov2-vitl14) | dinov2-vits14 | dinov2-vitb14 | "
@@ -166,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="metrics.csv, fid.png, loss.png and best.json of a run")
     p.add_argument("--run-dir", required=True, help="results/<run>")
     p.add_argument("--out", required=True, help="report folder")
+    p.add_argument("--evaluated", metavar="SNAPSHOT", help="the run trained nothing and evaluated this file "
+                                                          "(sample.snapshot): no training log is read")
     p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 

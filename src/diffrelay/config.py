@@ -289,7 +289,8 @@ def data_hash(cfg: Config) -> str:
 _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "threads", "log_every",
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard",
                    # speed switches: the same run, numerically equal up to rounding
-                   "compile", "tf32", "fused_optimizer", "channels_last", "deterministic"}
+                   "compile", "tf32", "fused_optimizer", "channels_last", "deterministic",
+                   "activation_checkpointing"}  # memory, not arithmetic: bitwise the same (nets/memory.py)
 
 # data keys that change how the dataset is made, not its bytes.
 _NOT_PIXELS = {"workers"}

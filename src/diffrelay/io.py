@@ -214,3 +214,25 @@ def read_json(path, max_bytes: int = 1 << 28):
         raise UserError(f"{path}: not found") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: unreadable or not valid JSON ({e}); regenerate it") from e
+
+
+SNAPSHOT_FORMAT = "diffrelay-snapshot/1"  # the format of checkpoint.save_snapshot's files
+
+
+def signed_header(path, what: str, fix: str) -> tuple[dict, dict]:
+    """(stored metadata, meta) from the header of a .safetensors file written by checkpoint.write_signed,
+    without reading the tensors (nor importing torch: the Snakefile checks sample.snapshot with it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found; {fix}")
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_len, 100_000_000)))
+        stored = header["__metadata__"]
+        meta = json.loads(stored["meta"])
+        stored["sha256"], meta["format"]  # noqa: B018 -- a KeyError here means "not ours"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); it is truncated or not a "
+                        f"diffrelay {what}; {fix}") from e
+    return stored, meta

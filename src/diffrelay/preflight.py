@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from diffrelay import config, io
+from diffrelay import config, io, nets
 from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
@@ -78,6 +78,8 @@ def check_inputs(cfg, source: str) -> None:
                                   "(.safetensors), e.g. results/<run>/snapshots/step_0001000.safetensors, or null")
         except UserError as e:
             raise UserError(f"{source}: sample.guide={e}") from e
+    if s.snapshot is not None:
+        check_evaluated_snapshot(cfg, source)
     if s.num_images < 2:
         raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
     fid = cfg.to_dict()["fid"]
@@ -103,6 +105,44 @@ def check_inputs(cfg, source: str) -> None:
     if isinstance(s.class_labels, int) and cfg.model.class_conditional and s.class_labels >= classes:
         raise UserError(f"{source}: sample.class_labels={s.class_labels}: no such class; the dataset has {classes} "
                         f"classes, use 0..{classes - 1} or balanced")
+
+
+def evaluated_snapshot_meta(cfg, source: str) -> dict:
+    """The record of sample.snapshot (header only, no torch): the file a run that trains nothing evaluates."""
+    path = Path(cfg.sample.snapshot).expanduser()
+    fix = "give a snapshot (.safetensors) that `diffrelay import` or training wrote, or null to train"
+    try:
+        io.check_regular_file(path, 1 << 40, "snapshot", fix)
+        meta = io.signed_header(path, "snapshot", fix)[1]
+    except UserError as e:
+        raise UserError(f"{source}: sample.snapshot={e}") from e
+    if meta.get("format") != io.SNAPSHOT_FORMAT:
+        raise UserError(f"{source}: sample.snapshot={path}: format={meta.get('format')!r}, not a snapshot; {fix}")
+    return meta
+
+
+def check_evaluated_snapshot(cfg, source: str) -> None:
+    """sample.snapshot fits this config: its network, image shape and class count; and nothing asks for training."""
+    s, path = cfg.sample, cfg.sample.snapshot
+    meta = evaluated_snapshot_meta(cfg, source)
+    key = nets.same_network(meta.get("model") or {}, cfg.to_dict()["model"])
+    if key is not None:
+        raise UserError(f"{source}: sample.snapshot={path}: made for model.{key}={meta['model'].get(key)!r}, the config "
+                        f"has {cfg.to_dict()['model'].get(key)!r}; set the config's model section to the snapshot's")
+    res = cfg.data.resolution
+    if list(meta.get("image_shape", [])) != [3, res, res]:
+        raise UserError(f"{source}: sample.snapshot={path}: images of shape {meta.get('image_shape')}, the config "
+                        f"makes [3, {res}, {res}] (data.resolution); set data.resolution to the snapshot's")
+    classes = num_classes(cfg) if cfg.model.class_conditional else 0
+    if meta.get("num_classes") != classes:
+        raise UserError(f"{source}: sample.snapshot={path}: {meta.get('num_classes')} classes, the dataset has "
+                        f"{classes}; use the dataset it was trained on (the class count fixes what the labels mean)")
+    for bad, why in ((s.phema, "sample.phema needs this run's training"), (isinstance(s.guide, int),
+                     "sample.guide names a step of this run's training; give a snapshot file"),
+                     ("imported" in meta and s.weights == "raw", "an imported snapshot holds one set of weights, "
+                      "its EMA; use sample.weights: ema")):
+        if bad:
+            raise UserError(f"{source}: sample.snapshot={path} trains nothing: {why}")
 
 
 # ---------------------------------------------------------------------------------------------

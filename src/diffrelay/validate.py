@@ -15,7 +15,8 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
 
     d = cfg.to_dict()
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
-    return registry.check(d["model"], d["data"]["resolution"], 3, classes), classes
+    return registry.check(d["model"], d["data"]["resolution"], 3, classes,
+                          d["train"]["activation_checkpointing"]), classes
 
 
 def main(args) -> int:

@@ -152,7 +152,13 @@ def trained_steps():
     return steps
 
 
-SEGMENT_ENDS = drconfig.segment_ends(CFG, done=trained_steps())
+# sample.snapshot: a run that trains nothing and evaluates that file, as the one segment end, at its step.
+EVALUATED = CFG.sample.snapshot
+if EVALUATED:
+    EVALUATED_STEP = preflight.evaluated_snapshot_meta(CFG, "sample.snapshot")["step"]
+SEGMENT_ENDS = (
+    [EVALUATED_STEP] if EVALUATED else drconfig.segment_ends(CFG, done=trained_steps())
+)
 STEP = "{step}"
 # Every evaluation of a snapshot is named by the step and a variant suffix (protocol.py): a post-hoc
 # EMA width (_ema0.08), the second pass's image count (_n50000), the guidance scale (_g1.5) and the seed

@@ -43,7 +43,10 @@ def get_score_args(wildcards, input):
 
 # --- evaluation ------------------------------------------------------------------------------
 def get_snapshot_checkpoint(wildcards):
-    """The checkpoint of the segment that wrote this snapshot (done before its snapshots count)."""
+    """The checkpoint of the segment that wrote this snapshot (done before its snapshots count); none
+    for sample.snapshot, which no training writes."""
+    if EVALUATED:
+        return []
     step = int(wildcards.step)
     end = next((e for e in SEGMENT_ENDS if e >= step), None)
     if end is None:
@@ -59,6 +62,8 @@ def segment_snapshots(run, end):
     """Snapshot steps that training actually wrote in (previous end, end]. Only the steps the
     current config asks for count: a file left by an earlier snapshot_every is not evaluated.
     """
+    if EVALUATED:
+        return [EVALUATED_STEP]
     start = previous_end(end)
     wanted = set(drconfig.snapshot_steps(CFG, start, int(end)))
     folder = Path(CFG.run.results) / run / "snapshots"
@@ -73,7 +78,8 @@ def segment_snapshots(run, end):
 def get_segment_scores(wildcards):
     """FID of every snapshot of this segment. Asks for this segment's checkpoint only, so the
     evaluation of segment k runs while segment k+1 trains."""
-    checkpoints.train_segment.get(run=wildcards.run, step=wildcards.step)
+    if not EVALUATED:
+        checkpoints.train_segment.get(run=wildcards.run, step=wildcards.step)
     steps = segment_snapshots(wildcards.run, wildcards.step)
     if not steps:
         raise WorkflowError(
@@ -221,6 +227,8 @@ PHEMA_VARIANTS = [
 def get_snapshot(wildcards):
     """The weights one evaluation samples: the step's snapshot, or a post-hoc EMA reconstruction."""
     ema = protocol.variant_ema(wildcards.variant)
+    if EVALUATED:
+        return [EVALUATED]
     if ema is None:
         return expand(
             f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",

@@ -41,8 +41,9 @@ rule build_report:
     params:
         run_dir=lambda wildcards: f"{CFG.run.results}/{wildcards.run}",
         out=lambda wildcards, output: str(Path(output.metrics).parent),
+        evaluated=f" --evaluated {shlex.quote(EVALUATED)}" if EVALUATED else "",
     message:
         "Writing the {wildcards.run} report"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}"
+        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}{params.evaluated}"

@@ -6,7 +6,8 @@ def get_final_output():
     done = [
         end
         for end in SEGMENT_ENDS
-        if (
+        if EVALUATED
+        or (
             Path(RUN_DIR_NAME) / "checkpoints" / f"step_{step_name(end)}/manifest.json"
         ).is_file()
     ]

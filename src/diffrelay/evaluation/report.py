@@ -245,9 +245,13 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
     _save_png(fig, path)
 
 
-def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: Path) -> None:
+def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: Path, evaluated=None) -> None:
     fig = Figure(figsize=(6.4, 4), layout="constrained")
     ax = fig.add_subplot()
+    if evaluated:
+        ax.text(0.5, 0.5, f"no training: this run evaluates\n{Path(evaluated).name}", ha="center", va="center")
+        ax.set(title=f"{run_name}: training loss", xticks=[], yticks=[])
+        return _save_png(fig, path)
     ax.plot(train.step, train.loss, color="tab:blue", alpha=0.35, linewidth=1, label="logged (mean per log interval)")
     window = min(len(train), max(3, len(train) // 20))
     smooth = train.loss.rolling(window, min_periods=1, center=True).mean()
@@ -300,7 +304,11 @@ def main(args) -> int:
 
     # Read and check everything before writing anything.
     fid = read_fid(run_dir)
-    train, segments = read_train(run_dir)
+    if args.evaluated:  # sample.snapshot: a run that trained nothing has no training log
+        train = pd.DataFrame(columns=["step", "loss", "images_per_s", "skipped", "skipped_in_window"], dtype=float)
+        segments = pd.DataFrame(columns=["start", "end", "seconds"], dtype=float)
+    else:
+        train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
     best = best_row(table)
     grid = run_dir / "samples" / best.grid / "grid.png"
@@ -309,7 +317,7 @@ def main(args) -> int:
 
     io.write_text(out / "metrics.csv", table[COLUMNS].to_csv(index=False, float_format="%.6g"))
     plot_fid(table, best, run_dir.name, out / "fid.png")
-    plot_loss(train, segments, run_dir.name, out / "loss.png")
+    plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated)
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
         "step": int(best.step), "guidance": float(best.guidance), "metric": best.metric, "fid": float(best.fid),
@@ -317,8 +325,9 @@ def main(args) -> int:
         "fid_min": float(best.fid_min), "fid_std": None if math.isnan(best.fid_std) else float(best.fid_std),
         "phema": None if math.isnan(best.phema) else float(best.phema),
         "ema_decay": None if math.isnan(best.ema_decay) else float(best.ema_decay),
-        "snapshot": str(run_dir / "snapshots" / (f"step_{int(best.step):07d}.safetensors" if math.isnan(best.phema)
-                                                 else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
+        "snapshot": args.evaluated or str(run_dir / "snapshots" / (
+            f"step_{int(best.step):07d}.safetensors" if math.isnan(best.phema)
+            else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
         "samples": str(run_dir / "samples" / best.grid),
         "grid": str(out / "best_grid.png"),
     })

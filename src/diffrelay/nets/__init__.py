@@ -93,3 +93,16 @@ def check_kwargs(model_cfg: dict) -> list[tuple[str, str]]:
             bad.append((f"model.kwargs.{key}", f"not a keyword of the built-in {arch} network; {hint}"
                         f"it takes {', '.join(accepted)}"))
     return bad
+
+
+def same_network(recorded: dict, wanted: dict) -> str | None:
+    """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
+    differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
+    recorded = {"arch": "unet", "kwargs": {}, "objective": "edm"} | recorded
+    wanted = {"objective": "edm"} | wanted
+    # Settings neither network uses (a UNet key in a DiT's section) do not make it another network.
+    unused = unused_keys(recorded) & unused_keys(wanted)
+    for key in sorted((set(recorded) | set(wanted)) - unused):
+        if recorded.get(key) != wanted.get(key):
+            return key
+    return None

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffrelay.nets import memory
+
 SIZES = {  # (depth, hidden size, heads), table 1 of the paper
     "S": (12, 384, 6),
     "B": (12, 768, 12),
@@ -119,6 +121,7 @@ class DiT(nn.Module):
         # Row `num_classes` is the null class that label dropout trains and guidance samples with.
         self.class_emb = nn.Embedding(num_classes + 1, hidden_size) if num_classes else None
         self.blocks = nn.ModuleList(Block(hidden_size, num_heads, mlp_ratio) for _ in range(depth))
+        self.checkpointing = False  # train.activation_checkpointing: recompute each block in the backward pass
         self.norm_out = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.ada_out = nn.Linear(hidden_size, 2 * hidden_size)
         self.out = nn.Linear(hidden_size, patch * patch * self.out_channels)
@@ -153,7 +156,7 @@ class DiT(nn.Module):
         if self.class_emb is not None:
             cond = cond + self.class_emb(labels)
         for block in self.blocks:
-            h = block(h, cond)
+            h = memory.call(self.checkpointing, block, h, cond)
         shift, scale = self.ada_out(F.silu(cond)).chunk(2, dim=1)
         return self.unpatchify(self.out(_modulate(self.norm_out(h), shift, scale)))
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import diffrelay
 from diffrelay.errors import UserError
-from diffrelay.nets import arch_kwargs, check_kwargs, dit, is_builtin, unet
+from diffrelay.nets import arch_kwargs, check_kwargs, dit, is_builtin, memory, unet
 
 BUILDERS = {"unet": unet.build, "dit": dit.build}
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
@@ -223,7 +223,15 @@ def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device) -
     return num_params(net)
 
 
-def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int) -> int:
+def enable_checkpointing(net: nn.Module, arch: str) -> None:
+    """train.activation_checkpointing: on in every block of `net`, or one line when its code has none."""
+    if not memory.enable(net):
+        raise UserError(f"train.activation_checkpointing: model.arch={arch} has no module with a `checkpointing` "
+                        "attribute; run its blocks through diffrelay.nets.memory.call (docs/networks.md) or set "
+                        "train.activation_checkpointing: false")
+
+
+def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, checkpointing: bool = False) -> int:
     """Build the configured network and run one forward pass on a batch of 2 (labels 0 and the null class
     K); check the output shape. Returns the parameter count; raises UserError with one line.
 
@@ -232,6 +240,8 @@ def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int) 
     user's conditional network, and any user network the meta pass fails on, is built and run on the CPU
     with real tensors. The built-in networks' null class is covered by tests, so they stay on meta."""
     arch, kwargs = arch_kwargs(model_cfg)
+    if checkpointing:
+        enable_checkpointing(build_network(arch, kwargs, resolution, in_channels, num_classes, "meta"), arch)
     if is_builtin(arch) or not num_classes:
         try:
             return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta")

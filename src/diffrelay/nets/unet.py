@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffrelay.nets import memory
+
 
 def _groups(ch: int) -> int:
     # GroupNorm needs a divisor of the channel count; aim for about 4 channels a group, at most 32 groups.
@@ -121,8 +123,14 @@ class UNet(nn.Module):
                 res *= 2
         self.norm_out = nn.GroupNorm(_groups(ch), ch)
         self.conv_out = nn.Conv2d(ch, in_channels, 3, padding=1)
+        self.checkpointing = False  # train.activation_checkpointing: recompute each block in the backward pass
         nn.init.zeros_(self.conv_out.weight)
         nn.init.zeros_(self.conv_out.bias)
+
+    def _block(self, layer, h, emb):
+        if isinstance(layer, ResBlock):
+            return memory.call(self.checkpointing, layer, h, emb)
+        return memory.call(self.checkpointing and isinstance(layer, Attention), layer, h)
 
     def forward(self, x, c_noise, labels=None):
         emb = self.noise_emb(c_noise)
@@ -132,18 +140,15 @@ class UNet(nn.Module):
         h = self.conv_in(x)
         skips = [h]
         for layer in self.down:
-            h = layer(h, emb) if isinstance(layer, ResBlock) else layer(h)
+            h = self._block(layer, h, emb)
             if not isinstance(layer, Attention):
                 skips.append(h)
             else:
                 skips[-1] = h
         for layer in self.mid:
-            h = layer(h, emb) if isinstance(layer, ResBlock) else layer(h)
+            h = self._block(layer, h, emb)
         for layer in self.up:
-            if isinstance(layer, ResBlock):
-                h = layer(torch.cat([h, skips.pop()], dim=1), emb)
-            else:
-                h = layer(h)
+            h = self._block(layer, torch.cat([h, skips.pop()], dim=1) if isinstance(layer, ResBlock) else h, emb)
         return self.conv_out(F.silu(self.norm_out(h)))
 
 

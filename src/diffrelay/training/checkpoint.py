@@ -22,7 +22,7 @@ from diffrelay import objectives
 from diffrelay.errors import UserError
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
-SNAPSHOT_FORMAT = "diffrelay-snapshot/1"
+SNAPSHOT_FORMAT = io.SNAPSHOT_FORMAT
 STEP_DIR = re.compile(r"^step_(\d{7})\Z")
 FILES = ("state.pt", "meta.json", "manifest.json")
 
@@ -128,27 +128,9 @@ def write_signed(path, tensors: dict, meta: dict) -> Path:
     return Path(path)
 
 
-def _header(path, what: str, fix: str) -> tuple[dict, dict]:
-    """(stored metadata, meta) from a write_signed file's header, without reading the tensors."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: {what} not found; {fix}")
-    try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(min(header_len, 100_000_000)))
-        stored = header["__metadata__"]
-        meta = json.loads(stored["meta"])
-        stored["sha256"], meta["format"]  # noqa: B018 -- a KeyError here means "not ours"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); it is truncated or not a "
-                        f"diffrelay {what}; {fix}") from e
-    return stored, meta
-
-
 def read_signed_meta(path, fmt: str, what: str, fix: str = "check the path") -> dict:
     """The meta of a write_signed file of format `fmt` (header only: cheap, not verified)."""
-    meta = _header(path, what, fix)[1]
+    meta = io.signed_header(path, what, fix)[1]
     if meta.get("format") != fmt:
         raise UserError(f"{path}: format={meta.get('format')!r}; expected {fmt}")
     return meta
@@ -157,7 +139,7 @@ def read_signed_meta(path, fmt: str, what: str, fix: str = "check the path") -> 
 def read_signed(path, fmt: str, what: str, fix: str) -> tuple[dict, dict]:
     """(tensors, meta) of a write_signed file of format `fmt` after checking its sha256; else a UserError
     naming the file, `what` it is and the `fix`."""
-    stored, meta = _header(path, what, fix)
+    stored, meta = io.signed_header(path, what, fix)
     if meta.get("format") != fmt:
         raise UserError(f"{path}: format={meta.get('format')!r}; expected {fmt}")
     try:
@@ -212,19 +194,6 @@ def read_snapshot(path) -> tuple[dict, dict]:
     return read_signed(path, SNAPSHOT_FORMAT, "snapshot", "re-create it from its checkpoint or rerun training")
 
 
-def same_network(recorded: dict, wanted: dict) -> str | None:
-    """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
-    differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
-    recorded = {"arch": "unet", "kwargs": {}, "objective": "edm"} | recorded
-    wanted = {"objective": "edm"} | wanted
-    # Settings neither network uses (a UNet key in a DiT's section) do not make it another network.
-    unused = nets.unused_keys(recorded) & nets.unused_keys(wanted)
-    for key in sorted((set(recorded) | set(wanted)) - unused):
-        if recorded.get(key) != wanted.get(key):
-            return key
-    return None
-
-
 def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None, decay: float | None = None):
     """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off. `decay` picks which of
     train.ema_decays's EMAs (None: the first) when weights is ema.
@@ -243,7 +212,7 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
                             "run's config with --config so the config, not the file, names the code to run")
         model_cfg = recorded
     else:
-        key = same_network(recorded, model_cfg)
+        key = nets.same_network(recorded, model_cfg)
         if key is not None:
             raise UserError(f"{path}: made by a different network (model.{key}={json.dumps(recorded.get(key))} "
                             f"in the snapshot, {json.dumps(model_cfg.get(key))} in the config); "

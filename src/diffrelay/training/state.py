@@ -8,6 +8,7 @@ import torch
 from diffrelay.data import loader
 from diffrelay.data.order import DataOrder
 from diffrelay import objectives
+from diffrelay.nets import registry
 from diffrelay.runtime import speed
 from diffrelay.training import optim, phema
 
@@ -29,6 +30,8 @@ class TrainState:
         t = cfg.train
         torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
         net = objectives.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
+        if t.activation_checkpointing:
+            registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
         opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
         return cls(net=net, ema=optim.EMA(net, t.ema_decays),

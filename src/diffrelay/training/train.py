@@ -402,6 +402,9 @@ def _tensorboard(run_dir, main: bool):
 
 def main(args) -> int:
     cfg = config.load(args.config)
+    if cfg.sample.snapshot is not None:
+        raise UserError(f"{', '.join(args.config)}: sample.snapshot={cfg.sample.snapshot}: this run evaluates that "
+                        "file and trains nothing; set sample.snapshot: null to train")
     preflight.check_run_folder(cfg, ", ".join(args.config))
     try:
         return run(cfg, until_step=args.until_step, init=args.init, dataset_dir=args.dataset, trace=args.trace,

@@ -1,0 +1,176 @@
+"""`diffrelay import` and a run that trains nothing: a published checkpoint in, samples and FID out.
+
+The checkpoints here are written by the tests in DiT's own layout (facebookresearch/DiT models.py names,
+restated below, and its fixed pos_embed), as DiT's released DiT-XL-2-256x256.pt is: a plain state dict."""
+
+import pickle
+import re
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, TINY, deep_merge, run_cli
+from diffrelay.nets import dit
+from diffrelay.training import checkpoint
+
+KW = {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2, "out_channels": 6}
+MODEL = {"arch": "dit", "kwargs": KW, "class_conditional": True}
+# Our names -> DiT's (models.py): the mapping a published checkpoint is written in.
+DIT_NAMES = [("embed.", "x_embedder.proj."), ("noise_emb.mlp.", "t_embedder.mlp."),
+             ("class_emb.", "y_embedder.embedding_table."), ("ada_out.", "final_layer.adaLN_modulation.1."),
+             ("out.", "final_layer.linear."), (".qkv.", ".attn.qkv."), (".proj.", ".attn.proj."),
+             (".mlp.0.", ".mlp.fc1."), (".mlp.2.", ".mlp.fc2."), (".ada.", ".adaLN_modulation.1.")]
+
+
+def official_state(classes=3, seed=0, **kwargs) -> dict:
+    """A tiny DiT's weights under DiT's names, every tensor random (so a wrong mapping shows)."""
+    torch.manual_seed(seed)
+    net = dit.DiT(16, 3, classes, **(KW | kwargs))
+    out = {}
+    for key, value in net.state_dict().items():
+        for ours, theirs in DIT_NAMES:
+            if key.startswith(ours) or (ours.startswith(".") and ours in key):
+                key = key.replace(ours, theirs, 1)
+                break
+        out[key] = torch.randn_like(value)
+    out["pos_embed"] = net.pos.clone()
+    return out
+
+
+@pytest.fixture
+def setup(tmp_path):
+    def write(state, name="DiT-tiny.pt", overrides=None):
+        ckpt = tmp_path / name
+        torch.save(state, ckpt)
+        d = deep_merge(deep_merge(TINY, {"model": MODEL, "run": {"results": str(tmp_path / "results"),
+                                                                  "resources": str(tmp_path / "res")}}),
+                       overrides or {})
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+        return ckpt, cfg
+
+    return write
+
+
+def test_import_keeps_every_weight_and_the_network_gives_dits_output(setup, tmp_path):
+    state = official_state()
+    ckpt, cfg = setup(state)
+    out = tmp_path / "imported.safetensors"
+    p = run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out)
+    assert "sample.snapshot" in p.stdout
+    net, meta = checkpoint.load_snapshot(out, model_cfg=MODEL | {"sigma_data": 0.5, "objective": "edm"})
+    assert meta["imported"]["layout"] == "dit" and meta["num_classes"] == 3 and meta["dit_layout"] == 2
+    ours = net.net.state_dict()
+    assert torch.equal(ours["blocks.1.qkv.weight"], state["blocks.1.attn.qkv.weight"])
+    assert torch.equal(ours["class_emb.weight"], state["y_embedder.embedding_table.weight"])
+    assert torch.equal(ours["out.weight"], state["final_layer.linear.weight"])
+    assert torch.equal(net.net.pos, state["pos_embed"])  # the columns-first table is DiT's
+
+
+def test_a_dit_training_checkpoint_gives_its_ema(setup, tmp_path):
+    ema, model = official_state(seed=1), official_state(seed=2)
+    ckpt, cfg = setup({"model": model, "ema": ema})
+    out = tmp_path / "i.safetensors"
+    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out)
+    tensors, _ = checkpoint.read_snapshot(out)
+    assert torch.equal(tensors["ema.net.blocks.0.ada.weight"], ema["blocks.0.adaLN_modulation.1.weight"])
+    assert not any(k.startswith("raw.") for k in tensors)
+
+
+def bad(setup, tmp_path, state=None, raw=None, overrides=None, name="x.pt"):
+    ckpt, cfg = setup(state if state is not None else official_state(), name=name, overrides=overrides)
+    if raw is not None:
+        ckpt.write_bytes(raw)
+    out = tmp_path / "o.safetensors"
+    p = run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out, check=False)
+    assert p.returncode == 2 and not out.exists(), p.stderr
+    line = p.stderr.strip()
+    assert len(line.splitlines()) == 1 and str(ckpt) in line, line
+    return line
+
+
+def test_a_pickle_is_refused_unread(setup, tmp_path):
+    marker = tmp_path / "ran"
+
+    class Runs:  # what EDM's .pkl files are: objects whose unpickling calls code
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    line = bad(setup, tmp_path, raw=pickle.dumps({"ema": Runs()}), name="network-snapshot.pkl")
+    assert "pickle" in line and "runs code" in line
+    assert not marker.exists()
+
+
+def test_objects_beyond_tensors_are_refused_with_one_line(setup, tmp_path):
+    import argparse
+
+    line = bad(setup, tmp_path, state={"ema": official_state(), "args": argparse.Namespace(lr=1)})
+    assert "weights_only" in line and "state dict" in line
+
+
+def test_missing_and_extra_keys_are_named(setup, tmp_path):
+    state = official_state()
+    del state["blocks.1.attn.qkv.weight"]
+    state["vae.decoder.weight"] = torch.zeros(1)
+    line = bad(setup, tmp_path, state=state)
+    assert re.search(r"1 missing \(blocks\.1\.qkv\.weight\); 1 unexpected \(vae\.decoder\.weight\)", line), line
+
+
+def test_a_checkpoint_of_another_size_is_named_with_the_fix(setup, tmp_path):
+    line = bad(setup, tmp_path, state=official_state(hidden_size=48, num_heads=2))
+    assert "another size" in line and "model.kwargs" in line
+
+
+def test_another_class_count_is_named(setup, tmp_path):
+    line = bad(setup, tmp_path, state=official_state(classes=1000))
+    assert "class_emb.weight" in line and "3 classes" in line and "[1001, 32]" in line
+
+
+def test_the_out_file_of_someone_else_is_not_overwritten(setup, tmp_path):
+    ckpt, cfg = setup(official_state())
+    out = tmp_path / "mine.safetensors"
+    out.write_text("not yours")
+    p = run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out, check=False)
+    assert p.returncode == 2 and out.read_text() == "not yours"
+
+
+def snakemake(work, cfg, *args, check=True):
+    return run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", work, "--cores", 2,
+                   "--configfile", cfg, *args, check=check, timeout=900)
+
+
+def test_a_run_naming_an_imported_snapshot_samples_and_scores_it_and_trains_nothing(setup, tmp_path):
+    ckpt, cfg = setup(official_state())
+    out = tmp_path / "imported.safetensors"
+    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out, "--step", 7000)
+    d = yaml.safe_load(cfg.read_text())
+    d["sample"]["snapshot"] = str(out)
+    cfg.write_text(yaml.safe_dump(d))
+    p = snakemake(tmp_path, cfg)
+    text = p.stdout + p.stderr
+    ran = set(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", text))
+    assert "train_segment" not in ran and {"sample_snapshot", "compute_fid", "build_report"} <= ran, ran
+    run = tmp_path / "results" / "tiny"
+    rows = (run / "report" / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 2 and ",7000," in rows[1] or rows[1].startswith("7000,"), rows
+    assert not (run / "checkpoints").exists()
+    assert len(list((run / "samples" / "step_0007000").glob("*.png"))) >= 8
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"data": {"resolution": 32}}, "data.resolution"),
+    ({"model": {"kwargs": KW | {"depth": 3}}}, "model.kwargs"),
+    ({"sample": {"phema": [0.1]}, "train": {"phema": {"every": 3}}}, "sample.phema"),
+])
+def test_a_snapshot_that_does_not_fit_the_config_stops_the_run_before_any_job(setup, tmp_path, change, words):
+    ckpt, cfg = setup(official_state())
+    out = tmp_path / "imported.safetensors"
+    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out)
+    d = deep_merge(yaml.safe_load(cfg.read_text()), change)
+    d["sample"]["snapshot"] = str(out)
+    cfg.write_text(yaml.safe_dump(d))
+    p = snakemake(tmp_path, cfg, "--dry-run", check=False)
+    assert p.returncode != 0
+    line = [x for x in p.stderr.splitlines() if x.startswith("diffrelay: error:")]
+    assert len(line) == 1 and "sample.snapshot" in line[0] and words in line[0], p.stderr[-800:]
