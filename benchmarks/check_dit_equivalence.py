@@ -1,7 +1,7 @@
 """Our DiT (diffrelay.nets.dit) against facebookresearch/DiT's models.py, on the same weights.
 
   pip install --no-deps timm   # DiT's models.py imports PatchEmbed, Attention and Mlp from it
-  python benchmarks/check_dit_equivalence.py --dit-src /tmp/DiT
+  python benchmarks/check_dit_equivalence.py --dit-src /tmp/DiT [--sit-src /tmp/SiT]
 
 --dit-src is a checkout of github.com/facebookresearch/DiT; its models.py is imported from there at run time
 and nothing of it enters the package. For each case the official DiT is built with its own initialisation,
@@ -17,13 +17,15 @@ Cases (max abs difference of the outputs, eval mode):
 (float32 only: DiT's timestep_embedding casts to float32, so its network cannot run in float64.)
   position table:      ours against DiT's get_2d_sincos_pos_embed, 16x16 grid, width 1152
   parameter counts:    S/2, B/2, L/2, XL/2 at 32x32x4 with 1000 classes, both counted the same way
+  sit-tiny-learned-sigma (with --sit-src, willisma/SiT models.py): our arch sit at time t against SiT's network
+                       at its time s = 1 - t, negated (SiT's velocity is data minus noise), and SiT-XL/2's count
 Writes benchmarks/results/dit_equivalence.json. Not a test: CI cannot fetch the official sources.
 """
 
 import argparse
+import importlib.util
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -34,11 +36,12 @@ from diffrelay.nets import dit, registry
 HERE = Path(__file__).resolve().parent
 
 
-def official(src: Path):
-    sys.path.insert(0, str(src.resolve()))
-    import models  # noqa: PLC0415 -- DiT's models.py, from --dit-src
-
-    return models
+def official(src: Path, name: str):
+    """models.py of a checkout (DiT's or SiT's: both call it models.py), under its own module name."""
+    spec = importlib.util.spec_from_file_location(name, src.resolve() / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pair(models, *, input_size, in_channels, patch, depth, hidden, heads, classes, learn_sigma, dtype):
@@ -72,12 +75,37 @@ def compare(models, dtype=torch.float32, **kw) -> dict:
             "max_abs_diff_full_output": float((full - want).abs().max())}
 
 
+def compare_sit(sit_models) -> dict:
+    """SiT's network at its time s against ours (arch sit) at t = 1 - s: ours is -SiT(x, 1 - t)."""
+    torch.manual_seed(0)
+    theirs = sit_models.SiT(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=2, num_heads=4,
+                            num_classes=10, learn_sigma=True).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    ours = dit.build_sit(8, 4, 10, patch=2, depth=2, hidden_size=64, num_heads=4, out_channels=8).eval()
+    ours.load_state_dict(dit.official_keys(theirs.state_dict()))
+    x = torch.randn(6, 4, 8, 8, generator=g)
+    t = torch.tensor([0.0, 0.02, 0.3, 0.5, 0.9, 1.0])  # ours: 0 = data, 1 = noise
+    y = torch.tensor([0, 3, 10, 7, 10, 9])
+    with torch.no_grad():
+        want, got = -theirs(x, 1 - t, y), ours(x, t, y)
+    with torch.device("meta"):
+        counts = {"official": sum(p.numel() for p in sit_models.SiT_XL_2(input_size=32, num_classes=1000).parameters()),
+                  "ours": registry.num_params(dit.build_sit(32, 4, 1000, size="XL", patch=2, out_channels=8))}
+    return {"output_shape": list(want.shape), "max_abs_output": float(want.abs().max()),
+            "max_abs_diff": float((got - want).abs().max()), "parameter_counts_SiT-XL/2": counts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dit-src", type=Path, required=True)
+    ap.add_argument("--sit-src", type=Path, help="a checkout of github.com/willisma/SiT: adds the SiT case")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "dit_equivalence.json")
     args = ap.parse_args()
-    models = official(args.dit_src)
+    models = official(args.dit_src, "dit_models")
     tiny = dict(input_size=8, in_channels=4, patch=2, depth=2, hidden=64, heads=4, classes=10, learn_sigma=True)
     cases = {"tiny-learned-sigma": compare(models, **tiny),
              "tiny-patch4-fixed": compare(models, **(tiny | dict(input_size=16, in_channels=3, patch=4,
@@ -93,12 +121,15 @@ def main() -> None:
         counts[f"DiT-{size}/2"] = {"official": sum(p.numel() for p in theirs.parameters()),
                                    "ours": registry.num_params(ours)}
     cases["parameter-counts"] = counts
+    if args.sit_src:
+        cases["sit-tiny-learned-sigma"] = compare_sit(official(args.sit_src, "sit_models"))
+        print(f"SiT-XL/2 parameters: {cases['sit-tiny-learned-sigma']['parameter_counts_SiT-XL/2']}")
     for name, r in cases.items():
         if "max_abs_diff" in r:
             print(f"{name:20s} max |ours - official| = {r['max_abs_diff']:.3g}")
     for name, c in counts.items():
         print(f"{name:20s} parameters: official {c['official']:,}, ours {c['ours']:,}")
-    out = {"what": "diffrelay nets.dit vs facebookresearch/DiT models.py, same weights and inputs",
+    out = {"what": "diffrelay nets.dit vs facebookresearch/DiT models.py (and SiT's), same weights and inputs",
            "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
            "cases": cases}
     args.out.write_text(json.dumps(out, indent=2) + "\n")

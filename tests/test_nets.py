@@ -21,7 +21,8 @@ from diffrelay.sampling import sample
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from diffrelay import nets
-from diffrelay.nets import dit, registry, unet
+from diffrelay.nets import dit, edm2, registry, unet
+from diffrelay.nets import edm as edm_nets
 
 FIXTURES = REPO / "tests" / "fixtures"
 CUSTOM = {"arch": "diffrelay_test_net:build", "kwargs": {"width": 8}}
@@ -359,11 +360,18 @@ def test_class_embedding_without_the_null_row_is_refused_naming_label_k(user_mod
 
 # --- built-in networks: model.kwargs checked without torch ---------------------------------------
 
-@pytest.mark.parametrize("builder, cls, extra", [(unet.build, unet.UNet, {"preset"}), (dit.build, dit.DiT, set())])
-def test_builtin_kwargs_list_is_what_the_builder_takes(builder, cls, extra):
+@pytest.mark.parametrize("arch, cls, extra, less", [
+    ("unet", unet.UNet, {"preset"}, set()), ("dit", dit.DiT, set(), set()),
+    ("sit", dit.SiT, set(), {"time_scale", "pos_order"}), ("edm2", edm2.EDM2UNet, {"preset"}, set()),
+    ("ddpmpp", edm_nets.SongUNet, set(), set()), ("ncsnpp", edm_nets.SongUNet, set(), set()),
+    ("adm", edm_nets.DhariwalUNet, set(), set())])
+def test_builtin_kwargs_list_is_what_the_builder_takes(arch, cls, extra, less):
+    builder = registry.BUILDERS[arch]
     takes = set(inspect.signature(builder).parameters) | set(inspect.signature(cls).parameters)
-    takes = takes - {"kwargs", *nets.CONTRACT} | extra
-    assert set(nets.BUILTIN_KWARGS[builder.__module__.rpartition(".")[2]]) == takes
+    takes = takes - {"kwargs", *nets.CONTRACT} - less | extra
+    assert set(nets.BUILTIN_KWARGS[arch]) == takes
+    assert set(registry.BUILDERS) == set(nets.BUILTIN)
+    assert nets.EDM2_SIZES == tuple(edm2.PRESETS)
 
 
 @pytest.mark.parametrize("model, key, words", [
@@ -503,7 +511,17 @@ def _train_twice(tmp_path, model, extra=None):
     return states
 
 
-@pytest.mark.parametrize("model", [CUSTOM, TINY_DIT], ids=["custom", "dit"])
+TINY_EDM2 = {"arch": "edm2", "kwargs": {"model_channels": 16, "channel_mult": [1, 2], "num_blocks": 1,
+                                        "attn_resolutions": [8], "channels_per_head": 16, "dropout": 0.1}}
+TINY_SIT = {"arch": "sit", "objective": "flow", "kwargs": {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2}}
+
+
+TINY_DDPMPP = {"arch": "ddpmpp", "kwargs": {"model_channels": 16, "channel_mult": [1, 2], "num_blocks": 1,
+                                            "attn_resolutions": [8]}}  # EDM's augment_dim 9, dropout 0.13
+
+
+@pytest.mark.parametrize("model", [CUSTOM, TINY_DIT, TINY_EDM2, TINY_SIT, TINY_DDPMPP],
+                         ids=["custom", "dit", "edm2", "sit", "ddpmpp"])
 def test_two_segments_match_one_run_with_flips_and_label_dropout(tmp_path, fixtures_on_path, model):
     from test_train import assert_tensors_equal
 

@@ -54,6 +54,18 @@ def count(net):
 
 # --- sizes --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("arch, dropout, augment_dim, fir", [("ddpmpp", 0.13, 9, (1, 1)), ("ncsnpp", 0.13, 9, (1, 3, 3, 1)),
+                                                         ("adm", 0.10, 0, (1, 1))])
+def test_presets_are_edms_training_commands(arch, dropout, augment_dim, fir):
+    """EDM's README: CIFAR-10 runs take train.py's defaults (--dropout 0.13, --augment 0.12, so augment_dim 9);
+    ImageNet-64 ADM passes --dropout=0.10 --augment=0 (no augment map)."""
+    with torch.device("meta"):
+        net = BUILDERS[arch](32, 3, 10)
+    assert net.enc["16x16_down"].dropout == dropout
+    assert (net.map_augment.weight.shape[1] if net.map_augment is not None else 0) == augment_dim
+    assert net.enc["16x16_down"].conv0.resample_filter.shape[-1] == len(fir)
+
+
 @pytest.mark.parametrize("arch, resolution, classes, augment_dim, official", [
     ("ddpmpp", 32, 0, 9, 55_733_891),    # EDM's CIFAR-10 DDPM++, unconditional (the paper: 55.73 M)
     ("ddpmpp", 32, 10, 9, 55_735_299),   # ... class-conditional

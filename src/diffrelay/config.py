@@ -12,6 +12,7 @@ import jsonschema
 import yaml
 
 from diffrelay import nets
+from diffrelay.nets import checks
 from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
 from diffrelay.errors import UserError
 
@@ -132,7 +133,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     from diffrelay.training.profiles import check_config as check_phema  # numpy only
 
     bad += check_phema(t, s)
-    bad += _check_network(m, data["resolution"])
+    bad += checks.check_model(m, data["resolution"])
     from diffrelay.runtime.gpus import check_pool  # light: no torch
 
     bad += check_pool(d)
@@ -166,42 +167,6 @@ def non_finite(d, prefix="") -> str | None:
         if found:
             return found
     return None
-
-
-def _check_network(m: dict, res: int) -> list[tuple[str, str]]:
-    """What can be checked about the network without building it (nets.registry.check builds it)."""
-    bad, arch = [], m["arch"]
-    if not nets.is_builtin(arch) and (arch.count(":") != 1 or not all(arch.split(":"))):
-        return [(f"model.arch={json.dumps(arch)}", "use unet, dit or 'package.module:callable'")]
-    bad = nets.check_kwargs(m)
-    if bad:
-        return bad
-    if arch == "dit":
-        patch = m["kwargs"].get("patch", 2)
-        if not isinstance(patch, int) or patch < 1 or res % patch:
-            bad.append((f"model.kwargs.patch={patch}", f"does not divide data.resolution={res}; use 2, 4 or 8 "
-                        "(a divisor of the resolution)"))
-        size = m["kwargs"].get("size")
-        if size is not None and size not in ("S", "B", "L", "XL"):
-            bad.append((f"model.kwargs.size={json.dumps(size)}", "choose one of S, B, L, XL"))
-    if arch != "unet":
-        return bad
-    preset = m["kwargs"].get("preset")
-    if preset is not None and preset not in nets.UNET_PRESETS:
-        return [(f"model.kwargs.preset={json.dumps(preset)}", f"choose one of {', '.join(nets.UNET_PRESETS)}")]
-    u = nets.unet_settings(m)
-    levels = len(u["channel_mult"])
-    factor = 2 ** (levels - 1)
-    if res % factor or res // factor < 4:
-        bad.append((f"data.resolution={res}",
-                    f"not supported by a UNet with {levels} levels (needs a multiple of {factor} "
-                    f"and at least {4 * factor}); change data.resolution or model.channel_mult"))
-    level_res = [res // 2**i for i in range(levels)]
-    for r in u["attn_resolutions"]:
-        if r not in level_res:
-            bad.append((f"model.attn_resolutions={r}",
-                        f"no UNet level has that resolution; choose from {level_res}"))
-    return bad
 
 
 def validate(raw: dict, source: str = "config") -> dict:

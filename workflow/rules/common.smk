@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
 from diffrelay.evaluation import protocol  # noqa: E402
 from diffrelay import preflight  # noqa: E402
+from diffrelay import nets as drnets  # noqa: E402
 from diffrelay import logs as drlogs  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
@@ -203,7 +204,7 @@ wildcard_constraints:
 # --- checks that need more than the schema -------------------------------------------------
 # A network of the user's own is imported, built on the meta device and run once here, so a bad
 # module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema).
-if CFG.model.arch not in ("unet", "dit"):
+if not drnets.is_builtin(CFG.model.arch):
     from diffrelay.validate import check_network
 
     try:

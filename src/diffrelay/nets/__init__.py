@@ -22,11 +22,14 @@ Imports the base modules only (errors).
 
 import difflib
 
-BUILTIN = ("unet", "dit")
+# By source: EDM's DDPM++, NCSN++ and ADM (nets/edm.py), edm2's UNet (nets/edm2.py), DiT and SiT (nets/dit.py), and
+# diffrelay's own small UNet (nets/unet.py), which the runs made before the papers' networks keep using.
+BUILTIN = ("ddpmpp", "ncsnpp", "adm", "edm2", "dit", "sit", "unet")
 # The DiT as checked against DiT's code (columns-first position table, DiT's initialisation). Part of a DiT
 # run's identity and recorded in its snapshots as dit_layout; files without it were made by layout 1 (rows
 # first), which still loads them (pos_order rows) but trains no further.
 DIT_LAYOUT = 2
+EDM2_SIZES = ("xs", "s", "m", "l", "xl", "xxl")  # edm2.PRESETS, named here for config checks without torch
 UNET_SETTINGS = ("channels", "channel_mult", "num_blocks", "attn_resolutions", "dropout")
 # Named UNet settings. cifar10 has the shape of EDM's CIFAR-10 network (DDPM++, about 56 M parameters):
 # 128 channels, multipliers [2, 2, 2], 4 blocks a level, attention at 16x16.
@@ -36,12 +39,25 @@ UNET_PRESETS = {
 }
 
 
+_EDM = ("model_channels", "channel_mult", "channel_mult_emb", "num_blocks", "attn_resolutions", "dropout", "augment_dim")
+_SONG = ("embedding_type", "channel_mult_noise", "encoder_type", "decoder_type", "resample_filter")
+# Levels of the UNets of the papers when model.kwargs.channel_mult does not say (each halves the resolution).
+DEFAULT_LEVELS = {"ddpmpp": 3, "ncsnpp": 3, "adm": 4, "edm2": 4}
+
+
 # The keyword arguments each built-in builder takes besides the contract's three (tests/test_nets.py checks
 # them against unet.build/UNet and dit.build/DiT), so a typo in model.kwargs is caught without torch.
 BUILTIN_KWARGS = {
     "unet": ("preset", *UNET_SETTINGS),
     "dit": ("size", "patch", "depth", "hidden_size", "num_heads", "mlp_ratio", "out_channels", "time_scale",
             "pos_order"),
+    "sit": ("size", "patch", "depth", "hidden_size", "num_heads", "mlp_ratio", "out_channels"),
+    "ddpmpp": _EDM + _SONG,
+    "ncsnpp": _EDM + _SONG,
+    "adm": _EDM,
+    "edm2": ("preset", "model_channels", "channel_mult", "channel_mult_noise", "channel_mult_emb", "num_blocks",
+             "attn_resolutions", "label_balance", "concat_balance", "dropout", "logvar_channels",
+             "channels_per_head", "res_balance", "attn_balance", "clip_act", "resample_filter"),
 }
 CONTRACT = ("resolution", "in_channels", "num_classes")
 

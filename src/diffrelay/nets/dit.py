@@ -168,15 +168,35 @@ class DiT(nn.Module):
 def build(resolution: int, in_channels: int, num_classes: int, size: str | None = None, patch: int = 2,
           **kwargs) -> DiT:
     """The network contract of diffrelay.nets; `size` S/B/L/XL fills depth, hidden_size and num_heads."""
+    return _build(DiT, resolution, in_channels, num_classes, size, patch, kwargs)
+
+
+def _build(cls, resolution, in_channels, num_classes, size, patch, kwargs):
     if size is not None:
         if size not in SIZES:
             raise ValueError(f"size={size!r}: choose one of {', '.join(SIZES)}")
         depth, hidden, heads = SIZES[size]
         kwargs = {"depth": depth, "hidden_size": hidden, "num_heads": heads} | kwargs
-    return DiT(resolution, in_channels, num_classes, patch=patch, **kwargs)
+    return cls(resolution, in_channels, num_classes, patch=patch, **kwargs)
 
 
-# DiT's state-dict names (facebookresearch/DiT models.py) -> these modules'; pos_embed is the fixed table.
+class SiT(DiT):
+    """SiT (Ma et al. 2024): DiT's network under SiT's transport convention (willisma/SiT transport/), so SiT's
+    checkpoints sample with diffrelay's flow objective. SiT's time s = 1 - t runs from noise (0) to data (1)
+    and its network predicts x - eps, the negative of flow's eps - x at t (objectives/flow.py); it embeds s
+    itself (time_scale 1). benchmarks/check_sit_equivalence.py compares it with SiT's models.py."""
+
+    def forward(self, x, c_noise, labels=None):
+        return -super().forward(x, 1 - c_noise, labels)
+
+
+def build_sit(resolution: int, in_channels: int, num_classes: int, size: str | None = None, patch: int = 2,
+              **kwargs) -> SiT:
+    """The SiT network (flow objective only; config.py says so): DiT's sizes and patches, SiT's time."""
+    return _build(SiT, resolution, in_channels, num_classes, size, patch, {"time_scale": 1} | kwargs)
+
+
+# DiT's (and SiT's) state-dict names (facebookresearch/DiT models.py) -> these modules'; pos_embed is the fixed table.
 _OFFICIAL = [("x_embedder.proj.", "embed."), ("t_embedder.mlp.", "noise_emb.mlp."),
              ("y_embedder.embedding_table.", "class_emb."), ("final_layer.linear.", "out."),
              ("final_layer.adaLN_modulation.1.", "ada_out."), (".attn.qkv.", ".qkv."), (".attn.proj.", ".proj."),

@@ -10,9 +10,9 @@ part of an EDMPrecond loads strictly as it is; `official_keys` only strips the `
 filters and NCSN++'s random Fourier frequencies are persistent buffers there and here.
 
 F(x, c_noise, labels) is the network inside EDMPrecond: diffrelay's Denoiser applies c_in, c_out, c_skip and
-c_noise = ln(sigma)/4. Labels are integers; K (= num_classes) is "no class", the all-zero one-hot row that EDM's
-own label dropout produces (which is therefore not built here: diffrelay drops labels in its data pipeline).
-`augment_labels` (B, augment_dim) are EDM's augmentation parameters; None skips them, as EDM does when sampling.
+c_noise = ln(sigma)/4. Labels are integers; K (= num_classes) is "no class", EDM's label dropout's all-zero one-hot
+row (diffrelay drops labels in its data pipeline). `augment_labels` (B, augment_dim): EDM's augmentation
+parameters; None skips them when sampling, as EDM does (zeros in training: diffrelay has no augment pipe yet).
 
 Presets follow EDM's README commands: CIFAR-10 (--arch=ddpmpp / ncsnpp with train.py's defaults: dropout 0.13,
 augment 0.12 so augment_dim 9) and ImageNet-64 (--arch=adm --dropout=0.10 --augment=0, so no augment embedding).
@@ -153,7 +153,7 @@ class Block(nn.Module):
             b, c = h.shape[:2]
             # qkv channels are laid out head by head, then channel, then (q, k, v): EDM's weight format.
             q, k, v = self.qkv(self.norm2(h)).reshape(b * self.num_heads, c // self.num_heads, 3, -1).unbind(2)
-            k = k / math.sqrt(k.shape[1])
+            k = k / math.sqrt(k.shape[1])  # logits and softmax in float32 whatever the dtype, as in EDM
             w = torch.einsum("ncq,nck->nqk", q.float(), k.float()).softmax(dim=2).to(q.dtype)
             a = torch.einsum("nqk,nck->ncq", w, v)
             h = (self.proj(a.reshape(h.shape)) + h) * self.skip_scale
@@ -208,6 +208,10 @@ class _EDMNet(nn.Module):
 
     def run(self, block, x, emb):
         return memory.call(self.checkpointing, block, x, emb)
+
+
+def _augment(labels, emb, dim: int):  # training without labels: zeros, so DDP sees the bias-free map used
+    return emb.new_zeros(emb.shape[0], dim) if labels is None else labels.to(emb.dtype)
 
 
 class SongUNet(_EDMNet):
@@ -284,8 +288,8 @@ class SongUNet(_EDMNet):
         emb = self.map_noise(c_noise)
         if self.map_label is not None:  # one-hot times sqrt(K): unit mean square, like the other inputs
             emb = emb + self.map_label(self.one_hot(labels, emb) * math.sqrt(self.num_classes))
-        if self.map_augment is not None and augment_labels is not None:
-            emb = emb + self.map_augment(augment_labels.to(emb.dtype))
+        if self.map_augment is not None and (augment_labels is not None or self.training):
+            emb = emb + self.map_augment(_augment(augment_labels, emb, self.map_augment.weight.shape[1]))
         emb = F.silu(self.map_layer1(F.silu(self.map_layer0(emb))))
 
         skips, aux = [], x
@@ -373,8 +377,8 @@ class DhariwalUNet(_EDMNet):
 
     def forward(self, x, c_noise, labels=None, augment_labels=None):
         emb = self.map_noise(c_noise)
-        if self.map_augment is not None and augment_labels is not None:
-            emb = emb + self.map_augment(augment_labels.to(emb.dtype))
+        if self.map_augment is not None and (augment_labels is not None or self.training):
+            emb = emb + self.map_augment(_augment(augment_labels, emb, self.map_augment.weight.shape[1]))
         emb = self.map_layer1(F.silu(self.map_layer0(emb)))
         if self.map_label is not None:
             emb = emb + self.map_label(self.one_hot(labels, emb))
@@ -392,9 +396,6 @@ class DhariwalUNet(_EDMNet):
 
 
 def _build(arch: str, cls, resolution: int, in_channels: int, num_classes: int, kwargs: dict):
-    unknown = sorted(set(kwargs) - set(KWARGS[arch]))
-    if unknown:
-        raise TypeError(f"{arch} takes no keyword {', '.join(unknown)}; it takes {', '.join(KWARGS[arch])}")
     return cls(resolution, in_channels, num_classes, **(PRESETS[arch] | kwargs))
 
 

@@ -20,9 +20,10 @@ from torch import nn
 
 import diffrelay
 from diffrelay.errors import UserError
-from diffrelay.nets import arch_kwargs, check_kwargs, dit, is_builtin, memory, unet
+from diffrelay.nets import arch_kwargs, check_kwargs, dit, edm, edm2, is_builtin, memory, unet
 
-BUILDERS = {"unet": unet.build, "dit": dit.build}
+BUILDERS = {"ddpmpp": edm.build_ddpmpp, "ncsnpp": edm.build_ncsnpp, "adm": edm.build_adm, "edm2": edm2.build,
+            "dit": dit.build, "sit": dit.build_sit, "unet": unet.build}
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
 LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
                       *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
@@ -107,7 +108,7 @@ def _import(arch: str):
     """(the callable named "package.module:callable", the user's package root), or a one-line UserError."""
     module_name, _, attr = arch.partition(":")
     if not module_name or not attr:
-        raise UserError(f"model.arch={arch!r}: use unet, dit or 'package.module:callable'")
+        raise UserError(f"model.arch={arch!r}: use one of {', '.join(BUILDERS)} or 'package.module:callable'")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)  # after PYTHONPATH and site-packages, so it never shadows them

@@ -43,4 +43,6 @@ def loss(cfg, net, images, labels, rnd_normal, noise):
     t = cfg.train
     if cfg.model.objective == "flow":
         return flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
-    return edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data)
+    # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).
+    return edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data,
+                    uncertainty=cfg.model.arch == "edm2")

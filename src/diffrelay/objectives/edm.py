@@ -46,7 +46,9 @@ class Denoiser(nn.Module):
         self.net = net  # the raw network F of the diffrelay.nets contract
         self.sigma_data = sigma_data
 
-    def forward(self, x, sigma, labels=None):
+    def forward(self, x, sigma, labels=None, return_logvar: bool = False):
+        """D(x; sigma); with return_logvar also the network's uncertainty u(sigma) (edm2's Precond does the same,
+        inside the forward, so DDP sees every parameter the loss uses)."""
         sigma = sigma.reshape(-1, 1, 1, 1).to(x.dtype)
         sd2 = self.sigma_data**2
         c_skip = sd2 / (sigma**2 + sd2)
@@ -54,7 +56,8 @@ class Denoiser(nn.Module):
         c_in = 1 / (sd2 + sigma**2).sqrt()
         c_noise = sigma.log().flatten() / 4
         f = self.net(c_in * x, c_noise, labels)
-        return c_skip * x + c_out * f.to(x.dtype)
+        denoised = c_skip * x + c_out * f.to(x.dtype)
+        return (denoised, self.net.logvar(c_noise).to(x.dtype)) if return_logvar else denoised
 
 
 def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3) -> Denoiser:
@@ -69,16 +72,22 @@ def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int =
                     sigma_data=model_cfg["sigma_data"])
 
 
-def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float):
+def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float,
+         uncertainty: bool = False):
     """Weighted denoising loss at log-normal noise levels.
 
     rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller (see
-    draw_noise), so they resume exactly and do not depend on how the batch is split.
+    draw_noise), so they resume exactly and do not depend on how the batch is split. With `uncertainty`
+    (edm2's network) each level's loss is divided by exp(u(sigma)) and u(sigma) added, u learned by the network:
+    edm2's EDM2Loss (paper Eq. 21), per element here as EDM's is.
     """
     sigma = (rnd_normal.reshape(-1, 1, 1, 1) * p_std + p_mean).exp()
     weight = (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
-    denoised = net(images + noise * sigma, sigma, labels)
-    return (weight * (denoised - images) ** 2).mean()
+    if not uncertainty:
+        denoised = net(images + noise * sigma, sigma, labels)
+        return (weight * (denoised - images) ** 2).mean()
+    denoised, logvar = net(images + noise * sigma, sigma, labels, return_logvar=True)
+    return ((weight / logvar.exp()) * (denoised - images) ** 2 + logvar).mean()
 
 
 def draw_noise(generator: torch.Generator, count: int, shape, device) -> tuple[torch.Tensor, torch.Tensor]:

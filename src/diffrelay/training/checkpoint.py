@@ -115,7 +115,8 @@ def _digest(tensors: dict, meta: dict) -> str:
     for k in sorted(tensors):
         t = tensors[k].contiguous()
         h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # reshape(-1): a 0-d tensor (edm2's output gain) has no byte view; the bytes are the same for the rest.
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

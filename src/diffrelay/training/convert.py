@@ -25,11 +25,14 @@ import torch
 
 from diffrelay import config, io, nets, preflight
 from diffrelay.errors import UserError
-from diffrelay.nets import dit, registry
+from diffrelay.nets import dit, edm, edm2, registry
 from diffrelay.training import checkpoint
 
-LAYOUTS = {"diffrelay": lambda state: state, "dit": dit.official_keys}
-DEFAULT_LAYOUT = {"dit": "dit"}  # model.arch -> the layout its published checkpoints use
+LAYOUTS = {"diffrelay": lambda state: state, "dit": dit.official_keys, "edm": edm.official_keys,
+           "edm2": edm2.official_keys}
+# model.arch -> the layout its official code saves (EDM's and edm2's releases are pickles, refused; a state
+# dict saved from their networks has these names).
+DEFAULT_LAYOUT = {"dit": "dit", "sit": "dit", "ddpmpp": "edm", "ncsnpp": "edm", "adm": "edm", "edm2": "edm2"}  # model.arch -> the layout its published checkpoints use
 MAX_BYTES = 1 << 40
 
 
@@ -120,7 +123,7 @@ def convert(cfg, source: Path, out: Path, layout: str | None = None, step: int =
     meta = {"step": step, "trajectory": config.trajectory_hash(cfg), "config": cfg.to_dict(), "model": m,
             "image_shape": [3, d["resolution"], d["resolution"]], "num_classes": classes, "class_names": [],
             "imported": {"file": source.name, "sha256": io.sha256_file(source), "layout": layout}}
-    if m["arch"] == "dit":
+    if m["arch"] in ("dit", "sit"):
         meta["dit_layout"] = nets.DIT_LAYOUT
     # The objective wraps the network as `net` (edm.Denoiser, flow.VelocityModel): snapshots hold its names.
     checkpoint.save_snapshot(out, {f"net.{k}": v.contiguous() for k, v in state.items()}, {}, meta)

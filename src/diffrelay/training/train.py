@@ -102,7 +102,7 @@ def _meta(cfg, step, data, traj) -> dict:
     return {"step": step, "trajectory": traj, "config": cfg.to_dict(), "model": cfg.to_dict()["model"],
             "image_shape": [3, data.resolution, data.resolution], "num_classes": data.num_classes,
             "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint,
-            "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch == "dit" else {})
+            "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch in ("dit", "sit") else {})
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:

@@ -1,0 +1,61 @@
+"""What can be checked about a `model` section without torch and without building the network (config
+validation runs it at Snakefile parse time; nets.registry.check builds and runs the network). Each problem is
+a (key, message) pair; config.validate reports the first.
+
+Imports the base modules and nets only.
+"""
+
+import json
+
+from diffrelay import nets
+
+
+def check_model(m: dict, res: int) -> list[tuple[str, str]]:
+    """What can be checked about the network without building it (nets.registry.check builds it)."""
+    bad, arch = [], m["arch"]
+    if not nets.is_builtin(arch) and (arch.count(":") != 1 or not all(arch.split(":"))):
+        return [(f"model.arch={json.dumps(arch)}", f"use one of {', '.join(nets.BUILTIN)} or 'package.module:callable'")]
+    bad = nets.check_kwargs(m)
+    if bad:
+        return bad
+    if arch == "sit" and m["objective"] != "flow":
+        bad.append(("model.arch=sit", "SiT's network predicts SiT's velocity; set model.objective: flow (or use dit)"))
+    if arch == "edm2":
+        if m["objective"] != "edm":
+            bad.append(("model.arch=edm2", "edm2's network is trained with EDM's objective and its learned uncertainty; "
+                        "set model.objective: edm"))
+        preset = m["kwargs"].get("preset")
+        if preset is not None and preset not in nets.EDM2_SIZES:
+            bad.append((f"model.kwargs.preset={json.dumps(preset)}", f"choose one of {', '.join(nets.EDM2_SIZES)}"))
+    if arch in nets.DEFAULT_LEVELS:
+        mult = m["kwargs"].get("channel_mult")
+        levels = len(mult) if isinstance(mult, list) and mult else nets.DEFAULT_LEVELS[arch]
+        if res % 2 ** (levels - 1):
+            bad.append((f"data.resolution={res}", f"{arch}'s UNet with {levels} levels halves it {levels - 1} times; "
+                        f"use a multiple of {2 ** (levels - 1)} or change model.kwargs.channel_mult"))
+    if arch in ("dit", "sit"):
+        patch = m["kwargs"].get("patch", 2)
+        if not isinstance(patch, int) or patch < 1 or res % patch:
+            bad.append((f"model.kwargs.patch={patch}", f"does not divide data.resolution={res}; use 2, 4 or 8 "
+                        "(a divisor of the resolution)"))
+        size = m["kwargs"].get("size")
+        if size is not None and size not in ("S", "B", "L", "XL"):
+            bad.append((f"model.kwargs.size={json.dumps(size)}", "choose one of S, B, L, XL"))
+    if arch != "unet":
+        return bad
+    preset = m["kwargs"].get("preset")
+    if preset is not None and preset not in nets.UNET_PRESETS:
+        return [(f"model.kwargs.preset={json.dumps(preset)}", f"choose one of {', '.join(nets.UNET_PRESETS)}")]
+    u = nets.unet_settings(m)
+    levels = len(u["channel_mult"])
+    factor = 2 ** (levels - 1)
+    if res % factor or res // factor < 4:
+        bad.append((f"data.resolution={res}",
+                    f"not supported by a UNet with {levels} levels (needs a multiple of {factor} "
+                    f"and at least {4 * factor}); change data.resolution or model.channel_mult"))
+    level_res = [res // 2**i for i in range(levels)]
+    for r in u["attn_resolutions"]:
+        if r not in level_res:
+            bad.append((f"model.attn_resolutions={r}",
+                        f"no UNet level has that resolution; choose from {level_res}"))
+    return bad
