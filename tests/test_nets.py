@@ -550,3 +550,21 @@ def test_flips_and_label_dropout_do_not_depend_on_the_process_count(tmp_path, fi
     for k in states["p1"]:
         torch.testing.assert_close(states["p1"][k], states["p2"][k], rtol=1e-4, atol=1e-5)
     assert any(not torch.allclose(states["p1"][k], states["noflip"][k]) for k in states["p1"])
+
+
+@pytest.mark.parametrize("model, res, words", [
+    ({"arch": "sit"}, 16, "model.arch=sit: SiT's network predicts SiT's velocity; set model.objective: flow"),
+    ({"arch": "edm2", "objective": "flow"}, 16, "model.arch=edm2: edm2's network is trained with EDM's objective"),
+    ({"arch": "edm2", "kwargs": {"preset": "XL"}}, 64, "model.kwargs.preset=\"XL\": choose one of xs, s, m, l, xl"),
+    ({"arch": "adm"}, 36, "data.resolution=36: adm's UNet with 4 levels halves it 3 times; use a multiple of 8"),
+    ({"arch": "ddpmpp", "kwargs": {"channel_mult": [1, 2, 2]}}, 18, "data.resolution=18: ddpmpp's UNet with 3 levels"),
+    ({"arch": "ncsnpp"}, 32, None),
+])
+def test_the_papers_networks_are_checked_when_the_config_is_read(model, res, words):
+    d = {"data": {"resolution": res}, "model": model}
+    if words is None:
+        assert config.validate(d)["model"]["arch"] == model["arch"]
+        return
+    with pytest.raises(UserError) as e:
+        config.validate(d)
+    assert words in str(e.value) and len(str(e.value).splitlines()) == 1
