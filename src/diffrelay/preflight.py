@@ -122,13 +122,19 @@ def evaluated_snapshot_meta(cfg, source: str) -> dict:
 
 
 def check_evaluated_snapshot(cfg, source: str) -> None:
-    """sample.snapshot fits this config: its network, image shape and class count; and nothing asks for training."""
+    """sample.snapshot fits this config: its network, image shape and class count, the EMAs and guidance asked for;
+    nothing asks for training; and the run folder is not a trained run's (its samples and report would mix)."""
     s, path = cfg.sample, cfg.sample.snapshot
     meta = evaluated_snapshot_meta(cfg, source)
-    key = nets.same_network(meta.get("model") or {}, cfg.to_dict()["model"])
+    recorded, wanted = meta.get("model") if isinstance(meta.get("model"), dict) else {}, cfg.to_dict()["model"]
+    key = nets.same_network(recorded, wanted)
     if key is not None:
-        raise UserError(f"{source}: sample.snapshot={path}: made for model.{key}={meta['model'].get(key)!r}, the config "
-                        f"has {cfg.to_dict()['model'].get(key)!r}; set the config's model section to the snapshot's")
+        raise UserError(f"{source}: sample.snapshot={path}: made for model.{key}={recorded.get(key)!r}, the config "
+                        f"has {wanted.get(key)!r}; set the config's model section to the snapshot's")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError(f"{source}: sample.snapshot={path}: records step {step!r}, not a step number; re-create it "
+                        "(diffrelay import --step N)")
     res = cfg.data.resolution
     if list(meta.get("image_shape", [])) != [3, res, res]:
         raise UserError(f"{source}: sample.snapshot={path}: images of shape {meta.get('image_shape')}, the config "
@@ -137,12 +143,29 @@ def check_evaluated_snapshot(cfg, source: str) -> None:
     if meta.get("num_classes") != classes:
         raise UserError(f"{source}: sample.snapshot={path}: {meta.get('num_classes')} classes, the dataset has "
                         f"{classes}; use the dataset it was trained on (the class count fixes what the labels mean)")
+    train = (meta.get("config") or {}).get("train") or {}
+    decays = [] if "imported" in meta else [float(d) for d in train.get("ema_decays") or []]
+    asked = s.ema_decay if isinstance(s.ema_decay, list) else [] if s.ema_decay is None else [s.ema_decay]
+    missing = [d for d in asked if float(d) not in decays]
+    guided = any(g != 1 for g in protocol.guidance_scales(cfg.to_dict()["sample"])) and s.guide is None
+    trained = run_dir_has_training(config.run_dir(cfg))
     for bad, why in ((s.phema, "sample.phema needs this run's training"), (isinstance(s.guide, int),
                      "sample.guide names a step of this run's training; give a snapshot file"),
                      ("imported" in meta and s.weights == "raw", "an imported snapshot holds one set of weights, "
-                      "its EMA; use sample.weights: ema")):
+                      "its EMA; use sample.weights: ema"),
+                     (missing, f"sample.ema_decay {missing}: the file holds the EMAs {decays or 'of one decay'}; "
+                      "set sample.ema_decay to one of those, or null"),
+                     (guided and not train.get("label_dropout"), "guidance needs a network trained with label dropout "
+                      "and its record has train.label_dropout 0; set it as the checkpoint was trained (DiT, SiT: 0.1) "
+                      "before diffrelay import, or sample.guidance: 1"),
+                     (trained, f"{config.run_dir(cfg)} holds a trained run, whose samples and report this evaluation "
+                      "would mix with its own; give it its own run.name")):
         if bad:
             raise UserError(f"{source}: sample.snapshot={path} trains nothing: {why}")
+
+
+def run_dir_has_training(run_dir: Path) -> bool:
+    return any((run_dir / name).is_dir() and any((run_dir / name).iterdir()) for name in ("checkpoints", "trained"))
 
 
 # ---------------------------------------------------------------------------------------------

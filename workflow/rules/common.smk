@@ -154,7 +154,7 @@ def trained_steps():
 
 
 # sample.snapshot: a run that trains nothing and evaluates that file, as the one segment end, at its step.
-EVALUATED = CFG.sample.snapshot
+EVALUATED = CFG.sample.snapshot and str(Path(CFG.sample.snapshot).expanduser())
 if EVALUATED:
     EVALUATED_STEP = preflight.evaluated_snapshot_meta(CFG, "sample.snapshot")["step"]
 SEGMENT_ENDS = (

@@ -305,6 +305,10 @@ def main(args) -> int:
     # Read and check everything before writing anything.
     fid = read_fid(run_dir)
     if args.evaluated:  # sample.snapshot: a run that trained nothing has no training log
+        step = io.signed_header(args.evaluated, "snapshot", "check sample.snapshot")[1].get("step")
+        fid = fid[fid.step == step]  # scores of a file named here before are not this file's
+        if fid.empty:
+            raise UserError(f"{run_dir}/metrics/fid: no score at step {step} of {args.evaluated}; score it first")
         train = pd.DataFrame(columns=["step", "loss", "images_per_s", "skipped", "skipped_in_window"], dtype=float)
         segments = pd.DataFrame(columns=["start", "end", "seconds"], dtype=float)
     else:

@@ -184,7 +184,7 @@ class SiT(DiT):
     """SiT (Ma et al. 2024): DiT's network under SiT's transport convention (willisma/SiT transport/), so SiT's
     checkpoints sample with diffrelay's flow objective. SiT's time s = 1 - t runs from noise (0) to data (1)
     and its network predicts x - eps, the negative of flow's eps - x at t (objectives/flow.py); it embeds s
-    itself (time_scale 1). benchmarks/check_sit_equivalence.py compares it with SiT's models.py."""
+    itself (time_scale 1). benchmarks/check_dit_equivalence.py --sit-src compares it with SiT's models.py."""
 
     def forward(self, x, c_noise, labels=None):
         return -super().forward(x, 1 - c_noise, labels)

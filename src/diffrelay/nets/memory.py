@@ -5,7 +5,8 @@ block's activations (fast-DiT reports DiT-XL/2 at batch 128 out of memory on one
 A network opts in by having an attribute `checkpointing` (False by default) and running its blocks through
 `call`: every built-in network does. torch's non-reentrant checkpoint restores the RNG state before the
 recomputation, so dropout draws the same mask twice and the gradients are bitwise those of a plain backward
-(tests/test_train.py trains with it on and off and compares the weights bit for bit).
+(tests/test_memory.py trains with it on and off and compares the weights bit for bit; on a GPU this holds
+with train.deterministic, as for any two runs).
 """
 
 import torch

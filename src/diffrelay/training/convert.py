@@ -1,6 +1,6 @@
 """`diffrelay import`: a published checkpoint (a plain state dict) into a diffrelay snapshot with a verified record.
 
-  diffrelay import --config dit-xl2.yaml --checkpoint DiT-XL-2-256x256.pt --out imported/dit-xl2.safetensors
+  diffrelay import --config run.yaml --checkpoint model.pt --out imported/model.safetensors
 
 The run config names the network (model.arch and model.kwargs) exactly as for training; the file only supplies
 weights, so it never chooses which code runs. Accepted files:
@@ -96,7 +96,8 @@ def check_state(path, state: dict, model_cfg: dict, resolution: int, in_channels
                         "check model.arch, model.class_conditional and --layout")
     # The tensors whose shape follows the class count: those that change when the network gets one class more.
     # Sizes are checked first: a wider network's class table differs too, and its width is the news.
-    by_class = {k for k, s in _shapes(model_cfg, resolution, in_channels, classes + 1).items() if s != want[k]}
+    by_class = {k for k, s in _shapes(model_cfg, resolution, in_channels, classes + 1).items()
+                if k in want and s != want[k]}  # an unconditional network gains a class table: not in want
     for key in sorted(want, key=lambda k: (k in by_class, k)):
         got = tuple(state[key].shape)
         if got == want[key]:
@@ -104,9 +105,25 @@ def check_state(path, state: dict, model_cfg: dict, resolution: int, in_channels
         if key in by_class:
             raise UserError(f"{path}: {key} is {list(got)}, made for another class count: the dataset has {classes} "
                             f"classes, which need {list(want[key])}; use the dataset the checkpoint was trained on")
+        if _is_latent(state, model_cfg, resolution, classes):
+            raise UserError(f"{path}: a latent model (4 input channels: DiT's and SiT's released checkpoints are); "
+                            "diffrelay trains and samples 3-channel images until VAE latents land, so it cannot "
+                            "sample this file yet")
         raise UserError(f"{path}: {key} is {list(got)}, the network of model.kwargs="
                         f"{json.dumps(nets.arch_kwargs(model_cfg)[1])} has {list(want[key])}: a checkpoint of "
                         "another size; set model.kwargs to the checkpoint's (size, patch, out_channels, ...)")
+
+
+def _is_latent(state: dict, model_cfg: dict, resolution: int, classes: int) -> bool:
+    """The state fits the configured network made for 4 input channels (SD-VAE latents)."""
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    if kwargs.get("out_channels") in (3, 6):  # DiT's layouts for 3 channels: the same layout for 4
+        kwargs["out_channels"] = kwargs["out_channels"] // 3 * 4
+    try:
+        shapes = _shapes(model_cfg | {"kwargs": kwargs}, resolution, 4, classes)
+    except UserError:
+        return False
+    return all(k in state and tuple(state[k].shape) == v for k, v in shapes.items())
 
 
 def convert(cfg, source: Path, out: Path, layout: str | None = None, step: int = 0) -> dict:
