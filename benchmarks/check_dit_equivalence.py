@@ -24,12 +24,10 @@ Writes benchmarks/results/dit_equivalence.json. Not a test: CI cannot fetch the 
 
 import argparse
 import importlib.util
-import json
-import platform
-import time
 from pathlib import Path
 
 import torch
+from official import write_results
 
 from diffrelay.nets import dit, registry
 
@@ -129,11 +127,8 @@ def main() -> None:
             print(f"{name:20s} max |ours - official| = {r['max_abs_diff']:.3g}")
     for name, c in counts.items():
         print(f"{name:20s} parameters: official {c['official']:,}, ours {c['ours']:,}")
-    out = {"what": "diffrelay nets.dit vs facebookresearch/DiT models.py (and SiT's), same weights and inputs",
-           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
-           "cases": cases}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "diffrelay nets.dit vs facebookresearch/DiT models.py (and SiT's), same weights and inputs",
+                  cases=cases)
 
 
 if __name__ == "__main__":

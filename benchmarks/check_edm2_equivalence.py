@@ -28,13 +28,11 @@ Writes benchmarks/results/edm2_equivalence.json. Not a test: CI cannot fetch the
 """
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+from official import write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm2, memory
@@ -233,11 +231,8 @@ def main() -> None:
     for name, c in cases["parameter-counts"].items():
         print(f"{name:4s} parameters: official {c['official']:,}, ours {c['ours']:,} (UNet {c['official_unet']:,} "
               f"/ {c['ours_unet']:,}), same state-dict names and shapes: {c['state_dict_same_names_and_shapes']}")
-    out = {"what": "diffrelay nets.edm2 vs NVlabs/edm2 training/networks_edm2.py, same weights and inputs",
-           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
-           "cases": cases}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "diffrelay nets.edm2 vs NVlabs/edm2 training/networks_edm2.py, same weights and inputs",
+                  cases=cases)
 
 
 if __name__ == "__main__":

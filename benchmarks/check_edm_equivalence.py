@@ -27,14 +27,12 @@ Writes benchmarks/results/edm_equivalence.json. Not a test: CI cannot fetch the 
 """
 
 import argparse
-import json
 import math
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+from official import write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm
@@ -169,11 +167,8 @@ def main() -> None:
     cases["parameter-counts"] = counts(networks)
     for name, c in cases["parameter-counts"].items():
         print(f"{name:30s} parameters: official {c['official']:,}, ours {c['ours']:,}")
-    out = {"what": "diffrelay nets.edm vs NVlabs/edm training/networks.py, same weights and inputs",
-           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
-           "sigmas": SIGMAS, "c_noise": [math.log(s) / 4 for s in SIGMAS], "cases": cases}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "diffrelay nets.edm vs NVlabs/edm training/networks.py, same weights and inputs",
+                  sigmas=SIGMAS, c_noise=[math.log(s) / 4 for s in SIGMAS], cases=cases)
 
 
 if __name__ == "__main__":

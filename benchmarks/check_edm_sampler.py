@@ -16,14 +16,12 @@ Writes benchmarks/results/edm_sampler.json. Not a test: CI cannot fetch the offi
 
 import argparse
 import ast
-import json
 import math
-import platform
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from official import write_results
 
 from diffrelay import config
 from diffrelay.objectives import edm
@@ -138,12 +136,9 @@ def main() -> None:
         print(f"{name:24s} steps {steps:2d}  max |ours - edm| = {diff:.3g}  (image std {theirs.std().item():.3g})")
     if args.edm2_src:
         results |= check_autoguidance(args.edm2_src, net, model, labels, seeds, shape)
-    out = {"what": "diffrelay edm.sample vs NVlabs/edm generate.py edm_sampler (and edm2's, for autoguidance), "
+    write_results(args.out, "diffrelay edm.sample vs NVlabs/edm generate.py edm_sampler (and edm2's, for autoguidance), "
                    "same nets and draws",
-           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
-           "cases": results}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+                  cases=results)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,11 @@ Writes benchmarks/results/flow.json. Not a test: CI cannot fetch the official so
 import argparse
 import contextlib
 import importlib.util
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+from official import write_results
 
 from diffrelay import config, objectives
 from diffrelay.objectives import flow
@@ -168,11 +166,8 @@ def main() -> None:
     cases = check_sit(args.sit_src, net, labels) | check_repa(args.repa_src, net, labels)
     for name, r in cases.items():
         print(f"{name:16s} max |ours - official| = {r['max_abs_diff']:.3g}")
-    out = {"what": "diffrelay objectives.flow vs SiT transport/ and REPA samplers.py, same net and draws",
-           "torch": torch.__version__, "machine": platform.machine(), "time": time.strftime("%Y-%m-%d"),
-           "cases": cases}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "diffrelay objectives.flow vs SiT transport/ and REPA samplers.py, same net and draws",
+                  cases=cases)
 
 
 if __name__ == "__main__":
