@@ -212,7 +212,7 @@ def test_sampler_settings_of_the_other_objective_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("raw, words", [
-    ({"model": {"objective": "ddpm"}}, ["model.objective", "edm", "flow"]),
+    ({"model": {"objective": "vpred"}}, ["model.objective", "edm", "flow"]),
     ({"sample": {"solver": "sde"}}, ["sample.solver=sde", "model.objective: flow"]),
     ({"model": {"objective": "flow"}, "sample": {"edm": {"S_churn": 5}}}, ["sample.edm", "sample.flow"]),
     ({"model": {"objective": "flow", "class_conditional": True}, "train": {"label_dropout": 0.1},

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int)
     p.add_argument("--first-seed", type=int)
     p.add_argument("--steps", type=int)
-    p.add_argument("--solver", choices=["heun", "euler", "sde"], help="sde: flow runs only (model.objective flow)")
+    p.add_argument("--solver", choices=["heun", "euler", "sde", "ddpm", "ddim"],
+                   help="sde: model.objective flow only; ddpm, ddim: model.objective ddpm only")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--weights", choices=["ema", "raw"])
     p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs (sample.ema_decay); default the first")
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + key.lower().replace("_", "-"), type=float, help=f"sample.edm.{key}")
     p.add_argument("--flow-shift", type=float, help="sample.flow.shift")
     p.add_argument("--flow-last-step", type=float, help="sample.flow.last_step")
+    p.add_argument("--ddpm-eta", type=float, help="sample.ddpm.eta (solver ddim)")
     p.set_defaults(module="diffrelay.sampling.sample")
 
     p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")

@@ -310,14 +310,15 @@ def _trajectory_of(d: dict) -> dict:
     if model.get("arch") == "dit":  # a checkpoint of the earlier DiT is another run (nets.DIT_LAYOUT)
         model["dit_layout"] = nets.DIT_LAYOUT
     # The objective's keys apply to its runs only; EDM runs read as they did before objectives existed.
-    if model.pop("objective", "edm") == "flow":
+    kind = model.pop("objective", "edm")
+    if kind != "edm":
         # EDM's noise-level keys do not apply: reset to their defaults (not dropped, so a record of this run
         # has the same keys as any other and a change of them is no change of the run).
         edm = _default_trajectory()
-        model["objective"] = "flow"
+        model["objective"] = kind
         model["sigma_data"] = edm["model"]["sigma_data"]
         train.update({k: edm["train"][k] for k in ("p_mean", "p_std")})
-    else:
+    if kind != "flow":
         train.pop("flow", None)
     return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": model, "train": train}
 

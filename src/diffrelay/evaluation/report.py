@@ -264,7 +264,7 @@ def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: 
                    label="window with skipped (non-finite) steps" if i == 0 else None)
     total = train.skipped.dropna().iloc[-1] if train.skipped.notna().any() else 0
     title = f"{run_name}: training loss" + (f" ({int(total)} steps skipped)" if total else "")
-    ax.set(xlabel="training step", ylabel="training loss (EDM: weighted MSE; flow: velocity MSE)", title=title)
+    ax.set(xlabel="training step", ylabel="training loss (EDM: weighted MSE; flow: velocity MSE; ddpm: noise MSE + L_vlb)", title=title)
     ax.set_xlim(left=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     ax.grid(alpha=0.3)

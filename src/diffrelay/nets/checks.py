@@ -18,6 +18,9 @@ def check_model(m: dict, res: int) -> list[tuple[str, str]]:
     bad = nets.check_kwargs(m)
     if bad:
         return bad
+    if arch == "dit" and m["objective"] == "ddpm" and m["kwargs"].get("time_scale", 1000) != 1:
+        bad.append(("model.kwargs.time_scale", "model.objective ddpm gives DiT its integer timesteps 0..999, which "
+                    "DiT embeds as they are; set model.kwargs.time_scale: 1"))
     if arch == "sit" and m["objective"] != "flow":
         bad.append(("model.arch=sit", "SiT's network predicts SiT's velocity; set model.objective: flow (or use dit)"))
     if arch == "edm2":

@@ -1,6 +1,7 @@
 """Objectives: what the network is trained to predict and how images are drawn from it. Each objective
-owns its preconditioning, training loss, noise/time draws and samplers: `edm` (Karras et al. 2022) and
-`flow` (flow matching, linear interpolant, velocity prediction). `model.objective` picks one.
+owns its preconditioning, training loss, noise/time draws and samplers: `edm` (Karras et al. 2022),
+`flow` (flow matching, linear interpolant, velocity prediction) and `ddpm` (DiT's 1000-step noise prediction
+with learned sigma). `model.objective` picks one.
 
 Imports the base modules and nets only.
 """
@@ -12,35 +13,43 @@ def objective(model_cfg: dict) -> str:
 
 
 def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3):
-    """The network of a `model` section wrapped as its objective wants: EDM's Denoiser or flow's
-    VelocityModel. Both take (x, time, labels); what `time` means is the objective's (see each module)."""
+    """The network of a `model` section wrapped as its objective wants: EDM's Denoiser, flow's VelocityModel or
+    ddpm's EpsModel. All take (x, time, labels); what `time` means is the objective's (see each module)."""
     from diffrelay.nets import registry
-    from diffrelay.objectives import edm, flow
+    from diffrelay.objectives import ddpm, edm, flow
     from diffrelay import nets
 
     if objective(model_cfg) == "edm":
         return edm.build(model_cfg, resolution, num_classes, in_channels)
     arch, kwargs = nets.arch_kwargs(model_cfg)
     classes = num_classes if model_cfg["class_conditional"] else 0
-    return flow.VelocityModel(registry.build_network(arch, kwargs, resolution, in_channels, classes))
+    net = registry.build_network(arch, kwargs, resolution, in_channels, classes)
+    return ddpm.EpsModel(net, in_channels) if objective(model_cfg) == "ddpm" else flow.VelocityModel(net)
 
 
 def sample(model_cfg: dict, net, latents, labels, num_steps: int, solver: str, edm_settings, flow_settings,
-           noise, unguided=None, interval=None):
-    """Draw images with the objective's sampler (edm: heun/euler with churn; flow: euler/heun/sde)."""
-    from diffrelay.objectives import edm, flow
+           noise, unguided=None, interval=None, ddpm_settings=None):
+    """Draw images with the objective's sampler (edm: heun/euler with churn; flow: euler/heun/sde;
+    ddpm: ddpm/ddim)."""
+    from diffrelay.objectives import ddpm, edm, flow
 
-    if objective(model_cfg) == "edm":
+    kind = objective(model_cfg)
+    if kind == "edm":
         return edm.sample(net, latents, labels, num_steps, solver, edm_settings, noise, unguided, interval)
+    if kind == "ddpm":
+        return ddpm.sample(net, latents, labels, num_steps, solver, ddpm_settings or ddpm.SamplerSettings(), noise,
+                           unguided, interval)
     return flow.sample(net, latents, labels, num_steps, solver, flow_settings, noise, unguided, interval)
 
 
 def loss(cfg, net, images, labels, rnd_normal, noise):
     """The training loss of cfg's objective (a Config) at the caller's standard normal draws: one per sample
     (EDM's ln sigma, flow's time) and the noise images. The training loop calls this and nothing else."""
-    from diffrelay.objectives import edm, flow
+    from diffrelay.objectives import ddpm, edm, flow
 
     t = cfg.train
+    if cfg.model.objective == "ddpm":
+        return ddpm.loss(net, images, labels, rnd_normal, noise)
     if cfg.model.objective == "flow":
         return flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
     # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).

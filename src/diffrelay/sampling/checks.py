@@ -19,19 +19,32 @@ def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
     elif guided and not t["label_dropout"]:
         bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
                     "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
-    e, flow = s["edm"], m["objective"] == "flow"
-    if flow and e != edm_defaults:
-        bad.append(("sample.edm", "EDM's sampler settings do not apply to model.objective: flow; remove them "
-                    "(the flow samplers take sample.flow)"))
+    e, kind = s["edm"], m["objective"]
+    flow, ddpm = kind == "flow", kind == "ddpm"
+    if kind != "edm" and e != edm_defaults:
+        bad.append(("sample.edm", f"EDM's sampler settings do not apply to model.objective: {kind}; remove them "
+                    f"(the {kind} samplers take sample.{kind})"))
     if not flow and s["solver"] == "sde":
         bad.append(("sample.solver=sde", "a flow sampler (model.objective: flow); EDM's stochastic sampler is "
                     "heun with sample.edm.S_churn > 0"))
+    if ddpm and s["solver"] not in ("ddpm", "ddim"):
+        bad.append((f"sample.solver={s['solver']}", "model.objective: ddpm samples with its own chain; set "
+                    "sample.solver: ddpm (DiT's sampler, with sample.steps: 250) or ddim"))
+    if not ddpm and s["solver"] in ("ddpm", "ddim"):
+        bad.append((f"sample.solver={s['solver']}", f"a sampler of model.objective: ddpm; for {kind} use heun or "
+                    f"euler{' or sde' if flow else ''}"))
+    if ddpm and s["steps"] > 1000:
+        bad.append((f"sample.steps={s['steps']}", "model.objective ddpm has 1000 timesteps; use at most 1000 "
+                    "(DiT samples with 250)"))
+    if not ddpm and s.get("ddpm", {}) != {"eta": 0.0, "guided_channels": None, "clip_denoised": False}:
+        bad.append(("sample.ddpm", f"the ddpm samplers' settings do not apply to model.objective: {kind}; remove them"))
     if e["sigma_min"] >= e["sigma_max"]:
         bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
     if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
         bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
     gi = s["guidance_interval"]
     lo, hi, unit = (0.0, 1.0, "t of model.objective flow") if flow else \
+        (0.01, 157.0, "the sigma of ddpm's timesteps 0..999") if ddpm else \
         (e["sigma_min"], e["sigma_max"], "sample.edm.sigma_min/max")
     if gi is not None and (gi[0] >= gi[1] or gi[1] < lo or gi[0] > hi):
         bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{lo}, {hi}] "

@@ -18,8 +18,15 @@ def check(scale: float, meta: dict, source) -> None:
                         "train.label_dropout, so it has no unconditional model; use 1 or retrain with it")
 
 
-def guided(denoise, scale: float, null: int):
-    """denoise(x, sigma, labels) with guidance `scale`; scale 1 (or no labels) is `denoise` itself, untouched."""
+def _first(channels, guided, plain):
+    # The guided value on the first `channels` output channels, the plain (conditional) one on the rest: DiT's
+    # forward_with_cfg keeps the learned variance (and all but 3 latent channels) of the conditional pass.
+    return guided if channels is None else torch.cat([guided[:, :channels], plain[:, channels:]], 1)
+
+
+def guided(denoise, scale: float, null: int, channels: int | None = None):
+    """denoise(x, sigma, labels) with guidance `scale`; scale 1 (or no labels) is `denoise` itself, untouched.
+    channels: extrapolate only the first so many output channels (None: all)."""
     if scale == 1:
         return denoise
 
@@ -29,18 +36,19 @@ def guided(denoise, scale: float, null: int):
         # Conditional and unconditional rows in one batch, then extrapolate from the unconditional one.
         both = denoise(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, torch.full_like(labels, null)]))
         cond, uncond = both.chunk(2)
-        return uncond + scale * (cond - uncond)
+        return _first(channels, uncond + scale * (cond - uncond), cond)
 
     return fn
 
 
-def autoguided(denoise, reference, scale: float):
+def autoguided(denoise, reference, scale: float, channels: int | None = None):
     """Autoguidance: reference + scale (denoise - reference), both with the image's own labels, as edm2's
     generate_images.py guides (`ref_Dx.lerp(Dx, guidance)`); the reference is a weaker network of the same
-    kind instead of the null class."""
+    kind instead of the null class. channels: as in guided."""
 
     def fn(x, sigma, labels):
-        return torch.lerp(reference(x, sigma, labels), denoise(x, sigma, labels), scale)
+        main = denoise(x, sigma, labels)
+        return _first(channels, torch.lerp(reference(x, sigma, labels), main, scale), main)
 
     return fn
 

@@ -95,14 +95,16 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
         with autocast:
             return net(x, sigma, labels)
 
-    denoise = guidance.guided(plain, s.guidance, null=meta.get("num_classes", 0))  # the nets contract's null class
+    # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
+    channels = (s.ddpm.guided_channels or shape[0]) if objectives.objective(meta["model"]) == "ddpm" else None
+    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels)  # the contract's null class
     if guide is not None and s.guidance != 1:
 
         def reference(x, sigma, labels):
             with autocast:
                 return guide(x, sigma, labels)
 
-        denoise = guidance.autoguided(plain, reference, s.guidance)
+        denoise = guidance.autoguided(plain, reference, s.guidance, channels)
     interval = s.guidance_interval if s.guidance != 1 else None
 
     indices, rows = list(indices), forward_rows(s)
@@ -121,7 +123,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
             images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
-                                       noise, unguided=plain, interval=interval)[:len(batch)]
+                                       noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)[:len(batch)]
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
             finite = torch.isfinite(images).flatten(1).all(1)
@@ -135,6 +137,23 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
                 "scale too large, a bf16 overflow, or a network that returns NaN in eval mode; nothing was written "
                 "for these images")
         yield from zip(batch, pixels)
+
+
+def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
+    """The sampler and its settings against a snapshot's objective (the config's checks, for a hand-run)."""
+    ours = s.solver in ("ddpm", "ddim")
+    if (kind == "ddpm") != ours:
+        fix = "ddpm (or ddim)" if kind == "ddpm" else "heun or euler"
+        raise UserError(f"--solver {s.solver}: {snapshot} is a model.objective {kind} network; use {fix}")
+    if kind == "ddpm" and s.steps > 1000:
+        raise UserError(f"--steps {s.steps}: {snapshot} is a model.objective ddpm network with 1000 timesteps; use "
+                        "at most 1000 (DiT samples with 250)")
+    if kind == "ddpm" and (s.ddpm.guided_channels or 0) > shape[0]:
+        raise UserError(f"sample.ddpm.guided_channels={s.ddpm.guided_channels}: {snapshot} has {shape[0]} image "
+                        f"channels; use at most {shape[0]} (or null for all)")
+    if kind != "ddpm" and s.ddpm.changed():
+        raise UserError(f"sample.ddpm {s.ddpm.changed()}: {snapshot} is a model.objective {kind} network; these "
+                        "are the ddpm samplers' settings; remove them")
 
 
 def encode_png(pixels: np.ndarray) -> bytes:
@@ -268,12 +287,15 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     if kind == "flow" and s.edm.changed():
         raise UserError(f"sample.edm {s.edm.changed()}: {snapshot} is a model.objective flow network and these are "
                         "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
+    _check_ddpm(kind, s, snapshot, shape)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(shape)}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
         key["edm"] = s.edm.changed()
     if s.flow.changed():
         key["flow"] = s.flow.changed()
+    if s.ddpm.changed():
+        key["ddpm"] = s.ddpm.changed()
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
     if s.weights == "ema" and checkpoint.ema_index(snapshot, meta, s.ema_decay):  # only then: folders of the

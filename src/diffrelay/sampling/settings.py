@@ -10,10 +10,11 @@ from pathlib import Path
 from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 from diffrelay.objectives.edm import SamplerSettings
+from diffrelay.objectives.ddpm import SamplerSettings as DdpmSamplerSettings
 from diffrelay.objectives.flow import SamplerSettings as FlowSamplerSettings
 
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
-              "guidance")  # and ema_decay, guide_sha256, edm, flow, guidance_interval where not the default
+              "guidance")  # and ema_decay, guide_sha256, edm, flow, ddpm, guidance_interval where not the default
 # sample.edm keys and their `diffrelay sample` flags (argparse attribute names).
 EDM_FLAGS = {"sigma_min": "sigma_min", "sigma_max": "sigma_max", "rho": "rho", "S_churn": "s_churn",
              "S_min": "s_min", "S_max": "s_max", "S_noise": "s_noise"}
@@ -26,7 +27,7 @@ class Settings:
     num_images: int
     first_seed: int
     steps: int
-    solver: str  # heun | euler
+    solver: str  # heun | euler | sde (flow) | ddpm | ddim (ddpm)
     batch_size: int  # images per forward pass per process, before padding to PAD_ROWS
     weights: str  # ema | raw
     class_labels: str | int  # "balanced" or one class index
@@ -35,6 +36,7 @@ class Settings:
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
     edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
     flow: FlowSamplerSettings = FlowSamplerSettings()  # sample.flow: grid shift and the sde's last step
+    ddpm: DdpmSamplerSettings = DdpmSamplerSettings()  # sample.ddpm: DDIM's eta, guided channels, clipping
     guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
     guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
@@ -45,6 +47,7 @@ class Settings:
         values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
         values["edm"] = SamplerSettings(**values["edm"])
         values["flow"] = FlowSamplerSettings(**values["flow"])
+        values["ddpm"] = DdpmSamplerSettings(**values["ddpm"])
         values["guidance_interval"] = None if values["guidance_interval"] is None else tuple(values["guidance_interval"])
         g = values["guidance"]
         if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
@@ -86,12 +89,16 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
                   if getattr(args, f"flow_{k}", None) is not None}
     if flow_flags:
         cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
-    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None:
+    if getattr(args, "ddpm_eta", None) is not None:
+        cfg["sample"]["ddpm"] = {**cfg["sample"]["ddpm"], "eta": args.ddpm_eta}
+    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None or \
+            getattr(args, "ddpm_eta", None) is not None:
         # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
         cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
         if getattr(args, "guidance_interval", None) is not None:
             cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
-        cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
+        cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--ddpm-eta/--guidance-interval "
+                       "flags")
     if isinstance(cfg["sample"]["guide"], int) and "guide" not in over:
         # A step: this run's snapshot there (the workflow passes the path; this serves a hand-run with --config).
         step = cfg["sample"]["guide"]

@@ -1,0 +1,209 @@
+"""DDPM noise prediction over 1000 discrete steps (Ho et al. 2020; improved DDPM, Nichol & Dhariwal 2021), as
+DiT trains and samples it (DiT's diffusion/gaussian_diffusion.py, respace.py and create_diffusion defaults).
+
+Schedule: beta linear from 1e-4 to 0.02 over T = 1000 steps (DiT's "linear", scaled for 1000 steps),
+abar_t = prod_{s <= t} (1 - beta_s), x_t = sqrt(abar_t) x + sqrt(1 - abar_t) eps. The network gets the integer
+timestep t in 0..T-1 as its time input (c_noise) and predicts eps; with twice the image's channels (DiT's
+learned-sigma layout: nets/dit.py forward_all) its second half v in [-1, 1] sets the step's variance,
+log var = (v + 1)/2 log beta_t + (1 - v)/2 log beta~_t (iDDPM Eq. 15).
+
+Training draws one standard normal n per sample (the loader's draw) and makes t = floor(Phi(n) T), uniform
+over 0..T-1 as DiT's randint. The loss is DiT's: the mean over pixels of (eps - eps_pred)^2, plus, with the
+learned-sigma half, iDDPM's L_vlb term for the variance with the mean held fixed (stop-gradient), in bits:
+KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) and at t = 0 the discretised Gaussian decoder NLL.
+
+Samplers, on the grid of `steps` timesteps respaced as DiT's space_timesteps(T, str(steps)):
+  ddpm:  ancestral sampling (p_sample_loop): x_0 predicted from eps (no clipping, as DiT's sample.py), the
+         posterior mean, and noise of the learned variance (or beta, DiT's "fixed large" variance, for a network
+         without the learned-sigma half) except at the last step;
+  ddim:  DDIM (Song et al. 2021) with eta (0: deterministic).
+Coefficients are computed in float64 and the sampler runs in float64 (DiT's in float32): the bound is in
+benchmarks/check_ddpm_equivalence.py's results.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+T = 1000
+SOLVERS = ("ddpm", "ddim")
+
+
+def betas() -> torch.Tensor:
+    """DiT's linear schedule in float64 (get_named_beta_schedule("linear", 1000)); NumPy's linspace, whose
+    rounding differs from torch's in the last bit."""
+    scale = 1000 / T
+    return torch.from_numpy(np.linspace(scale * 1e-4, scale * 0.02, T, dtype=np.float64))
+
+
+def alphas_cumprod() -> torch.Tensor:
+    return torch.from_numpy(np.cumprod(1 - betas().numpy()))
+
+
+def sigma_of(t) -> torch.Tensor:
+    """The EDM noise level of timestep t: x_t / sqrt(abar_t) = x + sigma eps (the unit of sample.guidance_interval)."""
+    a = alphas_cumprod()[torch.as_tensor(t)]
+    return ((1 - a) / a).sqrt()
+
+
+def respaced(steps: int) -> list[int]:
+    """The timesteps DiT's space_timesteps(T, str(steps)) keeps: `steps` indices spread evenly over 0..T-1,
+    each rounded as Python's round rounds (half to even), with the stride added up step by step as there."""
+    if steps > T:
+        raise ValueError(f"{steps} steps: at most {T}")
+    stride = 1.0 if steps <= 1 else (T - 1) / (steps - 1)
+    taken, cur = [], 0.0
+    for _ in range(steps):
+        taken.append(round(cur))
+        cur += stride
+    return sorted(set(taken))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """sample.ddpm: DDIM's eta, and how many output channels guidance extrapolates (None: every eps channel;
+    DiT's sample.py guides the first 3 of its 4 latent channels and takes the rest from the conditional pass)."""
+
+    eta: float = 0.0
+    guided_channels: int | None = None
+    clip_denoised: bool = False  # clip the predicted x_0 to [-1, 1] (ADM's pixel models; DiT's sample.py does not)
+
+    def changed(self) -> dict:
+        default = SamplerSettings()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+class EpsModel(nn.Module):
+    """F(x_t, t, labels) -> eps, or eps and the variance half (2C channels) for a learned-sigma network."""
+
+    def __init__(self, net: nn.Module, in_channels: int):
+        super().__init__()
+        self.net = net  # the raw network F of the diffrelay.nets contract
+        self.learned_sigma = getattr(net, "out_channels", in_channels) == 2 * in_channels
+
+    def forward(self, x, t, labels=None):
+        t = t.reshape(-1).to(x.dtype)
+        out = self.net.forward_all(x, t, labels) if self.learned_sigma else self.net(x, t, labels)
+        return out.to(x.dtype)
+
+
+def _gather(values: torch.Tensor, t, like: torch.Tensor) -> torch.Tensor:
+    # A schedule value per row at timestep t, as a (B, 1, 1, 1) tensor of the computation's dtype.
+    return values.to(like.device)[t].to(like.dtype).reshape(-1, 1, 1, 1)
+
+
+def _normal_kl(mean1, logvar1, mean2, logvar2):
+    # KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) per element.
+    return 0.5 * (-1 + logvar2 - logvar1 + (logvar1 - logvar2).exp() + (mean1 - mean2) ** 2 * (-logvar2).exp())
+
+
+def _cdf(x):
+    # The tanh approximation of the standard normal CDF that iDDPM's decoder likelihood uses.
+    return 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _decoder_nll(x, mean, log_scale):
+    """-log p(x_0 | x_1) per element for x in [-1, 1] binned at 2/255 (iDDPM's discretised Gaussian)."""
+    inv = (-log_scale).exp()
+    upper, lower = _cdf(inv * (x - mean + 1 / 255)), _cdf(inv * (x - mean - 1 / 255))
+    log_upper = upper.clamp(min=1e-12).log()
+    log_one_minus_lower = (1 - lower).clamp(min=1e-12).log()
+    mid = (upper - lower).clamp(min=1e-12).log()
+    return -torch.where(x < -0.999, log_upper, torch.where(x > 0.999, log_one_minus_lower, mid))
+
+
+class _Chain:
+    """The posterior q(x_prev | x_t, x_0) of a chain of timesteps: the full 0..T-1 one for training, or a
+    respaced one for sampling (whose betas are 1 - abar_t / abar_prev, as respace.py makes them)."""
+
+    def __init__(self, steps: list[int] | None = None):
+        abar = alphas_cumprod().numpy()
+        if steps is not None:
+            abar = abar[steps]
+        # As respace.py: the chain's betas, and abar made again from them (equal up to the last bit).
+        beta = 1 - abar / np.append(1.0, abar[:-1])
+        abar = np.cumprod(1 - beta)
+        beta, prev, abar = map(torch.from_numpy, (beta, np.append(1.0, abar[:-1]), abar))
+        self.beta, self.abar, self.abar_prev = beta, abar, prev
+        var = self.beta * (1 - prev) / (1 - abar)
+        # beta~_0 is 0; its log is clipped to beta~_1 (iDDPM's posterior_log_variance_clipped).
+        self.log_var_small = torch.cat([var[1:2], var[1:]]).log()
+        self.log_beta = self.beta.log()
+        self.log_var_large = torch.cat([var[1:2], self.beta[1:]]).log()  # DiT's variance without learned sigma
+        self.coef_x0 = self.beta * prev.sqrt() / (1 - abar)
+        self.coef_xt = (1 - prev) * (1 - self.beta).sqrt() / (1 - abar)
+
+    def x0_from_eps(self, x, i, eps):
+        return _gather((1 / self.abar).sqrt(), i, x) * x - _gather((1 / self.abar - 1).sqrt(), i, x) * eps
+
+    def posterior_mean(self, x0, x, i):
+        return _gather(self.coef_x0, i, x) * x0 + _gather(self.coef_xt, i, x) * x
+
+    def log_var(self, i, v, like):
+        """The step's log variance: learned from v in [-1, 1] (iDDPM Eq. 15), or for v None DiT's default
+        without learned sigma, "fixed large": beta_t, with beta~_1 at the first step."""
+        if v is None:
+            return _gather(self.log_var_large, i, like).expand_as(like)
+        small = _gather(self.log_var_small, i, like)
+        frac = (v + 1) / 2
+        return frac * _gather(self.log_beta, i, like) + (1 - frac) * small
+
+
+def loss(net, images, labels, rnd_normal, noise):
+    """DiT's training loss at timesteps drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller."""
+    t = (0.5 * (1 + torch.erf(rnd_normal.double() / math.sqrt(2))) * T).long().clamp(0, T - 1)
+    chain = _Chain()
+    x_t = _gather(chain.abar.sqrt(), t, images) * images + _gather((1 - chain.abar).sqrt(), t, images) * noise
+    out = net(x_t, t, labels)
+    c = images.shape[1]
+    eps = out[:, :c]
+    per_sample = ((noise - eps) ** 2).mean(dim=(1, 2, 3))
+    if out.shape[1] == 2 * c:  # learned sigma (read off the output: `net` may be a DDP wrapper)
+        # L_vlb trains the variance only: the mean comes from eps with its gradient stopped (iDDPM Sec. 3.1).
+        log_var = chain.log_var(t, out[:, c:], images)
+        mean = chain.posterior_mean(chain.x0_from_eps(x_t, t, eps.detach()), x_t, t)
+        true_mean = chain.posterior_mean(images, x_t, t)
+        kl = _normal_kl(true_mean, _gather(chain.log_var_small, t, images), mean, log_var).mean(dim=(1, 2, 3))
+        nll = _decoder_nll(images, mean, 0.5 * log_var).mean(dim=(1, 2, 3))
+        per_sample = per_sample + torch.where(t == 0, nll, kl) / math.log(2)
+    return per_sample.mean()
+
+
+@torch.no_grad()
+def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm",
+           settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
+    """From latents ~ N(0, 1) at t = T - 1 to images: `num_steps` respaced steps of DDPM or DDIM. net(x, t, labels)
+    is an EpsModel (or its guided form); noise(shape) gives the draws (float64, one stream per image).
+    interval = (lo, hi) in EDM's sigma of the step's timestep (sigma_of): `net` there, `unguided` elsewhere."""
+    steps = respaced(num_steps)
+    chain, c, dev = _Chain(steps), latents.shape[1], latents.device
+    sigmas = sigma_of(steps)
+    guided = net
+    x = latents.to(torch.float64)
+    for i in reversed(range(len(steps))):
+        if interval is not None:
+            net = guided if interval[0] <= sigmas[i] <= interval[1] else unguided
+        t = torch.full((x.shape[0],), steps[i], device=dev)
+        out = net(x.float(), t, labels).double()
+        idx = torch.full((x.shape[0],), i, device=dev)
+        eps, v = out[:, :c], (out[:, c:] if out.shape[1] > c else None)
+        x0 = chain.x0_from_eps(x, idx, eps)
+        if settings.clip_denoised:
+            x0 = x0.clamp(-1, 1)
+        if solver == "ddpm":
+            x = chain.posterior_mean(x0, x, idx)
+            if i > 0:
+                x = x + (0.5 * chain.log_var(idx, v, x)).exp() * noise(x.shape)
+            continue
+        # DDIM: eps re-derived from x_0 (as DiT's ddim_sample), then the eta-scaled step to abar_prev.
+        a, a_prev = _gather(chain.abar, idx, x), _gather(chain.abar_prev, idx, x)
+        eps = (_gather((1 / chain.abar).sqrt(), idx, x) * x - x0) / _gather((1 / chain.abar - 1).sqrt(), idx, x)
+        sd = settings.eta * ((1 - a_prev) / (1 - a)).sqrt() * (1 - a / a_prev).sqrt()
+        x = x0 * a_prev.sqrt() + (1 - a_prev - sd**2).sqrt() * eps
+        if i > 0 and settings.eta > 0:
+            x = x + sd * noise(x.shape)
+    return x.float()
