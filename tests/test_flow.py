@@ -19,7 +19,7 @@ from diffrelay.objectives import flow
 from diffrelay.sampling import sample
 from diffrelay.training import checkpoint
 from test_sample import folder_bytes, sample_args, settings
-from test_train import assert_tensors_equal, load_state, torchrun
+from test_train import assert_two_segments_equal_one_run
 
 
 def phi(n: float) -> float:
@@ -257,22 +257,5 @@ def test_flow_training_in_two_segments_matches_one_run_bitwise(tmp_path):
         "train": {"total_steps": 4, "segment_steps": 2, "batch_size": 8, "lr": 0.002, "warmup_steps": 1,
                   "log_every": 1, "label_dropout": 0.1, "flow": {"time": "lognormal", "shift": 2.0}},
     }
-    states = {}
-    for name in ("one", "two"):
-        d = json.loads(json.dumps(base))
-        d["run"].update(results=str(tmp_path / name), resources=str(tmp_path / "resources"))
-        cfg = tmp_path / f"{name}.yaml"
-        cfg.write_text(json.dumps(d))
-        run_cli("prepare", "--config", cfg)
-        rd = tmp_path / name / "r"
-        if name == "one":
-            torchrun(1, "--config", cfg, "--until-step", 4)
-        else:
-            torchrun(1, "--config", cfg, "--until-step", 2)
-            torchrun(1, "--config", cfg, "--until-step", 4, "--init", rd / "checkpoints/step_0000002")
-        states[name] = load_state(rd / "checkpoints/step_0000004")
-    for key in ("net", "ema", "optimizer", "order", "step"):
-        assert_tensors_equal(states["one"][key], states["two"][key], key)
-    losses = [json.loads(x)["loss"] for x in (tmp_path / "one/r/metrics/train.jsonl").read_text().splitlines()
-              if '"loss"' in x]
+    losses = assert_two_segments_equal_one_run(tmp_path, base)
     assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)

@@ -54,6 +54,29 @@ def assert_tensors_equal(a, b, path="state"):
         assert a == b, f"{path}: {a} != {b}"
 
 
+def assert_two_segments_equal_one_run(tmp_path, base: dict) -> list[float]:
+    """Train `base` (4 steps, a config dict without results paths) in one segment and in two, compare every
+    tensor of the step-4 checkpoints bit for bit, and return the one-segment run's training losses."""
+    states = {}
+    for name in ("one", "two"):
+        d = json.loads(json.dumps(base))
+        d["run"].update(results=str(tmp_path / name), resources=str(tmp_path / "resources"))
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(json.dumps(d))
+        run_cli("prepare", "--config", cfg)
+        rd = tmp_path / name / d["run"]["name"]
+        if name == "one":
+            torchrun(1, "--config", cfg, "--until-step", 4)
+        else:
+            torchrun(1, "--config", cfg, "--until-step", 2)
+            torchrun(1, "--config", cfg, "--until-step", 4, "--init", rd / "checkpoints/step_0000002")
+        states[name] = load_state(rd / "checkpoints/step_0000004")
+    for key in ("net", "ema", "optimizer", "order", "step"):
+        assert_tensors_equal(states["one"][key], states["two"][key], key)
+    log = tmp_path / "one" / base["run"]["name"] / "metrics/train.jsonl"
+    return [json.loads(x)["loss"] for x in log.read_text().splitlines() if '"loss"' in x]
+
+
 def read_trace(prefix, world):
     """Rebuild each step's global batch from the per-rank traces (rank r took positions r::world)."""
     per_rank = [[json.loads(line) for line in open(f"{prefix}.rank{r}")] for r in range(world)]
