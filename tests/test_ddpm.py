@@ -40,6 +40,8 @@ def test_the_schedule_is_dits_linear_betas():
 def test_respacing_spreads_the_steps_evenly_over_the_chain(n):
     got = ddpm.respaced(n)
     assert len(got) == n and got[0] == 0 and (n == 1 or got[-1] == 999)
+    if n == 25:  # 4 x 999 / 24 = 166.5 exactly: DiT's round() takes the even neighbour
+        assert got[4] == 166
     want = [0] if n == 1 else [int(math.floor(i * 999 / (n - 1) + 0.5)) for i in range(n)]
     # Python rounds halves to even: the two may differ by one at an exact half, nowhere else.
     assert all(abs(a - b) <= (1 if (i * 999 / max(n - 1, 1)) % 1 == 0.5 else 0) for i, (a, b) in enumerate(zip(got, want)))
@@ -58,10 +60,11 @@ def toy(learned: bool):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+            self.u = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
 
         def forward_all(self, x, t, labels=None):
             eps = self.w * x + 0.001 * t.reshape(-1, 1, 1, 1)
-            return torch.cat([eps, torch.tanh(x)], 1) if learned else eps
+            return torch.cat([eps, torch.tanh(self.u * x)], 1) if learned else eps
 
         forward = forward_all
 
@@ -72,7 +75,7 @@ def cdf(x):
     return 0.5 * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def reference_loss(x0, eps, t, learned):
+def reference_loss(x0, eps, t, learned, u=1.0):
     """One image's loss, element by element (lists of floats)."""
     a, a_prev = abar(t), abar(t - 1) if t > 0 else 1.0
     beta = 1 - a / a_prev
@@ -87,7 +90,7 @@ def reference_loss(x0, eps, t, learned):
             c0, ct = beta * math.sqrt(a_prev) / (1 - a), (1 - a_prev) * math.sqrt(1 - beta) / (1 - a)
             mean, true_mean = c0 * x0_pred + ct * xt, c0 * x + ct * xt
             small = math.log(var_small(max(t, 1)))
-            frac = (math.tanh(xt) + 1) / 2
+            frac = (math.tanh(u * xt) + 1) / 2
             logv = frac * math.log(beta) + (1 - frac) * small
             if t == 0:
                 s = math.exp(-0.5 * logv)
@@ -105,7 +108,7 @@ def reference_loss(x0, eps, t, learned):
 def test_loss_is_dits_noise_mse_and_vlb_restated(learned):
     g = torch.Generator().manual_seed(0)
     x0 = torch.rand(4, 3, 2, 2, generator=g, dtype=torch.float64) * 2 - 1
-    x0[0, 0, 0, 0], x0[1, 0, 0, 0] = -1.0, 1.0  # the decoder's edge bins
+    x0[0, 0, 0, 0], x0[0, 1, 0, 0] = -1.0, 1.0  # the decoder's edge bins, in the image drawn at t = 0
     eps = torch.randn(4, 3, 2, 2, generator=g, dtype=torch.float64)
     ts = [0, 1, 500, 999]
     rnd = torch.special.ndtri((torch.tensor(ts, dtype=torch.float64) + 0.5) / 1000)
@@ -128,15 +131,25 @@ def test_timesteps_are_uniform_over_the_chain():
     assert seen["t"].min() == 0 and seen["t"].max() == 999 and counts.float().std() < 3 * math.sqrt(200)
 
 
-def test_the_variance_half_gets_gradient_only_from_the_vlb():
+def test_the_vlb_trains_the_variance_and_not_the_mean():
     net = toy(True)
-    x0, eps = torch.rand(2, 3, 2, 2) - 0.5, torch.randn(2, 3, 2, 2)
-    rnd = torch.special.ndtri(torch.tensor([0.2005, 0.7005], dtype=torch.float64)).float()
+    x0, eps = torch.rand(2, 3, 2, 2, dtype=torch.float64) - 0.5, torch.randn(2, 3, 2, 2, dtype=torch.float64)
+    rnd = torch.special.ndtri(torch.tensor([0.2005, 0.7005], dtype=torch.float64))
     ddpm.loss(net, x0, None, rnd, eps).backward()
     mse_only = toy(False)
     ddpm.loss(mse_only, x0, None, rnd, eps).backward()
-    # eps's weight sees the same gradient with or without the variance term: the mean is stopped in L_vlb.
-    assert torch.allclose(net.net.w.grad, mse_only.net.w.grad, rtol=1e-6, atol=0)
+    # eps's weight sees the same gradient with or without the variance term: the mean is stopped in L_vlb ...
+    assert torch.allclose(net.net.w.grad, mse_only.net.w.grad, rtol=1e-9, atol=0)
+    # ... and the variance's parameter gets the L_vlb gradient, here by finite differences of the restatement.
+    def restated(u):
+        total = 0.0
+        for i, t in enumerate((200, 700)):
+            x, e = x0[i].flatten().tolist(), eps[i].flatten().tolist()
+            with_vlb = reference_loss(x, e, t, True, u)
+            total += with_vlb - reference_loss(x, e, t, False)
+        return total / 2
+    numeric = (restated(1 + 1e-6) - restated(1 - 1e-6)) / 2e-6
+    assert abs(numeric) > 1e-7 and abs(net.net.u.grad.item() - numeric) < 1e-4 * abs(numeric)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +247,12 @@ def test_ddpm_pngs_are_byte_identical_for_any_process_count_and_batch_size(tmp_p
     assert len(ref) == 21 and folder_bytes(two) == ref
     sample.run(snap, tmp_path / "ddim", settings(num_images=20, steps=5, solver="ddim", guidance=1.5))
     assert folder_bytes(tmp_path / "ddim")["000000.png"] != ref["000000.png"]
+    # The ddpm flags of a hand-run (no --config): guiding fewer channels and DDIM's eta change the pixels.
+    for flags in (["--solver", "ddpm", "--ddpm-guided-channels", 2], ["--solver", "ddim", "--ddpm-eta", 0.5]):
+        out = tmp_path / str(flags[-1])
+        run_cli(*sample_args(snap, out, "--num-images", 4, "--steps", 5, "--batch-size", 8, "--guidance", 1.5, *flags))
+        assert folder_bytes(out)["000000.png"] != ref["000000.png"]
+        assert json.loads((out / "manifest.json").read_text())["ddpm"] == {flags[-2][7:].replace("-", "_"): flags[-1]}
     assert json.loads((one / "manifest.json").read_text())["solver"] == "ddpm"
 
 
@@ -257,6 +276,8 @@ def test_sampler_mistakes_against_the_snapshot_are_one_line(tmp_path):
     ({"model": {"objective": "ddpm"}, "sample": {"solver": "ddpm", "steps": 2000}}, ["sample.steps=2000"]),
     ({"sample": {"ddpm": {"eta": 1.0}}}, ["sample.ddpm", "model.objective: edm"]),
     ({"model": {"objective": "ddpm"}, "sample": {"solver": "ddpm", "edm": {"S_churn": 5}}}, ["sample.edm"]),
+    ({"model": {"objective": "ddpm"}, "sample": {"solver": "ddpm", "flow": {"shift": 3}}}, ["sample.flow"]),
+    ({"model": {"objective": "ddpm"}, "sample": {"solver": "ddpm", "ddpm": {"eta": 0.5}}}, ["sample.ddpm.eta=0.5", "ddim"]),
     ({"model": DIT | {"kwargs": DIT["kwargs"] | {"time_scale": 1000}}, "sample": {"solver": "ddpm"}},
      ["model.kwargs.time_scale", "time_scale: 1"]),
     ({"model": {"objective": "ddpm", "class_conditional": True}, "train": {"label_dropout": 0.1},

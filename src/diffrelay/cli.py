@@ -18,6 +18,12 @@ from diffrelay import __version__
 from diffrelay.errors import UserError
 
 
+def _true_false(text: str) -> bool:
+    """A boolean flag's value as YAML and Python write it (the workflow passes Python's True/False)."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use true or false")
+    return text.lower() == "true"
+
 def _config(p, required=True):
     p.add_argument("--config", action="append", required=required, metavar="YAML",
                    help="run config; repeat to layer files (later ones win)")
@@ -93,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-shift", type=float, help="sample.flow.shift")
     p.add_argument("--flow-last-step", type=float, help="sample.flow.last_step")
     p.add_argument("--ddpm-eta", type=float, help="sample.ddpm.eta (solver ddim)")
+    p.add_argument("--ddpm-guided-channels", type=int, help="sample.ddpm.guided_channels (DiT's sample.py: 3)")
+    p.add_argument("--ddpm-clip-denoised", type=_true_false, help="sample.ddpm.clip_denoised: true or false")
     p.set_defaults(module="diffrelay.sampling.sample")
 
     p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")

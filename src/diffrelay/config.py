@@ -151,8 +151,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
     from diffrelay.sampling.checks import check_config as check_sampling  # light: no torch
 
-    edm = load_schema()["properties"]["sample"]["properties"]["edm"]["properties"]
-    bad += check_sampling(d, {k: v.get("default") for k, v in edm.items()})
+    parts = load_schema()["properties"]["sample"]["properties"]
+    edm, flow, ddpm = ({k: v.get("default") for k, v in parts[p]["properties"].items()} for p in ("edm", "flow", "ddpm"))
+    bad += check_sampling(d, edm, flow, ddpm)
     return bad
 
 

@@ -132,14 +132,14 @@ def get_eval_launcher(wildcards, threads):
     return with_gpus("eval", 1) + "diffrelay"
 
 
-# sample.edm and sample.flow values off the schema's defaults, as `diffrelay sample` flags.
+# sample.edm, sample.flow and sample.ddpm values off the schema's defaults, as `diffrelay sample` flags.
 SAMPLER_FLAGS = {
     (
         f"--{k.lower().replace('_', '-')}"
         if part == "edm"
-        else f"--flow-{k.replace('_', '-')}"
+        else f"--{part}-{k.replace('_', '-')}"
     ): v
-    for part in ("edm", "flow")
+    for part in ("edm", "flow", "ddpm")
     for k, v in CFG.to_dict()["sample"][part].items()
     if v != drconfig.validate({})["sample"][part][k]
 }
@@ -151,7 +151,7 @@ def get_sample_settings(wildcards):
     decay = protocol.variant_decay(wildcards.variant)
     count = count or CFG.sample.num_images
     first = protocol.first_seed(CFG.sample.first_seed, count, seed_set)
-    # sample.edm values off the paper's defaults: flags, so that changing one resamples (a params change)
+    # sampler values off the defaults: flags, so that changing one resamples (a params change)
     # while runs that keep the defaults keep the command they had.
     edm_flags = "".join(f" {flag} {v!r}" for flag, v in SAMPLER_FLAGS.items())
     interval = CFG.to_dict()["sample"]["guidance_interval"]

@@ -22,6 +22,7 @@ benchmarks/check_ddpm_equivalence.py's results.
 """
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -78,22 +79,25 @@ class SamplerSettings:
 
 
 class EpsModel(nn.Module):
-    """F(x_t, t, labels) -> eps, or eps and the variance half (2C channels) for a learned-sigma network."""
+    """F(x_t, t, labels) -> eps, or eps and the variance half (2C channels) for a learned-sigma network: every
+    output channel (a built-in DiT's forward_all; a network of one's own may return 2C channels from forward).
+    Whether the variance is learned is read off the output's channels, where it is used."""
 
     def __init__(self, net: nn.Module, in_channels: int):
         super().__init__()
         self.net = net  # the raw network F of the diffrelay.nets contract
-        self.learned_sigma = getattr(net, "out_channels", in_channels) == 2 * in_channels
+        self.in_channels = in_channels
+        self.full = callable(getattr(net, "forward_all", None))  # the raw network here, never a DDP wrapper
 
     def forward(self, x, t, labels=None):
-        t = t.reshape(-1).to(x.dtype)
-        out = self.net.forward_all(x, t, labels) if self.learned_sigma else self.net(x, t, labels)
-        return out.to(x.dtype)
+        fn = self.net.forward_all if self.full else self.net
+        return fn(x, t.reshape(-1).to(x.dtype), labels).to(x.dtype)
 
 
 def _gather(values: torch.Tensor, t, like: torch.Tensor) -> torch.Tensor:
-    # A schedule value per row at timestep t, as a (B, 1, 1, 1) tensor of the computation's dtype.
-    return values.to(like.device)[t].to(like.dtype).reshape(-1, 1, 1, 1)
+    # A schedule value per row at timestep t, as a (B, 1, 1, 1) tensor of the computation's dtype; `values` are
+    # on the computation's device already (_chain), so this makes no host-device copy.
+    return values[t].to(like.dtype).reshape(-1, 1, 1, 1)
 
 
 def _normal_kl(mean1, logvar1, mean2, logvar2):
@@ -137,6 +141,11 @@ class _Chain:
         self.coef_x0 = self.beta * prev.sqrt() / (1 - abar)
         self.coef_xt = (1 - prev) * (1 - self.beta).sqrt() / (1 - abar)
 
+    def to(self, device) -> "_Chain":
+        for name, value in vars(self).items():
+            setattr(self, name, value.to(device))
+        return self
+
     def x0_from_eps(self, x, i, eps):
         return _gather((1 / self.abar).sqrt(), i, x) * x - _gather((1 / self.abar - 1).sqrt(), i, x) * eps
 
@@ -153,10 +162,16 @@ class _Chain:
         return frac * _gather(self.log_beta, i, like) + (1 - frac) * small
 
 
+@functools.lru_cache(maxsize=16)
+def _chain(steps: tuple | None, device: str) -> _Chain:
+    """The chain's tables on `device`, made once (a training step or a sampling step then copies nothing)."""
+    return _Chain(None if steps is None else list(steps)).to(device)
+
+
 def loss(net, images, labels, rnd_normal, noise):
     """DiT's training loss at timesteps drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller."""
     t = (0.5 * (1 + torch.erf(rnd_normal.double() / math.sqrt(2))) * T).long().clamp(0, T - 1)
-    chain = _Chain()
+    chain = _chain(None, str(images.device))
     x_t = _gather(chain.abar.sqrt(), t, images) * images + _gather((1 - chain.abar).sqrt(), t, images) * noise
     out = net(x_t, t, labels)
     c = images.shape[1]
@@ -180,7 +195,7 @@ def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm"
     is an EpsModel (or its guided form); noise(shape) gives the draws (float64, one stream per image).
     interval = (lo, hi) in EDM's sigma of the step's timestep (sigma_of): `net` there, `unguided` elsewhere."""
     steps = respaced(num_steps)
-    chain, c, dev = _Chain(steps), latents.shape[1], latents.device
+    chain, c, dev = _chain(tuple(steps), str(latents.device)), latents.shape[1], latents.device
     sigmas = sigma_of(steps)
     guided = net
     x = latents.to(torch.float64)

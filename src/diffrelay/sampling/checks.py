@@ -5,9 +5,9 @@ runs them). config.validate reports the first; each names the key and the fix.
 import json
 
 
-def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
+def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults: dict) -> list[tuple[str, str]]:
     """(key, message) pairs for sample settings that cannot work with the model and training chosen;
-    edm_defaults: the schema's sample.edm defaults (EDM's deterministic sampler)."""
+    *_defaults: the schema's sample.edm (EDM's deterministic sampler), sample.flow and sample.ddpm defaults."""
     bad, s, m, t = [], d["sample"], d["model"], d["train"]
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     guided = [g for g in scales if g != 1]
@@ -36,15 +36,19 @@ def check_config(d: dict, edm_defaults: dict) -> list[tuple[str, str]]:
     if ddpm and s["steps"] > 1000:
         bad.append((f"sample.steps={s['steps']}", "model.objective ddpm has 1000 timesteps; use at most 1000 "
                     "(DiT samples with 250)"))
-    if not ddpm and s.get("ddpm", {}) != {"eta": 0.0, "guided_channels": None, "clip_denoised": False}:
+    if not ddpm and s["ddpm"] != ddpm_defaults:
         bad.append(("sample.ddpm", f"the ddpm samplers' settings do not apply to model.objective: {kind}; remove them"))
+    if ddpm and s["flow"] != flow_defaults:
+        bad.append(("sample.flow", "flow's sampler settings do not apply to model.objective: ddpm; remove them"))
+    if ddpm and s["solver"] == "ddpm" and s["ddpm"]["eta"]:
+        bad.append((f"sample.ddpm.eta={s['ddpm']['eta']}", "eta is DDIM's; set sample.solver: ddim or remove it"))
     if e["sigma_min"] >= e["sigma_max"]:
         bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))
     if e["S_max"] is not None and e["S_min"] >= e["S_max"]:
         bad.append((f"sample.edm.S_min={e['S_min']}", f"must be below sample.edm.S_max={e['S_max']} (or S_max: null)"))
     gi = s["guidance_interval"]
     lo, hi, unit = (0.0, 1.0, "t of model.objective flow") if flow else \
-        (0.01, 157.0, "the sigma of ddpm's timesteps 0..999") if ddpm else \
+        (0.01, 157.5, "the sigma of ddpm's timesteps 0..999") if ddpm else \
         (e["sigma_min"], e["sigma_max"], "sample.edm.sigma_min/max")
     if gi is not None and (gi[0] >= gi[1] or gi[1] < lo or gi[0] > hi):
         bad.append((f"sample.guidance_interval={gi}", f"needs lo < hi and to meet the schedule [{lo}, {hi}] "

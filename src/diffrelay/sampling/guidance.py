@@ -47,8 +47,12 @@ def autoguided(denoise, reference, scale: float, channels: int | None = None):
     kind instead of the null class. channels: as in guided."""
 
     def fn(x, sigma, labels):
+        ref = reference(x, sigma, labels)
         main = denoise(x, sigma, labels)
-        return _first(channels, torch.lerp(reference(x, sigma, labels), main, scale), main)
+        if channels is None:
+            return torch.lerp(ref, main, scale)
+        # Only the guided channels of each: a guide with or without the learned-variance half fits either way.
+        return _first(channels, torch.lerp(ref[:, :channels], main[:, :channels], scale), main)
 
     return fn
 

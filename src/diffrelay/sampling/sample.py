@@ -151,6 +151,11 @@ def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
     if kind == "ddpm" and (s.ddpm.guided_channels or 0) > shape[0]:
         raise UserError(f"sample.ddpm.guided_channels={s.ddpm.guided_channels}: {snapshot} has {shape[0]} image "
                         f"channels; use at most {shape[0]} (or null for all)")
+    if kind == "ddpm" and (s.edm.changed() or s.flow.changed()):
+        raise UserError(f"sample.edm/sample.flow {s.edm.changed() | s.flow.changed()}: {snapshot} is a model.objective "
+                        "ddpm network; these are the other objectives' sampler settings; remove them")
+    if kind == "ddpm" and s.solver == "ddpm" and s.ddpm.eta:
+        raise UserError(f"sample.ddpm.eta={s.ddpm.eta}: eta is DDIM's; use --solver ddim or remove it")
     if kind != "ddpm" and s.ddpm.changed():
         raise UserError(f"sample.ddpm {s.ddpm.changed()}: {snapshot} is a model.objective {kind} network; these "
                         "are the ddpm samplers' settings; remove them")

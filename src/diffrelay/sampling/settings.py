@@ -89,16 +89,20 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
                   if getattr(args, f"flow_{k}", None) is not None}
     if flow_flags:
         cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
-    if getattr(args, "ddpm_eta", None) is not None:
-        cfg["sample"]["ddpm"] = {**cfg["sample"]["ddpm"], "eta": args.ddpm_eta}
-    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None or \
-            getattr(args, "ddpm_eta", None) is not None:
+    if flags or flow_flags or getattr(args, "guidance_interval", None) is not None:
         # Checked like the config file's values (ranges, sigma_min < sigma_max, S_min < S_max, the interval).
         cfg["sample"]["edm"] = {**cfg["sample"]["edm"], **flags}
         if getattr(args, "guidance_interval", None) is not None:
             cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
-        cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--ddpm-eta/--guidance-interval "
-                       "flags")
+        cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
+    # sample.ddpm flags: their ranges here; whether they fit the snapshot's objective, when it is read (run()).
+    ddpm_flags = {k: getattr(args, f"ddpm_{k}") for k in ("eta", "guided_channels", "clip_denoised")
+                  if getattr(args, f"ddpm_{k}", None) is not None}
+    if not 0 <= ddpm_flags.get("eta", 0) <= 1:
+        raise UserError(f"--ddpm-eta={ddpm_flags['eta']}: DDIM's eta lies between 0 and 1")
+    if ddpm_flags.get("guided_channels", 1) < 1:
+        raise UserError(f"--ddpm-guided-channels={ddpm_flags['guided_channels']}: must be at least 1")
+    cfg["sample"]["ddpm"] = {**cfg["sample"]["ddpm"], **ddpm_flags}
     if isinstance(cfg["sample"]["guide"], int) and "guide" not in over:
         # A step: this run's snapshot there (the workflow passes the path; this serves a hand-run with --config).
         step = cfg["sample"]["guide"]
