@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import run_cli
-from diffrelay import config, objectives
+from diffrelay import config
 from diffrelay.errors import UserError
 from diffrelay.objectives import ddpm
 from diffrelay.sampling import guidance, sample
-from diffrelay.training import checkpoint
+from test_flow import noisy_snapshot
 from test_sample import folder_bytes, sample_args, settings
 from test_train import assert_two_segments_equal_one_run
 
@@ -223,16 +223,8 @@ DIT = {"arch": "dit", "objective": "ddpm", "class_conditional": True,
 
 
 def ddpm_snapshot(path):
-    d = config.validate({"data": {"resolution": 16}, "model": DIT, "train": {"label_dropout": 0.1},
-                         "sample": {"solver": "ddpm"}})
-    torch.manual_seed(0)
-    net = objectives.build(d["model"], 16, 3)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn(p.shape) * 0.1)
-    meta = {"step": 40, "model": d["model"], "config": d, "image_shape": [3, 16, 16], "num_classes": 3,
-            "class_names": ["a", "b", "c"]}
-    return checkpoint.save_snapshot(path, net.state_dict(), net.state_dict(), meta)
+    return noisy_snapshot(path, {"data": {"resolution": 16}, "model": DIT, "train": {"label_dropout": 0.1},
+                                 "sample": {"solver": "ddpm"}})
 
 
 def test_ddpm_pngs_are_byte_identical_for_any_process_count_and_batch_size(tmp_path):

@@ -166,9 +166,15 @@ def test_guidance_interval_in_t_guides_exactly_the_steps_whose_time_lies_inside(
 
 
 def flow_snapshot(path, num_classes=3, label_dropout=0.1):
-    d = config.validate({"data": {"resolution": 16},
-                         "model": {"objective": "flow", "channels": 8, "channel_mult": [1, 2], "class_conditional": True},
-                         "train": {"label_dropout": label_dropout}})
+    return noisy_snapshot(path, {"data": {"resolution": 16},
+                                 "model": {"objective": "flow", "channels": 8, "channel_mult": [1, 2],
+                                           "class_conditional": True},
+                                 "train": {"label_dropout": label_dropout}}, num_classes)
+
+
+def noisy_snapshot(path, raw: dict, num_classes=3):
+    """A 16x16 snapshot of the network `raw` (a config) with seeded noise added to every weight."""
+    d = config.validate(raw)
     torch.manual_seed(0)
     from diffrelay import objectives
 
