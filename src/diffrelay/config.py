@@ -133,7 +133,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     from diffrelay.training.profiles import check_config as check_phema  # numpy only
 
     bad += check_phema(t, s)
-    bad += checks.check_model(m, data["resolution"])
+    if data["encoder"] == "none":  # a latent run's network sees the latents: preflight.check_latent checks it
+        bad += checks.check_model(m, data["resolution"])
+    bad += _check_latent(d)
     from diffrelay.runtime.gpus import check_pool  # light: no torch
 
     bad += check_pool(d)
@@ -154,6 +156,30 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     parts = load_schema()["properties"]["sample"]["properties"]
     edm, flow, ddpm = ({k: v.get("default") for k, v in parts[p]["properties"].items()} for p in ("edm", "flow", "ddpm"))
     bad += check_sampling(d, edm, flow, ddpm)
+    return bad
+
+
+def _check_latent(d: dict) -> list[tuple[str, str]]:
+    data, spec = d["data"], d["data"]["encoder"]
+    known = ("none", "sd-vae", "sd-vae-ft-mse", "sd-vae-ft-ema")
+    if spec not in known and ":" not in spec:
+        return [(f"data.encoder={spec}", f"use one of {', '.join(known)}, or \"package.module:Name\" for your own")]
+    if spec == "none":
+        bad = [(f"data.{k}={data[k]}", "applies to latent runs only; set data.encoder, or drop it")
+               for k, default in (("encoder_path", None), ("latent_norm", "dit"), ("keep_images", True))
+               if data[k] != default]
+        return bad
+    bad = []
+    if ":" in spec and data["latent_norm"] != "dit":
+        bad.append((f"data.latent_norm={data['latent_norm']}", "is the SD-VAE's; your own encoder brings its scale "
+                    "and bias, so drop it"))
+    from diffrelay.evaluation import protocol  # light: no torch
+
+    own = [n for n in protocol.extractor_names(d["fid"]) if protocol.reference_file(d["fid"], n) is None]
+    if not data["keep_images"] and own:
+        bad.append(("data.keep_images=false", f"leaves no images for the {own[0]} reference statistics of the "
+                    "dataset; give fid.reference for every extractor (e.g. ADM's or clean-fid's statistics of the "
+                    "dataset), or keep the images"))
     return bad
 
 
@@ -247,8 +273,15 @@ def data_hash(cfg: Config) -> str:
     a Snakemake param that rebuilds the dataset only when its content would change."""
     import hashlib
 
-    blob = json.dumps({"data": trajectory(cfg)["data"]}, sort_keys=True)
+    data = trajectory(cfg)["data"]
+    if _latent(data):  # the files differ (pixels kept or not) and may come from other weights
+        data = data | {k: cfg.to_dict()["data"][k] for k in ("encoder_path", "keep_images")}
+    blob = json.dumps({"data": data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _latent(data: dict) -> bool:
+    return data.get("encoder", "none") != "none"
 
 
 # Keys that do not change the training trajectory: how it is split, launched, logged or saved.
@@ -307,6 +340,12 @@ def _trajectory_of(d: dict) -> dict:
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]
     data = {k: v for k, v in d["data"].items() if k not in _NOT_PIXELS}
+    # Pixel runs read as they did before latents existed. Where the weights are and whether the pixels are kept
+    # too does not change the weights: the dataset's fingerprint names the encoder by its sha256.
+    for key in ("encoder_path", "keep_images") + (() if _latent(data) else ("encoder", "latent_norm")):
+        data.pop(key, None)
+    if _latent(data) and ":" in data["encoder"]:
+        data.pop("latent_norm", None)  # your own encoder brings its own scaling
     model = dict(d["model"])
     if model.get("arch") == "dit":  # a checkpoint of the earlier DiT is another run (nets.DIT_LAYOUT)
         model["dit_layout"] = nets.DIT_LAYOUT

@@ -191,6 +191,22 @@ def replace_dir(src, dst, owned) -> None:
     _fsync_dir(dst.parent)
 
 
+def download(url: str, f, out: Path, place_at: Path) -> None:
+    """Copy `url` into the open file `f`; failing (offline), one line naming the URL and where a copy fetched
+    elsewhere goes (`place_at`)."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            shutil.copyfileobj(response, f, 1 << 20)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"{out}: cannot download {url} ({reason}); offline? fetch that URL elsewhere "
+                        f"and place the file at {Path(place_at).resolve()}") from e
+
+
 def sha256_fileobj(f, chunk=1 << 20) -> str:
     """sha256 of an open binary file from its start (e.g. a download before it is renamed)."""
     f.seek(0)

@@ -135,10 +135,11 @@ def check_evaluated_snapshot(cfg, source: str) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise UserError(f"{source}: sample.snapshot={path}: records step {step!r}, not a step number; re-create it "
                         "(diffrelay import --step N)")
-    res = cfg.data.resolution
-    if list(meta.get("image_shape", [])) != [3, res, res]:
+    channels, side = net_geometry(cfg, source)
+    if list(meta.get("image_shape", [])) != [channels, side, side]:
         raise UserError(f"{source}: sample.snapshot={path}: images of shape {meta.get('image_shape')}, the config "
-                        f"makes [3, {res}, {res}] (data.resolution); set data.resolution to the snapshot's")
+                        f"makes {[channels, side, side]} (data.resolution, data.encoder); set data.resolution and "
+                        "data.encoder to the snapshot's")
     classes = num_classes(cfg) if cfg.model.class_conditional else 0
     if meta.get("num_classes") != classes:
         raise UserError(f"{source}: sample.snapshot={path}: {meta.get('num_classes')} classes, the dataset has "
@@ -223,7 +224,38 @@ def write_run_record(cfg) -> None:
         io.write_json(record, {"format": RUN_FORMAT, "trajectory": config.trajectory(cfg), "created": time.time()})
 
 
+def net_geometry(cfg, source: str = "config") -> tuple[int, int]:
+    """(channels, side) of what the network sees: the images, or their latents (data.encoder)."""
+    from diffrelay.data import encoders
+
+    d = cfg.data
+    if not encoders.is_latent(d.encoder):
+        return 3, d.resolution
+    try:
+        channels, factor = encoders.geometry(d.encoder, d.encoder_path)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from e
+    if d.resolution % factor:
+        raise UserError(f"{source}: data.resolution={d.resolution}: data.encoder={d.encoder} down-samples by "
+                        f"{factor}, which does not divide it; use a multiple of {factor}")
+    return channels, d.resolution // factor
+
+
+def check_latent(cfg, source: str) -> None:
+    """The encoder's geometry fits the resolution, and the network fits the latents (nets/checks.py)."""
+    from diffrelay.nets import checks
+
+    if cfg.data.encoder == "none":
+        return
+    _, side = net_geometry(cfg, source)
+    bad = checks.check_model(cfg.to_dict()["model"], side)
+    if bad:
+        key, why = bad[0]
+        raise UserError(f"{source}: {key}: {why} (the network sees {side}x{side} latents)")
+
+
 def check(cfg, source: str) -> None:
     """Everything that can be checked before any job starts."""
+    check_latent(cfg, source)
     check_inputs(cfg, source)
     check_run_folder(cfg, source)

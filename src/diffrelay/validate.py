@@ -15,8 +15,8 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
 
     d = cfg.to_dict()
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
-    return registry.check(d["model"], d["data"]["resolution"], 3, classes,
-                          d["train"]["activation_checkpointing"]), classes
+    channels, side = preflight.net_geometry(cfg)
+    return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"]), classes
 
 
 def main(args) -> int:
@@ -28,8 +28,8 @@ def main(args) -> int:
         raise UserError(f"{', '.join(map(str, args.config))}: {e}") from e
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    m, res = cfg.model, cfg.data.resolution
+    m, (channels, side) = cfg.model, preflight.net_geometry(cfg)
     # A YAML comment, so stdout stays a valid config.
-    print(f"# network: {m.arch} {json.dumps(dict(m.to_dict()['kwargs']))} at {res}x{res}x3, {classes} classes: "
+    print(f"# network: {m.arch} {json.dumps(dict(m.to_dict()['kwargs']))} at {side}x{side}x{channels}, {classes} classes: "
           f"{params:,} parameters ({params / 1e6:.1f} M)")
     return 0

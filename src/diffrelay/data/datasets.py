@@ -1,7 +1,7 @@
 """Datasets: the generated `shapes` set and user image folders, both written as one prepared folder."""
 
-import colorsys
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io as bytes_io
@@ -12,18 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
+from diffrelay.data import encoders, latents
+from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-dataset/1"
-SHAPES_VERSION = 1  # bump when the drawing code changes the pixels, so old fingerprints stop matching
 FOLDER_VERSION = 1  # bump when loading/cropping/resizing changes the pixels
-SHAPE_NAMES = ("circle", "square", "triangle")
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-SUPERSAMPLE = 4
 MAX_IMAGE_BYTES = 1 << 30  # one image file; a bigger one is a video, an archive or a wrong path
 
 
@@ -41,6 +40,9 @@ class Plan:
     root: Path | None = None
     files: tuple = ()  # folder: (relative posix path, sha256 or None when unreadable), sorted by path
     on_corrupt: str = "error"
+    latent: dict | None = None  # encoders.record of data.encoder, None for pixels (data/latents.py)
+    xflip: bool = False  # latents: also encode the mirrored images
+    keep_images: bool = True
 
 
 @dataclass(frozen=True)
@@ -48,68 +50,28 @@ class Prepared:
     """A prepared dataset folder opened for training; `images` is memory-mapped."""
 
     path: Path
-    images: np.ndarray  # uint8 (N, H, W, 3)
+    images: np.ndarray | None  # uint8 (N, H, W, 3); None in a latent dataset made without data.keep_images
     labels: np.ndarray  # int64 (N,)
     num_classes: int
     class_names: tuple
     resolution: int
     count: int
     fingerprint: str
+    latent: dict | None = None  # encoders.record (+ xflip, keep_images) of a latent dataset
+    latents: np.ndarray | None = None  # float32 (N, 2C, h, w): mean and std (data/latents.py)
+    latents_xflip: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple:
+        """(C, H, W) of what the network sees: the images, or their latents."""
+        if self.latent is None:
+            return 3, self.resolution, self.resolution
+        side = self.resolution // self.latent["factor"]
+        return self.latent["channels"], side, side
 
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------- shapes
-
-def _rgb(h, s, v) -> tuple:
-    return tuple(int(round(c * 255)) for c in colorsys.hsv_to_rgb(h % 1.0, s, v))
-
-
-def _background(rng, big: int, hue: float) -> Image.Image:
-    """A dark plain or linear-gradient background with a hue far from the shape's, so edges stay sharp."""
-    bg_hue = hue + 0.5 + rng.uniform(-0.2, 0.2)
-    c1 = _rgb(bg_hue, rng.uniform(0.2, 0.7), rng.uniform(0.05, 0.3))
-    if rng.random() < 0.5:
-        return Image.new("RGB", (big, big), c1)
-    c2 = _rgb(bg_hue + rng.uniform(-0.15, 0.15), rng.uniform(0.2, 0.7), rng.uniform(0.05, 0.35))
-    angle = rng.uniform(0, 2 * np.pi)
-    xy = (np.arange(big) + 0.5) / big - 0.5
-    t = np.cos(angle) * xy[None, :] + np.sin(angle) * xy[:, None]
-    t = (t - t.min()) / (t.max() - t.min())
-    # A 256-entry colour table indexed by position: much cheaper than blending every pixel in float.
-    ramp = np.linspace(0.0, 1.0, 256)[:, None]
-    table = np.rint(np.asarray(c1) + ramp * (np.asarray(c2) - np.asarray(c1))).astype(np.uint8)
-    return Image.fromarray(table[np.rint(t * 255).astype(np.intp)])
-
-
-def draw_shape(seed: int, index: int, shape: int, resolution: int) -> np.ndarray:
-    """Image `index` of the shapes set: one large saturated shape, fully inside the frame, anti-aliased."""
-    rng = np.random.default_rng(np.random.SeedSequence([SHAPES_VERSION, seed, index]))
-    big = resolution * SUPERSAMPLE
-    hue = rng.random()
-    colour = _rgb(hue, rng.uniform(0.75, 1.0), rng.uniform(0.85, 1.0))
-    img = _background(rng, big, hue)
-    side = rng.uniform(0.35, 0.75) * big
-    margin = SUPERSAMPLE  # one output pixel, so no shape touches the border
-    cx, cy = (rng.uniform(side / 2 + margin, big - side / 2 - margin) for _ in range(2))
-    x0, y0, x1, y1 = cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
-    draw = ImageDraw.Draw(img)
-    if SHAPE_NAMES[shape] == "circle":
-        draw.ellipse([x0, y0, x1, y1], fill=colour)
-    elif SHAPE_NAMES[shape] == "square":
-        draw.rectangle([x0, y0, x1, y1], fill=colour)
-    else:
-        draw.polygon([(x0, y1), (x1, y1), (cx, y0)], fill=colour)
-    # reduce() averages each 4x4 block: exact area coverage, so edges are anti-aliased without ringing.
-    return np.asarray(img.reduce(SUPERSAMPLE))
-
-
-def _shape_row(seed: int, resolution: int, labels: str, i: int) -> tuple:
-    """(image, label) of shapes image i; its class is i mod 3, so the classes are exactly balanced."""
-    shape = i % len(SHAPE_NAMES)
-    return draw_shape(seed, i, shape, resolution), shape if labels == "auto" else 0
 
 
 # ---------------------------------------------------------------- folders
@@ -245,7 +207,7 @@ def _rows(p: Plan, workers: int):
     flight, so memory stays bounded however large the dataset is."""
     chunk = max(1, min(256, (4 << 20) // (p.resolution * p.resolution * 3)))
     if p.kind == "shapes":
-        fn, items = functools.partial(_shape_row, p.seed, p.resolution, p.labels), range(p.count)
+        fn, items = functools.partial(shape_row, p.seed, p.resolution, p.labels), range(p.count)
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
         fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt), p.files
@@ -284,8 +246,18 @@ class Progress:
         return head + (f"eta {logs.fmt_duration((self.total - self.done) / rate)}" if rate else "eta ?")
 
 
-def plan(data) -> Plan:
-    """Check the `data` config section and fingerprint its source. Folder datasets hash every file."""
+def plan(data, latent: dict | None = None) -> Plan:
+    """Check the `data` config section and fingerprint its source. Folder datasets hash every file. `latent`:
+    the encoder's record (encoders.record) for a latent dataset; its sha256 and conventions join the fingerprint."""
+    p = _pixel_plan(data)
+    if latent is None:
+        return p
+    fp = _digest({"pixels": p.fingerprint, "latent": {k: latent[k] for k in encoders.RECORD_KEYS},
+                  "xflip": data.xflip > 0, "keep_images": data.keep_images})
+    return dataclasses.replace(p, fingerprint=fp, latent=latent, xflip=data.xflip > 0, keep_images=data.keep_images)
+
+
+def _pixel_plan(data) -> Plan:
     if data.kind == "shapes":
         fp = _digest({"generator": f"shapes/{SHAPES_VERSION}", "seed": data.seed, "count": data.count,
                       "resolution": data.resolution, "labels": data.labels})
@@ -300,17 +272,18 @@ def plan(data) -> Plan:
                 on_corrupt=data.on_corrupt)
 
 
-def build(p: Plan, out, workers: int = 1) -> dict:
-    """Write images.npy, labels.npy and dataset.json into `out` (an empty temp folder); return the info.
-
-    `workers` processes decode; the bytes written do not depend on how many."""
+def build(p: Plan, out, workers: int = 1, device="cpu") -> dict:
+    """Write images.npy (and a latent dataset's latents), labels.npy and dataset.json into `out` (an empty temp
+    folder); return the info. `workers` processes decode; the bytes written do not depend on how many."""
     log = logs.get()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = p.count if p.kind == "shapes" else len(p.files)
     # Written row by row straight to disk, in source order: memory holds the chunks in flight, not the dataset.
     shape = (total, p.resolution, p.resolution, 3)
-    images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8, shape=shape)
+    keep = p.latent is None or p.keep_images
+    images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8, shape=shape) if keep else None
+    encoded = latents.Writer(out, total, p.resolution, p.latent, p.xflip, device) if p.latent else None
     labels, rels, skipped = [], [], []
     progress = Progress(total)
     with contextlib.closing(_rows(p, workers)) as rows:
@@ -318,16 +291,22 @@ def build(p: Plan, out, workers: int = 1) -> dict:
             if img is None:
                 skipped.append(rel)
             else:
-                images[len(labels)] = img
+                if images is not None:
+                    images[len(labels)] = img
+                if encoded:
+                    encoded.add(img)
                 labels.append(label)
                 rels.append(rel)
             progress.update(len(labels) + len(skipped))
-    images.flush()
-    del images
     count = len(labels)
-    if count < total:  # some files were skipped: keep only the rows that were filled
-        np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
-        os.replace(out / "kept.npy", out / "images.npy")
+    if encoded:
+        encoded.close(count)
+    if images is not None:
+        images.flush()
+        del images
+        if count < total:  # some files were skipped: keep only the rows that were filled
+            np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
+            os.replace(out / "kept.npy", out / "images.npy")
     class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else []
     if p.kind == "folder":
         if not count:
@@ -342,6 +321,8 @@ def build(p: Plan, out, workers: int = 1) -> dict:
     info = {"format": FORMAT, "kind": p.kind, "count": count, "resolution": p.resolution,
             "num_classes": len(class_names), "class_names": class_names, "labels": p.labels,
             "fingerprint": p.fingerprint, "skipped": skipped, "source": p.source}
+    if p.latent:
+        info["latent"] = p.latent | {"xflip": p.xflip, "keep_images": p.keep_images}
     io.write_json(out / "dataset.json", info)
     log.info(progress.line(final=True))
     return info
@@ -367,22 +348,26 @@ def open_prepared(path) -> Prepared:
                         f"rerun `diffrelay prepare --config <your config>`")
     n, res = info["count"], info["resolution"]
     fix = "rerun `diffrelay prepare --config <your config>`"
-    for name in ("images.npy", "labels.npy"):
+    latent = info.get("latent")
+    keep = latent is None or latent.get("keep_images", True)
+    for name in ("images.npy", "labels.npy", latents.ENCODED, latents.FLIPPED):
         if (path / name).exists():  # a FIFO here would block np.load; a missing file is reported below
             io.check_regular_file(path / name, 1 << 44, "dataset array", fix)
     try:
-        images = np.load(path / "images.npy", mmap_mode="r")
+        images = np.load(path / "images.npy", mmap_mode="r") if keep else None
         labels = np.load(path / "labels.npy", mmap_mode="r")  # like the images: memory does not grow with N
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: images.npy or labels.npy missing or unreadable ({e}); "
                         f"rerun `diffrelay prepare --config <your config>`") from e
-    if images.shape != (n, res, res, 3) or images.dtype != np.uint8:
+    if images is not None and (images.shape != (n, res, res, 3) or images.dtype != np.uint8):
         raise UserError(f"{path / 'images.npy'}: shape {images.shape} {images.dtype} does not match dataset.json "
                         f"(count={n}, resolution={res}, uint8); rerun `diffrelay prepare --config <your config>`")
     if labels.shape != (n,) or labels.dtype != np.int64:
         raise UserError(f"{path / 'labels.npy'}: shape {labels.shape} {labels.dtype} does not match dataset.json "
                         f"(count={n}, int64); rerun `diffrelay prepare --config <your config>`")
-    return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"])
+    encoded, flipped = latents.open_arrays(path, info, n) if latent else (None, None)
+    return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"],
+                    latent, encoded, flipped)
 
 
 def is_dataset_folder(path) -> bool:

@@ -65,13 +65,21 @@ def check_intact(array) -> None:
                         "ran; rebuild the dataset (diffrelay prepare) and rerun")
 
 
-def read_rows(data, idx: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 NHWC images, int64 labels) of dataset rows `idx`, in that order; pinned when asked."""
-    check_intact(data.images)  # one stat call a batch
-    check_intact(data.labels)
+def read_rows(data, idx: np.ndarray, pin: bool = False, flip: np.ndarray | None = None) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """(uint8 NHWC images, int64 labels) of dataset rows `idx`, in that order; pinned when asked. A latent
+    dataset gives its float32 (mean, std) rows instead, those in `flip` from the mirrored images' latents."""
+    arrays = (data.images,) if data.latent is None else (data.latents, data.latents_xflip)
+    for array in (*arrays, data.labels):
+        check_intact(array)  # one stat call a batch
     order = np.argsort(idx, kind="stable")  # sorted reads are kinder to a memory-mapped file
-    rows = torch.empty((len(idx), *data.images.shape[1:]), dtype=torch.uint8, pin_memory=pin)
-    rows.numpy()[order] = data.images[idx[order]]
+    rows = torch.empty((len(idx), *arrays[0].shape[1:]), dtype=getattr(torch, arrays[0].dtype.name),
+                       pin_memory=pin)
+    if flip is None or not flip.any():
+        rows.numpy()[order] = arrays[0][idx[order]]
+    else:
+        for array, take in zip(arrays, (~flip[order], flip[order])):
+            rows.numpy()[order[take]] = array[idx[order[take]]]
     labels = torch.from_numpy(np.ascontiguousarray(data.labels[idx]))
     return rows, labels.pin_memory() if pin else labels
 
@@ -93,13 +101,22 @@ class BatchMaker:
         self.label_dropout, self.xflip = label_dropout, xflip
         self.rank, self.world, self.grad_accum, self.device = rank, world, grad_accum, torch.device(device)
         self.generator = torch.Generator(device=self.device)
-        self.shape = (data.images.shape[3], *data.images.shape[1:3])
+        self.shape = data.shape
+        if data.latent is not None:
+            self.scale, self.bias = (torch.tensor(data.latent[k], dtype=torch.float32, device=self.device)
+                                     .view(1, -1, 1, 1) for k in ("scale", "bias"))
 
     def make(self, step: int, global_indices: np.ndarray) -> Batch:
         cuda = self.device.type == "cuda"
         mine = global_indices[self.rank::self.world]
-        rows, labels = read_rows(self.data, mine, pin=cuda)
-        images = to_float(rows.to(self.device, non_blocking=True))
+        # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position).
+        drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
+                                     self.xflip)
+        latent = self.data.latent is not None
+        rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None)
+        if latent:
+            flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
+        images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
         # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
         # is the same for any process count. That is O(global batch) per rank; on a GPU it is one kernel
@@ -109,11 +126,12 @@ class BatchMaker:
         self.generator.manual_seed(noise_seed(self.seed, step))
         rnd, noise = edm.draw_noise(self.generator, self.global_batch, self.shape, self.device)
         rnd, noise = rnd[self.rank::self.world], noise[self.rank::self.world].contiguous()
+        if latent:  # this step's sample of each latent, drawn for the whole global batch after the noise
+            eps = torch.randn((self.global_batch, *self.shape), generator=self.generator, device=self.device)
+            mean, std = images.chunk(2, dim=1)
+            images = ((mean + std * eps[self.rank::self.world]) * self.scale + self.bias).contiguous()
         parts = (x.tensor_split(self.grad_accum) for x in (images, labels, rnd, noise))
-        # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position), on
-        # the device here so that the loop never copies them from pageable memory.
-        drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
-                                     self.xflip)
+        # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
                  for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
         return Batch(step, mine, list(zip(*parts)), masks)

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from diffrelay import config, io, logs, preflight
-from diffrelay.data import datasets
-from diffrelay.runtime import parallel
+from diffrelay.data import datasets, encoders
+from diffrelay.runtime import distributed, parallel
 
 
 def main(args) -> int:
@@ -23,7 +23,8 @@ def main(args) -> int:
     t0 = time.time()
 
     # Fingerprint first (cheap checks, then hashing a folder's files): an unchanged source means no work.
-    plan = datasets.plan(cfg.data)
+    latent = encoders.resolve(cfg.data, cfg.run.resources)  # latent runs: the weights, fetched once, and hashed
+    plan = datasets.plan(cfg.data, latent)
     if datasets.is_current(out, plan):
         log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
         return 0
@@ -31,7 +32,8 @@ def main(args) -> int:
     # No "building..." line here: a bad file found while building must stay the only line on stderr.
     # atomic_dir: a killed prepare leaves only a hidden temp folder, never a dataset that looks complete.
     with io.atomic_dir(out, owned=datasets.is_dataset_folder) as tmp:
-        info = datasets.build(plan, tmp, workers=workers(args, cfg))
+        device = distributed.pick_device(cfg.run.device) if latent else "cpu"  # the encoder runs on a GPU if there is one
+        info = datasets.build(plan, tmp, workers=workers(args, cfg), device=device)
     if out.resolve().parent == config.run_dir(cfg).resolve():
         preflight.write_run_record(cfg)
     log.info(f"prepare: wrote {info['count']} images from {plan.source}, {info['num_classes']} classes, "

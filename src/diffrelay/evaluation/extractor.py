@@ -17,8 +17,6 @@ import contextlib
 import json
 import os
 import shutil
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,16 +211,7 @@ def _check_inception(path: Path, sha256: str | None = None, fileobj=None) -> Ext
     return ext
 
 
-def download(url: str, f, out: Path, place_at: Path) -> None:
-    """Copy `url` into the open file `f`; failing (offline), one line naming the URL and where a copy fetched
-    elsewhere goes (`place_at`)."""
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            shutil.copyfileobj(response, f, 1 << 20)
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise UserError(f"{out}: cannot download {url} ({reason}); offline? fetch that URL elsewhere "
-                        f"and place the file at {place_at.resolve()}") from e
+download = io.download  # shared with data/encoders.py (the SD-VAE weights)
 
 
 def fetch_inception(out) -> Path:

@@ -24,6 +24,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from diffrelay import config, io, logs, objectives
+from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
@@ -85,7 +86,7 @@ class NonFiniteSamples(UserError):
     """A batch came out with NaN or inf values (run() names the snapshot)."""
 
 
-def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
+def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None):
     """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep."""
     device = torch.device(device or next(net.parameters()).device)
     shape = tuple(meta["image_shape"])
@@ -123,11 +124,14 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None):
         labels = None if labels is None else torch.tensor(labels, device=device)
         with torch.inference_mode():
             images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
-                                       noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)[:len(batch)]
+                                       noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
-            finite = torch.isfinite(images).flatten(1).all(1)
-            pixels = (images * 127.5 + 128).clamp(0, 255).to(torch.uint8)
+            finite = torch.isfinite(images).flatten(1).all(1)[:len(batch)]
+            if decoder is None:
+                pixels = (images[:len(batch)] * 127.5 + 128).clamp(0, 255).to(torch.uint8)
+            else:  # the whole padded batch: its fixed shape keeps each image's bytes independent of the batch
+                pixels = latent_data.decode(decoder, images, meta["latent"])[:len(batch)]
         finite, pixels = finite.cpu().numpy(), pixels.permute(0, 2, 3, 1).cpu().numpy()
         if not finite.all():
             bad = [s.first_seed + i for i, ok in zip(batch, finite) if not ok]
@@ -230,7 +234,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
     if fd is None:
         return None
     try:
-        shape = meta["image_shape"]
+        shape = latent_data.output_shape(meta)
         missing = [i for i in range(s.num_images) if not (work / png_name(i)).is_file()]
         if missing:
             raise RuntimeError(f"{work}: all done markers present but image {missing[0]} is missing")
@@ -263,7 +267,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 
 
 def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, model_cfg=None,
-        resources="resources") -> dict | None:
+        resources="resources", data_cfg=None) -> dict | None:
     """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
 
     Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
@@ -279,6 +283,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
     net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
     shape = tuple(meta["image_shape"])
+    decoder = latent_data.load_decoder(meta, snapshot, data_cfg, resources, device)  # latent snapshots
     class_labels([0], meta, s.class_labels)
     guide = None
     if s.guide is not None and s.guidance != 1:  # autoguidance: checked against the sampled network's record
@@ -294,7 +299,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
                         "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
     _check_ddpm(kind, s, snapshot, shape)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
-                                                     "image_shape": list(shape)}
+                                                     "image_shape": list(latent_data.output_shape(meta))}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
         key["edm"] = s.edm.changed()
     if s.flow.changed():
@@ -323,7 +328,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     mine = rank_share(s.num_images, rank, world)
     if damaged:
         _reuse_intact(out, work, mine, set(damaged))
-    todo = [i for i in mine if not is_valid_png(work / png_name(i), shape)]
+    todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))]
     if not work.is_dir():  # finalized and renamed by another process since _open_work
         return up_to_date(out, key)
     if len(todo) < len(mine):
@@ -340,7 +345,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             pending = collections.deque()
             model = speed.compile_model(net, s.compile, resources, s.threads)
             try:
-                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device, guide), start=1):
+                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device, guide, decoder), start=1):
                     pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x), parents=False),
                                                  work / png_name(i), pixels))
                     while pending and pending[0].done():
@@ -395,5 +400,5 @@ def main(args) -> int:
     s, run_cfg = settings.from_args(args, cfg, config.validate)
     model_cfg = cfg["model"] if args.config else None
     run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
-        run_cfg["resources"])
+        run_cfg["resources"], cfg["data"] if args.config else None)
     return 0

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from diffrelay import config, io, nets, preflight
+from diffrelay.data import encoders
 from diffrelay.errors import UserError
 from diffrelay.nets import dit, edm, edm2, registry
 from diffrelay.training import checkpoint
@@ -107,8 +108,8 @@ def check_state(path, state: dict, model_cfg: dict, resolution: int, in_channels
                             f"classes, which need {list(want[key])}; use the dataset the checkpoint was trained on")
         if _is_latent(state, model_cfg, resolution, classes):
             raise UserError(f"{path}: a latent model (4 input channels: DiT's and SiT's released checkpoints are); "
-                            "diffrelay trains and samples 3-channel images until VAE latents land, so it cannot "
-                            "sample this file yet")
+                            "set data.encoder: sd-vae (the VAE it was trained with) and data.resolution to its "
+                            "image size (256 for DiT-XL/2-256)")
         raise UserError(f"{path}: {key} is {list(got)}, the network of model.kwargs="
                         f"{json.dumps(nets.arch_kwargs(model_cfg)[1])} has {list(want[key])}: a checkpoint of "
                         "another size; set model.kwargs to the checkpoint's (size, patch, out_channels, ...)")
@@ -136,10 +137,14 @@ def convert(cfg, source: Path, out: Path, layout: str | None = None, step: int =
                          "choose another --out; nothing was overwritten")
     classes = preflight.num_classes(cfg) if m["class_conditional"] else 0
     state = LAYOUTS[layout](read_state(source))
-    check_state(source, state, m, d["resolution"], 3, classes)
+    channels, side = preflight.net_geometry(cfg)  # the images, or their latents (data.encoder)
+    check_state(source, state, m, side, channels, classes)
     meta = {"step": step, "trajectory": config.trajectory_hash(cfg), "config": cfg.to_dict(), "model": m,
-            "image_shape": [3, d["resolution"], d["resolution"]], "num_classes": classes, "class_names": [],
+            "image_shape": [channels, side, side], "num_classes": classes, "class_names": [],
             "imported": {"file": source.name, "sha256": io.sha256_file(source), "layout": layout}}
+    latent = encoders.resolve(cfg.data, cfg.run.resources)  # the decoder its samples need, found and hashed
+    if latent:
+        meta["latent"] = latent | {"image_shape": [3, d["resolution"], d["resolution"]]}
     if m["arch"] in ("dit", "sit"):
         meta["dit_layout"] = nets.DIT_LAYOUT
     # The objective wraps the network as `net` (edm.Denoiser, flow.VelocityModel): snapshots hold its names.

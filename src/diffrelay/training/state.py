@@ -29,7 +29,8 @@ class TrainState:
     def build(cls, cfg, data, device) -> "TrainState":
         t = cfg.train
         torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
-        net = objectives.build(cfg.to_dict()["model"], data.resolution, data.num_classes).to(device)
+        channels, side, _ = data.shape  # the images, or their latents
+        net = objectives.build(cfg.to_dict()["model"], side, data.num_classes, channels).to(device)
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffrelay import config, io, logs, nets, preflight
-from diffrelay.data import augment, datasets, loader
+from diffrelay.data import augment, datasets, latents, loader
 from diffrelay import objectives
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema
@@ -100,9 +100,10 @@ def _check_writable(run_dir: Path) -> None:
 
 def _meta(cfg, step, data, traj) -> dict:
     return {"step": step, "trajectory": traj, "config": cfg.to_dict(), "model": cfg.to_dict()["model"],
-            "image_shape": [3, data.resolution, data.resolution], "num_classes": data.num_classes,
+            "image_shape": list(data.shape), "num_classes": data.num_classes,
             "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint,
-            "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch in ("dit", "sit") else {})
+            "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch in ("dit", "sit") else {}) \
+        | ({"latent": latents.snapshot_record(data)} if data.latent else {})
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:
@@ -262,6 +263,7 @@ def _set_up(cfg, dataset_dir):
         raise UserError(f"train.batch_size={t.batch_size}: not divisible by {world} processes x "
                         f"train.grad_accum={t.grad_accum}; change the batch or the process count")
     data = datasets.open_prepared(dataset_dir)
+    latents.check_kind(data, cfg.data, cfg.run.resources)  # latents of this encoder for a latent run, else pixels
     if cfg.model.class_conditional and not data.num_classes:
         raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
     return device, log, data

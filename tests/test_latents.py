@@ -1,0 +1,348 @@
+"""Latent runs (data.encoder): prepare encodes once, training draws latents per step, sampling decodes.
+
+The VAE is a tiny diffusers AutoencoderKL that the tests build (random weights, a few thousand parameters); the
+formulas are restated here from DiT's and edm2's code, not read from diffrelay's modules.
+"""
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from diffusers import AutoencoderKL
+
+from conftest import REPO, run_cli
+from diffrelay import config
+from diffrelay.data import datasets, encoders, latents, loader
+from diffrelay.errors import UserError
+from test_sample import folder_bytes, sample_args
+from test_train import assert_two_segments_equal_one_run, torchrun
+
+OWN = '''
+import torch
+import torch.nn.functional as F
+
+
+class Pool:
+    """Average 2x2 blocks: a toy encoder of the contract (4 channels: RGB and their mean)."""
+
+    channels, factor = 4, 2
+
+    def __init__(self, path):
+        self.scale, self.bias = [2.0, 2.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.5]
+
+    def encode(self, images):
+        x = F.avg_pool2d(images.float() / 127.5 - 1, 2)
+        mean = torch.cat([x, x.mean(1, keepdim=True)], 1)
+        return mean, torch.full_like(mean, 0.05)
+
+    def decode(self, latents):
+        x = F.interpolate(latents[:, :3], scale_factor=2, mode="nearest")
+        return (x * 127.5 + 128).clamp(0, 255).to(torch.uint8)
+
+
+class WrongShape(Pool):
+    def encode(self, images):
+        mean, std = super().encode(images)
+        return mean[:, :3], std[:, :3].double()
+'''
+
+
+def tiny_vae(folder: Path, seed: int = 0, width: int = 4) -> Path:
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(width, width),
+                        layers_per_block=1, latent_channels=4, norm_num_groups=2, sample_size=16)
+    vae.save_pretrained(folder)
+    return folder
+
+
+def latent_config(tmp_path: Path, **data) -> dict:
+    return {"run": {"name": "lat", "seed": 0, "device": "cpu", "results": str(tmp_path / "results"),
+                    "resources": str(tmp_path / "resources")},
+            "data": {"kind": "shapes", "resolution": 16, "count": 24, "seed": 0, "encoder": "sd-vae",
+                     "encoder_path": str(tiny_vae(tmp_path / "vae")), "xflip": 0.5} | data,
+            "model": {"channels": 8, "channel_mult": [1, 2], "num_blocks": 1, "class_conditional": True},
+            "train": {"total_steps": 4, "segment_steps": 2, "batch_size": 8, "lr": 0.002, "warmup_steps": 1,
+                      "log_every": 1, "label_dropout": 0.25},
+            "sample": {"num_images": 8, "steps": 3, "batch_size": 8},
+            "fid": {"extractor": "random", "batch_size": 16}}
+
+
+def write(tmp_path: Path, d: dict, name="cfg.yaml") -> Path:
+    (tmp_path / name).write_text(yaml.safe_dump(d))
+    return tmp_path / name
+
+
+def images_nchw(n=20, seed=1, side=16):
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, 3, side, side), dtype=np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder: diffusers' own calls, DiT's and edm2's conventions restated
+
+
+@pytest.mark.parametrize("norm", ["dit", "edm2"])
+def test_encode_and_decode_are_diffusers_calls_with_the_papers_conventions(tmp_path, norm):
+    folder = tiny_vae(tmp_path / "vae")
+    # As edm2's load_stability_vae sets it up: with gradients on, torch's attention takes another kernel (2e-7).
+    vae = AutoencoderKL.from_pretrained(folder).eval().requires_grad_(False)
+    enc = encoders.load("sd-vae", folder, norm)
+    images = images_nchw(32)  # two whole calls of encoders.ROWS: the same rows as diffusers gets below
+    mean, std = encoders.encode(enc, images, "sd-vae")
+    # DiT feeds [-1, 1] (Normalize(0.5, 0.5)); edm2 feeds x / 255 (training/encoders.py encode_pixels).
+    x = images.float() / 127.5 - 1 if norm == "dit" else images.float() / 255
+    with torch.no_grad():
+        dist = torch.cat([vae.encode(x[i:i + 16]).latent_dist.mean for i in range(0, 32, 16)])
+        dstd = torch.cat([vae.encode(x[i:i + 16]).latent_dist.std for i in range(0, 32, 16)])
+        assert torch.equal(mean, dist) and torch.equal(std, dstd)
+        z = torch.randn(16, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+        y = vae.decode(z).sample
+    want = ((y * 127.5 + 128).clamp(0, 255) if norm == "dit" else y.clamp(0, 1).mul(255)).to(torch.uint8)
+    assert torch.equal(encoders.decode(enc, z, "sd-vae", (3, 16, 16)), want)
+    if norm == "dit":  # DiT's train.py: latent_dist.sample().mul_(0.18215)
+        assert enc.scale == [0.18215] * 4 and enc.bias == [0.0] * 4
+    else:  # edm2: final_std / raw_std, final_mean - raw_mean * scale, in float32
+        scale = np.float32(0.5) / np.array([4.17, 4.62, 3.71, 3.28], dtype=np.float32)
+        bias = -np.array([5.81, 3.25, 0.12, -2.15], dtype=np.float32) * scale
+        assert enc.scale == scale.tolist() and enc.bias == bias.tolist()
+
+
+def test_a_rows_latent_does_not_depend_on_the_other_images(tmp_path):
+    enc = encoders.load("sd-vae", tiny_vae(tmp_path / "vae"))
+    images = images_nchw(40)
+    mean, _ = encoders.encode(enc, images, "sd-vae")
+    alone, _ = encoders.encode(enc, images[17:18], "sd-vae")
+    assert torch.equal(mean[17:18], alone)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: the distribution, the mirrored images' latents, the encoder's identity
+
+
+def test_prepare_stores_each_images_latent_distribution_and_its_mirrors(tmp_path):
+    d = latent_config(tmp_path)
+    cfg = write(tmp_path, d)
+    run_cli("prepare", "--config", cfg)
+    data = datasets.open_prepared(tmp_path / "results/lat/dataset")
+    assert data.shape == (4, 8, 8) and data.latents.shape == (24, 8, 8, 8) and data.images.shape == (24, 16, 16, 3)
+    enc = encoders.load("sd-vae", Path(d["data"]["encoder_path"]))
+    pixels = torch.from_numpy(np.array(data.images)).permute(0, 3, 1, 2)
+    for stored, view in ((data.latents, pixels), (data.latents_xflip, pixels.flip(3))):
+        mean, std = encoders.encode(enc, view.contiguous(), "sd-vae")
+        assert np.array_equal(stored, torch.cat([mean, std], 1).numpy())
+    # A mirrored image's latent is not the mirrored latent: that is why they are stored.
+    assert not np.allclose(data.latents_xflip[:, :4], data.latents[:, :4, :, ::-1], atol=1e-3)
+    rec = json.loads((tmp_path / "results/lat/dataset/dataset.json").read_text())["latent"]
+    assert rec["sha256"] == encoders.identity("sd-vae", Path(d["data"]["encoder_path"]))
+    assert (rec["channels"], rec["factor"], rec["xflip"]) == (4, 2, True)
+    # The pixels' fingerprint is not the latents': a pixel run never takes this folder for its own.
+    pixel = config.Config(config.validate({k: v for k, v in d.items()} | {"data": {"kind": "shapes", "resolution": 16,
+                                                                          "count": 24, "seed": 0, "xflip": 0.5}}))
+    assert datasets.plan(pixel.data).fingerprint != data.fingerprint
+
+
+def test_the_dataset_is_the_same_for_any_number_of_decoding_workers_and_without_pixels(tmp_path):
+    d = latent_config(tmp_path)
+    run_cli("prepare", "--config", write(tmp_path, d), "--workers", 1, "--out", tmp_path / "one")
+    d["data"]["keep_images"] = False
+    d["fid"]["reference"] = str(tmp_path / "elsewhere.npz")
+    run_cli("prepare", "--config", write(tmp_path, d), "--workers", 2, "--out", tmp_path / "two")
+    assert not (tmp_path / "two/images.npy").exists()
+    for name in ("latents.npy", "latents_xflip.npy", "labels.npy"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: a new draw of each latent every step, by global position
+
+
+def test_each_step_draws_every_latent_anew_after_the_noise_for_any_process_count(tmp_path):
+    from diffrelay.data.order import noise_seed
+    from diffrelay.objectives import edm
+
+    d = latent_config(tmp_path)
+    run_cli("prepare", "--config", write(tmp_path, d))
+    data = datasets.open_prepared(tmp_path / "results/lat/dataset")
+    idx = np.array([5, 3, 17, 3, 0, 22, 9, 11])
+    whole = loader.BatchMaker(data, 7, 8, rank=0, world=1, grad_accum=1, device="cpu", xflip=0.5).make(2, idx)
+    parts = [loader.BatchMaker(data, 7, 8, rank=r, world=2, grad_accum=1, device="cpu", xflip=0.5).make(2, idx)
+             for r in range(2)]
+    # Restated: the step's generator draws EDM's noise for the global batch, then one eps per latent.
+    g = torch.Generator().manual_seed(noise_seed(7, 2))
+    edm.draw_noise(g, 8, (4, 8, 8), "cpu")
+    eps = torch.randn((8, 4, 8, 8), generator=g)
+    from diffrelay.data import augment
+
+    flips = augment.masks(7, 2, 8, 0, 1, 0.0, 0.5)[1]
+    assert 0 < flips.sum() < 8
+    rows = np.where(flips[:, None, None, None], data.latents_xflip[idx], data.latents[idx])
+    mean, std = torch.from_numpy(rows[:, :4]), torch.from_numpy(rows[:, 4:])
+    want = (mean + std * eps) * 0.18215
+    assert torch.equal(whole.rounds[0][0], want)
+    assert not whole.masks[0][1].any  # the flips were taken from the stored mirrors, not applied again
+    for r, part in enumerate(parts):
+        assert torch.equal(part.rounds[0][0], want[r::2])
+
+
+def test_latent_training_in_two_segments_matches_one_run_bitwise(tmp_path):
+    d = latent_config(tmp_path)
+    del d["run"]["results"], d["run"]["resources"]
+    losses = assert_two_segments_equal_one_run(tmp_path, d)
+    assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling decodes; bad input is one line
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("latent")
+    d = latent_config(tmp)
+    cfg = write(tmp, d)
+    run_cli("prepare", "--config", cfg)
+    torchrun(1, "--config", cfg, "--until-step", 2)
+    return tmp, d, cfg, tmp / "results/lat/snapshots/step_0000002.safetensors"
+
+
+def test_samples_are_decoded_images_byte_identical_for_any_process_count(trained):
+    tmp, d, cfg, snap = trained
+    run_cli(*sample_args(snap, tmp / "one", "--config", cfg, "--num-images", 10, "--batch-size", 8))
+    run_cli("torchrun", "--standalone", "--nproc-per-node", 2, "-m", "diffrelay",
+            *sample_args(snap, tmp / "two", "--config", cfg, "--num-images", 10, "--batch-size", 3))
+    ref = folder_bytes(tmp / "one")
+    assert len(ref) == 11 and folder_bytes(tmp / "two") == ref
+    from PIL import Image
+
+    with Image.open(tmp / "one/000003.png") as im:
+        assert im.size == (16, 16) and im.mode == "RGB"  # the image resolution, not the latents' 8 x 8
+    # Without --config the snapshot's record finds the weights (sd-vae is built in).
+    run_cli(*sample_args(snap, tmp / "bare", "--num-images", 10, "--batch-size", 8, "--steps", 3))
+    assert folder_bytes(tmp / "bare") == ref
+
+
+def test_sampling_refuses_another_decoder(trained, tmp_path):
+    tmp, d, cfg, snap = trained
+    other = dict(d, data=dict(d["data"], encoder_path=str(tiny_vae(tmp_path / "other", seed=5))))
+    p = run_cli(*sample_args(snap, tmp_path / "s", "--config", write(tmp_path, other)), check=False)
+    assert p.returncode != 0 and "another" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_pixel_dataset_for_a_latent_run_and_the_reverse_are_one_line(trained, tmp_path):
+    tmp, d, cfg, snap = trained
+    pixel = config.Config(config.validate(dict(d, run=dict(d["run"], name="pix"),
+                                               data={"kind": "shapes", "resolution": 16, "count": 24})))
+    run_cli("prepare", "--config", write(tmp_path, pixel.to_dict()), "--out", tmp_path / "pixels")
+    lat = datasets.open_prepared(tmp / "results/lat/dataset")
+    with pytest.raises(UserError, match="a latent dataset .* trains on pixels"):
+        latents.check_kind(lat, pixel.data, tmp / "resources")
+    with pytest.raises(UserError, match="a pixel dataset; .* trains on latents"):
+        latents.check_kind(datasets.open_prepared(tmp_path / "pixels"), config.Config(config.validate(d)).data,
+                           tmp / "resources")
+    other = dict(d, data=dict(d["data"], encoder_path=str(tiny_vae(tmp_path / "other", seed=5))))
+    with pytest.raises(UserError, match="encoded by another encoder"):
+        latents.check_kind(lat, config.Config(config.validate(other)).data, tmp / "resources")
+
+
+def test_missing_weights_offline_name_the_url_and_the_path(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    cfg = config.Config(config.validate({"data": {"encoder": "sd-vae-ft-ema", "resolution": 32}}))
+    with pytest.raises(UserError) as err:
+        encoders.resolve(cfg.data, tmp_path / "res")
+    msg = str(err.value)
+    want = tmp_path / "res/vae/sd-vae-ft-ema.safetensors"
+    assert "huggingface.co/stabilityai/sd-vae-ft-ema" in msg and str(want) in msg and "\n" not in msg
+    assert not want.exists() and not list((tmp_path / "res/vae").iterdir())  # no partial file left
+
+
+def test_weights_of_another_network_are_one_line(tmp_path):
+    folder = tiny_vae(tmp_path / "vae")
+    # A bare .safetensors is read as the SD-VAE's: a tiny VAE's file is not that.
+    with pytest.raises(UserError, match="not the weights of this AutoencoderKL"):
+        encoders.load("sd-vae", folder / encoders.WEIGHTS)
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="not a readable .safetensors"):
+        encoders.load("sd-vae", tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"encoder": "sd-vea"}, ["data.encoder=sd-vea", "sd-vae"]),
+    ({"encoder_path": "/x"}, ["data.encoder_path=/x", "latent runs only"]),
+    ({"encoder": "sd-vae", "keep_images": False}, ["data.keep_images=false", "fid.reference"]),
+    ({"encoder": "mine.enc:Pool", "latent_norm": "edm2"}, ["data.latent_norm=edm2", "your own encoder"]),
+])
+def test_latent_config_mistakes_are_one_line_at_parse_time(data, words):
+    with pytest.raises(UserError) as err:
+        config.validate({"data": data})
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_resolution_the_factor_does_not_divide_is_one_line(tmp_path, write_config):
+    p = run_cli("validate", "--config", write_config({"data": {"resolution": 20, "encoder": "sd-vae"}}), check=False)
+    assert p.returncode != 0 and "data.resolution=20" in p.stderr and "multiple of 8" in p.stderr, p.stderr
+
+
+def test_pixel_runs_keep_their_identity_and_the_weights_path_is_not_part_of_a_latent_runs():
+    pixel = config.Config(config.validate({}))
+    assert "encoder" not in config.trajectory(pixel)["data"]
+    a = config.Config(config.validate({"data": {"encoder": "sd-vae", "encoder_path": "/a"}}))
+    b = config.Config(config.validate({"data": {"encoder": "sd-vae", "encoder_path": "/b"}}))
+    c = config.Config(config.validate({"data": {"encoder": "sd-vae", "latent_norm": "edm2"}}))
+    assert config.trajectory_hash(a) == config.trajectory_hash(b) != config.trajectory_hash(pixel)
+    assert config.trajectory_hash(c) != config.trajectory_hash(a)
+    assert config.data_hash(a) != config.data_hash(b)  # other weights: the dataset is encoded again
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own encoder
+
+
+def test_your_own_encoder_trains_and_samples_and_a_wrong_one_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "mine_enc.py").write_text(OWN)
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO / 'src'}", "PATH": str(Path(sys.executable).parent)}
+    d = latent_config(tmp_path, encoder="mine_enc:Pool", encoder_path=None)
+    cfg = write(tmp_path, d)
+    run_cli("prepare", "--config", cfg, env=env)
+    data_json = json.loads((tmp_path / "results/lat/dataset/dataset.json").read_text())
+    assert data_json["latent"]["sha256"] == __import__("hashlib").sha256((tmp_path / "mine_enc.py").read_bytes()
+                                                                         ).hexdigest()
+    run_cli("torchrun", "--standalone", "--nproc-per-node=1", "-m", "diffrelay", "train", "--config", cfg,
+            "--until-step", 2, env=env)
+    snap = tmp_path / "results/lat/snapshots/step_0000002.safetensors"
+    run_cli(*sample_args(snap, tmp_path / "s", "--config", cfg, "--num-images", 4), env=env)
+    assert len(folder_bytes(tmp_path / "s")) == 5
+    # Without a config the file does not get to choose the code that decodes it.
+    p = run_cli(*sample_args(snap, tmp_path / "t", "--num-images", 4), env=env, check=False)
+    assert p.returncode != 0 and "--config" in p.stderr
+    d = latent_config(tmp_path, encoder="mine_enc:WrongShape", encoder_path=None)
+    d["run"]["name"] = "wrong"
+    p = run_cli("prepare", "--config", write(tmp_path, d, "wrong.yaml"), "--out", tmp_path / "w", env=env,
+                check=False)
+    assert p.returncode != 0 and "encode() of 16 images returned" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_a_latent_run_goes_through_the_whole_workflow(tmp_path):
+    d = latent_config(tmp_path)
+    cfg = write(tmp_path, d)
+    run_cli("snakemake", "--cores", 2, "--configfile", cfg, "-d", tmp_path / "wf", "-s", REPO / "Snakefile",
+            timeout=900)
+    rd = tmp_path / "results/lat"
+    metrics = (rd / "report/metrics.csv").read_text()
+    assert "fid" in metrics.splitlines()[0] and len(metrics.splitlines()) >= 3
+    from PIL import Image
+
+    with Image.open(rd / "samples/step_0000004/000000.png") as im:
+        assert im.size == (16, 16)
+    assert (rd / "report/best_grid.png").is_file()
