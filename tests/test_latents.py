@@ -154,6 +154,10 @@ def test_the_dataset_is_the_same_for_any_number_of_decoding_workers_and_without_
     d["fid"]["reference"] = str(tmp_path / "elsewhere.npz")
     run_cli("prepare", "--config", write(tmp_path, d), "--workers", 2, "--out", tmp_path / "two")
     assert not (tmp_path / "two/images.npy").exists()
+    from diffrelay.evaluation import fid
+
+    with pytest.raises(UserError, match="keep_images false .* fid.reference"):
+        fid.make_ref(tmp_path / "two", tmp_path / "no-extractor.pt", tmp_path / "ref.npz")
     for name in ("latents.npy", "latents_xflip.npy", "labels.npy"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
@@ -249,6 +253,15 @@ def test_a_pixel_dataset_for_a_latent_run_and_the_reverse_are_one_line(trained, 
     other = dict(d, data=dict(d["data"], encoder_path=str(tiny_vae(tmp_path / "other", seed=5))))
     with pytest.raises(UserError, match="encoded by another encoder"):
         latents.check_kind(lat, config.Config(config.validate(other)).data, tmp / "resources")
+    # Without the weights on this machine, the name and the scaling are still compared.
+    edm2 = dict(d, data=dict(d["data"], latent_norm="edm2", encoder_path=str(tmp_path / "gone")))
+    with pytest.raises(UserError, match="latent_norm dit; this run has sd-vae, edm2"):
+        latents.check_kind(lat, config.Config(config.validate(edm2)).data, tmp / "resources")
+    unflipped = dict(d, run=dict(d["run"], name="noflip"), data=dict(d["data"], xflip=0.0))
+    run_cli("prepare", "--config", write(tmp_path, unflipped, "noflip.yaml"), "--out", tmp_path / "noflip")
+    with pytest.raises(UserError, match="no latents of mirrored images"):
+        latents.check_kind(datasets.open_prepared(tmp_path / "noflip"), config.Config(config.validate(d)).data,
+                           tmp / "resources")
 
 
 def test_missing_weights_offline_name_the_url_and_the_path(tmp_path, monkeypatch):
@@ -263,6 +276,13 @@ def test_missing_weights_offline_name_the_url_and_the_path(tmp_path, monkeypatch
     want = tmp_path / "res/vae/sd-vae-ft-ema.safetensors"
     assert "huggingface.co/stabilityai/sd-vae-ft-ema" in msg and str(want) in msg and "\n" not in msg
     assert not want.exists() and not list((tmp_path / "res/vae").iterdir())  # no partial file left
+
+
+def test_your_encoders_folder_is_named_by_every_file_in_it(tmp_path):
+    for name, text in (("a", "1"), ("b", "2")):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub/weights.bin").write_text(text)
+    assert encoders.identity("m:E", tmp_path / "a") != encoders.identity("m:E", tmp_path / "b")
 
 
 def test_weights_of_another_network_are_one_line(tmp_path):

@@ -344,6 +344,8 @@ def _trajectory_of(d: dict) -> dict:
     # too does not change the weights: the dataset's fingerprint names the encoder by its sha256.
     for key in ("encoder_path", "keep_images") + (() if _latent(data) else ("encoder", "latent_norm")):
         data.pop(key, None)
+    if data.get("encoder") == "sd-vae":
+        data["encoder"] = "sd-vae-ft-mse"  # the same weights under their full name
     if _latent(data) and ":" in data["encoder"]:
         data.pop("latent_norm", None)  # your own encoder brings its own scaling
     model = dict(d["model"])

@@ -11,7 +11,8 @@ Your own encoder (data.encoder: "package.module:Name"):
                                distribution, unscaled; training draws mean + std * eps from it every step
     decode(latents)            float32 (N, C, H/f, W/f), unscaled -> uint8 (N, 3, H, W)
     scale, bias                C floats each: the network sees (mean + std * eps) * scale + bias
-  Its identity (recorded by datasets and snapshots) is the sha256 of data.encoder_path, else of its module file.
+  Its identity (recorded by datasets and snapshots) is the sha256 of data.encoder_path (every file of a folder),
+  else of its module file. It is called with CPU tensors on any device (diffrelay moves them).
 
 The SD-VAE's two conventions (data.latent_norm), as their papers' code has them:
   dit    pixels in [-1, 1], latents x 0.18215 (DiT's and SiT's train.py; REPA's sd-vae-ft-ema path): the
@@ -98,8 +99,10 @@ def identity(spec: str, path: Path | None) -> str:
     if path is None:
         module = importlib.import_module(spec.partition(":")[0])
         return io.sha256_file(module.__file__)
-    if path.is_dir():
-        parts = [io.sha256_file(path / n) for n in ("config.json", WEIGHTS) if (path / n).is_file()]
+    if path.is_dir():  # an AutoencoderKL folder: its config and weights; your encoder's: every file in it
+        files = [path / n for n in ("config.json", WEIGHTS)] if spec in SD_VAE else sorted(
+            p for p in path.rglob("*") if p.is_file())
+        parts = [f"{f.relative_to(path).as_posix()}:{io.sha256_file(f)}" for f in files if f.is_file()]
         return hashlib.sha256(" ".join(parts).encode()).hexdigest()
     return io.sha256_file(path)
 
@@ -313,6 +316,8 @@ def encode(enc, images, spec: str):
     import torch
 
     n, _, height, width = images.shape
+    device, own = images.device, not isinstance(enc, StabilityVAE)
+    images = images.cpu() if own else images  # your encoder works on CPU tensors (the contract)
     want = (enc.channels, height // enc.factor, width // enc.factor)
     means, stds = [], []
     with torch.inference_mode():
@@ -326,8 +331,8 @@ def encode(enc, images, spec: str):
                        for t in (out if isinstance(out, tuple) else (out,))]
                 raise UserError(f"data.encoder={spec}: encode() of {ROWS} images returned {got}; it must return "
                                 f"(mean, std), two float32 tensors of shape {(ROWS, *want)}")
-            means.append(out[0][:len(chunk)])
-            stds.append(out[1][:len(chunk)])
+            means.append(out[0][:len(chunk)].to(device))
+            stds.append(out[1][:len(chunk)].to(device))
     return torch.cat(means), torch.cat(stds)
 
 
@@ -335,10 +340,11 @@ def decode(enc, latents, spec: str, image_shape):
     """uint8 (N, 3, H, W) of unscaled latents, decoded in batches of exactly len(latents) rows (the caller pads)."""
     import torch
 
+    own = not isinstance(enc, StabilityVAE)
     with torch.inference_mode():
-        out = enc.decode(latents)
+        out = enc.decode(latents.cpu() if own else latents)  # your encoder works on CPU tensors
     want = (len(latents), *image_shape)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != want:
         got = (tuple(out.shape), str(out.dtype)) if isinstance(out, torch.Tensor) else type(out).__name__
         raise UserError(f"data.encoder={spec}: decode() returned {got}; it must return a uint8 tensor of shape {want}")
-    return out
+    return out.to(latents.device)

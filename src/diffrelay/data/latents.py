@@ -96,6 +96,15 @@ def check_kind(data, cfg_data, resources) -> None:
     fix = "rerun `diffrelay prepare --config <your config>` into a new folder"
     encoder_sha = None
     if data.latent is not None and cfg_data.encoder != "none":
+        made, want = (encoders.SD_VAE.get(s, s) for s in (data.latent["encoder"], cfg_data.encoder))
+        norm = cfg_data.latent_norm if cfg_data.encoder in encoders.SD_VAE else None
+        if made != want or data.latent.get("norm") != norm:
+            raise UserError(f"{data.path}: encoded with data.encoder={data.latent['encoder']}, latent_norm "
+                            f"{data.latent.get('norm')}; this run has {cfg_data.encoder}, {norm}; set them as the "
+                            f"dataset was made, or {fix}")
+        if cfg_data.xflip > 0 and data.latents_xflip is None:
+            raise UserError(f"{data.path}: has no latents of mirrored images (made with data.xflip 0) and this run "
+                            f"has data.xflip={cfg_data.xflip}; {fix}")
         try:
             encoder_sha = encoders.resolve(cfg_data, resources, fetch_missing=False)["sha256"]
         except UserError:
@@ -168,4 +177,7 @@ def decode(enc, latents_batch, rec: dict):
     scale, bias = (torch.tensor(rec[k], dtype=torch.float32, device=latents_batch.device).view(1, -1, 1, 1)
                    for k in ("scale", "bias"))
     raw = (latents_batch.to(torch.float32) - bias) / scale
-    return encoders.decode(enc, raw, rec["encoder"], tuple(rec["image_shape"]))
+    # encoders.ROWS at a time (sampling's batches are a multiple of it): the same calls for any batch size, and
+    # the decoder's memory bounded at any resolution.
+    return torch.cat([encoders.decode(enc, part, rec["encoder"], tuple(rec["image_shape"]))
+                      for part in raw.split(encoders.ROWS)])

@@ -23,6 +23,7 @@ def main(args) -> int:
     t0 = time.time()
 
     # Fingerprint first (cheap checks, then hashing a folder's files): an unchanged source means no work.
+    preflight.net_geometry(cfg, ", ".join(args.config))  # a latent run's factor must divide the resolution
     latent = encoders.resolve(cfg.data, cfg.run.resources)  # latent runs: the weights, fetched once, and hashed
     plan = datasets.plan(cfg.data, latent)
     if datasets.is_current(out, plan):

@@ -175,6 +175,10 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
 
     dataset, out = Path(dataset), Path(out)
     prepared = datasets.open_prepared(dataset)
+    if prepared.images is None:
+        raise UserError(f"{dataset}: a latent dataset made with data.keep_images false holds no images to take "
+                        "reference statistics of; give fid.reference (statistics made elsewhere), or prepare it "
+                        "again with data.keep_images true")
     fingerprint, count = prepared.fingerprint, prepared.count
     if count < 2:
         raise UserError(f"{dataset}: {count} images; reference statistics need at least 2")

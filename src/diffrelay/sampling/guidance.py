@@ -72,6 +72,8 @@ def load_guide(path, meta: dict, weights: str, device):
     checks = [("model.objective", objective(ours), objective(theirs)),
               ("model.arch", ours.get("arch", "unet"), theirs.get("arch", "unet")),
               ("image shape", meta["image_shape"], guide_meta.get("image_shape")),
+              # latents of another encoder or scaling mean other numbers in the same shape
+              ("latent encoder", _encoder(meta), _encoder(guide_meta)),
               ("classes", meta.get("num_classes", 0) if ours.get("class_conditional") else 0,
                guide_meta.get("num_classes", 0) if theirs.get("class_conditional") else 0)]
     for what, want, got in checks:
@@ -81,3 +83,8 @@ def load_guide(path, meta: dict, weights: str, device):
                             f"less), e.g. an earlier snapshot of this run")
     net, _ = checkpoint.load_snapshot(path, weights, device, dict(theirs))  # its arch is the run's (checked)
     return net
+
+
+def _encoder(meta: dict) -> tuple | None:
+    rec = meta.get("latent")
+    return None if rec is None else (rec.get("sha256"), rec.get("norm"), rec.get("scale"), rec.get("bias"))
