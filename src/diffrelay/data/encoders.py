@@ -295,11 +295,6 @@ def record(spec, path, sha, latent_norm, enc) -> dict:
             "scale": [float(v) for v in enc.scale], "bias": [float(v) for v in enc.bias]}
 
 
-def same(a: dict, b: dict) -> bool:
-    """Two records name the same encoder, conventions included (not where it was loaded from)."""
-    return all(a.get(k) == b.get(k) for k in RECORD_KEYS)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running it: fixed-shape batches, outputs checked
 
