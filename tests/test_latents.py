@@ -5,6 +5,7 @@ formulas are restated here from DiT's and edm2's code, not read from diffrelay's
 """
 
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -24,6 +25,8 @@ from test_sample import folder_bytes, sample_args
 from test_train import assert_two_segments_equal_one_run, torchrun
 
 OWN = '''
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +39,12 @@ class Pool:
     def __init__(self, path):
         self.scale, self.bias = [2.0, 2.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.5]
 
+    calls = 0
+
     def encode(self, images):
+        Pool.calls += 1
+        if Pool.calls == int(os.environ.get("POOL_DIES_AT", 0)):
+            os._exit(137)  # killed mid-encode, as by SIGKILL
         x = F.avg_pool2d(images.float() / 127.5 - 1, 2)
         mean = torch.cat([x, x.mean(1, keepdim=True)], 1)
         return mean, torch.full_like(mean, 0.05)
@@ -366,3 +374,50 @@ def test_a_latent_run_goes_through_the_whole_workflow(tmp_path):
     with Image.open(rd / "samples/step_0000004/000000.png") as im:
         assert im.size == (16, 16)
     assert (rd / "report/best_grid.png").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding in chunks: any number of ranks, resumed after a kill
+
+
+def test_ranks_encode_disjoint_chunks_to_the_same_bytes_and_a_killed_encode_resumes(tmp_path):
+    (tmp_path / "mine_enc.py").write_text(OWN)
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO / 'src'}", "PATH": str(Path(sys.executable).parent)}
+    # 600 images of 16 px: chunks of 256, 256 and 88 rows (encoding.chunk_rows), more chunks than ranks.
+    d = latent_config(tmp_path, count=600, encoder="mine_enc:Pool", encoder_path=None)
+    cfg = write(tmp_path, d)
+    run_cli("prepare", "--config", cfg, "--out", tmp_path / "one", env=env)
+    run_cli("torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "prepare", "--config", cfg,
+            "--out", tmp_path / "two", env=env)
+    info = json.loads((tmp_path / "two/dataset.json").read_text())
+    assert info["encoded_on"]["processes"] == 2 and info["encoded_on"]["device"] == "cpu"
+    assert not (tmp_path / ".two.encoding").exists() and not (tmp_path / ".one.encoding").exists()
+    # Killed (os._exit, as SIGKILL) at its 40th encode call: after chunk 0's 32 calls (16 rows each, and the
+    # mirrored images), inside chunk 1. The rerun encodes chunks 1 and 2 only.
+    p = run_cli("prepare", "--config", cfg, "--out", tmp_path / "killed", env=env | {"POOL_DIES_AT": "40"},
+                check=False)
+    assert p.returncode == 137 and not (tmp_path / "killed").exists()
+    work = tmp_path / ".killed.encoding"
+    assert sorted(f.name for f in work.glob("chunk_*")) == ["chunk_000000.safetensors"]
+    p = run_cli("prepare", "--config", cfg, "--out", tmp_path / "killed", env=env)
+    assert "resumes: 1 of its 3 chunks are already encoded" in p.stdout + p.stderr
+    assert not work.exists()
+    for name in ("images.npy", "latents.npy", "latents_xflip.npy", "labels.npy"):
+        one = (tmp_path / "one" / name).read_bytes()
+        assert one == (tmp_path / "two" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name
+    # The chunks are the images in order: the stored latents are those of the stored images.
+    data = datasets.open_prepared(tmp_path / "two")
+    assert data.count == 600 and np.array_equal(data.labels, datasets.open_prepared(tmp_path / "one").labels)
+    pixels = torch.from_numpy(np.array(data.images[590:])).permute(0, 3, 1, 2)
+    expect = torch.nn.functional.avg_pool2d(pixels.float() / 127.5 - 1, 2)
+    assert torch.equal(torch.from_numpy(np.array(data.latents[590:, :3])), expect)
+
+
+def test_the_workflow_encodes_on_the_gpus_training_uses(tmp_path):
+    d = latent_config(tmp_path)
+    for device, nproc, launcher in (("cuda", 2, "diffrelay launch --standalone --nproc-per-node 2 -m diffrelay "
+                                                "prepare"), ("cpu", 2, "diffrelay prepare")):
+        d["run"]["device"], d["train"]["nproc_per_node"] = device, nproc
+        p = run_cli("snakemake", "-n", "-p", "--cores", 2, "--configfile", write(tmp_path, d), "-d", tmp_path / "wf",
+                    "-s", REPO / "Snakefile")
+        assert re.search(rf"set -x; {launcher} --config", p.stdout), p.stdout

@@ -187,6 +187,10 @@ def final_variants(guidance, decay=None):
 # auto and cuda ask the scheduler for GPUs; set run.device: cpu for a CPU-only run.
 USE_GPU = CFG.run.device in ("auto", "cuda")
 MULTI_NODE = CFG.train.nnodes > 1
+# A latent run (data.encoder) encodes its dataset in prepare: one rank per GPU that training uses
+# (data/encoding.py); on the CPU one process, whose decoding workers and torch threads take the cores.
+LATENT = CFG.data.encoder != "none"
+ENCODERS = CFG.train.nproc_per_node if LATENT and USE_GPU else 1
 
 
 def step_name(step):

@@ -62,6 +62,18 @@ def get_prepare_args(wildcards, threads):
     return f"{CONFIG_ARGS} --workers {threads if CFG.data.workers else 0}"
 
 
+def get_prepare_launcher(wildcards, threads):
+    """`diffrelay` (pixels, or one encoder) or `diffrelay launch` with ENCODERS ranks, on free GPU ids."""
+    if not LATENT:
+        return "diffrelay"
+    gpus = with_gpus("train", ENCODERS) if USE_GPU else ""
+    if ENCODERS == 1:
+        return gpus + "diffrelay"
+    return (
+        gpus + f"diffrelay launch --standalone --nproc-per-node {ENCODERS} -m diffrelay"
+    )
+
+
 def get_train_launcher(wildcards, threads):
     t = CFG.train
     if not MULTI_NODE:

@@ -1,5 +1,6 @@
-# prepare_dataset: build the dataset folder (images.npy, labels.npy, dataset.json).
-# Training and the FID reference both read the arrays. Atomic: the folder appears only when complete.
+# prepare_dataset: build the dataset folder (images.npy, labels.npy, dataset.json; a latent run's
+# latents too, encoded on the GPUs training uses, see get_prepare_launcher). Training and the FID
+# reference both read the arrays. Atomic: the folder appears only when complete.
 rule prepare_dataset:
     output:
         dataset=directory(f"{RUN_DIR}/dataset"),
@@ -12,13 +13,16 @@ rule prepare_dataset:
         "../../envs/diffrelay.yaml"
     # data.workers decoding processes (0 = every core the job may use; see get_prepare_args).
     threads: max(1, CFG.data.workers)
+    resources:
+        **(gpu_resources("train", ENCODERS) if LATENT else {}),
     params:
         # The config files and --workers {threads}; derived from threads, so not a rerun trigger.
         config=get_prepare_args,
+        launcher=get_prepare_launcher,
         # A change of a data.* setting that changes the bytes rebuilds the dataset (and so retrains).
         data=drconfig.data_hash(CFG),
     message:
         "Preparing the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay prepare {params.config} --out {output.dataset:q}"
+        "{params.launcher} prepare {params.config} --out {output.dataset:q}"

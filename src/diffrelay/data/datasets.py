@@ -200,8 +200,9 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, item: tuple) -> np.n
         return None
 
 
-def _rows(p: Plan, workers: int):
-    """(image or None when skipped, label, rel) of every source image in order, decoded by `workers` processes.
+def _rows(p: Plan, workers: int, indices=None):
+    """(image or None when skipped, label, rel) of every source image in order (or of those at `indices`),
+    decoded by `workers` processes.
 
     Each worker gets a chunk of about 4 MB of output at a time and at most 2 chunks per worker are in
     flight, so memory stays bounded however large the dataset is."""
@@ -211,6 +212,8 @@ def _rows(p: Plan, workers: int):
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
         fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt), p.files
+    if indices is not None:
+        items = [items[i] for i in indices]
     with contextlib.closing(parallel.ordered_map(fn, items, workers, chunk, processes=True)) as results:
         for result, item in zip(results, items):
             if p.kind == "shapes":
@@ -227,8 +230,8 @@ PROGRESS_SECONDS = 10  # between progress lines
 class Progress:
     """`prepare: 12000/1281167 images | 850 img/s | eta 24m53s`, at most every PROGRESS_SECONDS."""
 
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
+    def __init__(self, total: int, what: str = "prepare:", verb: str = "decoded"):
+        self.total, self.done, self.what, self.verb = total, 0, what, verb
         self.t0 = self.last = time.monotonic()
 
     def update(self, done: int) -> None:
@@ -240,9 +243,9 @@ class Progress:
     def line(self, final: bool = False) -> str:
         elapsed = time.monotonic() - self.t0
         rate = self.done / elapsed if elapsed > 0 else 0.0
-        head = f"prepare: {self.done}/{self.total} images | {rate:.0f} img/s | "
+        head = f"{self.what} {self.done}/{self.total} images | {rate:.0f} img/s | "
         if final:
-            return head + f"decoded in {logs.fmt_duration(elapsed)}"
+            return head + f"{self.verb} in {logs.fmt_duration(elapsed)}"
         return head + (f"eta {logs.fmt_duration((self.total - self.done) / rate)}" if rate else "eta ?")
 
 
@@ -272,18 +275,16 @@ def _pixel_plan(data) -> Plan:
                 on_corrupt=data.on_corrupt)
 
 
-def build(p: Plan, out, workers: int = 1, device="cpu") -> dict:
-    """Write images.npy (and a latent dataset's latents), labels.npy and dataset.json into `out` (an empty temp
-    folder); return the info. `workers` processes decode; the bytes written do not depend on how many."""
-    log = logs.get()
+def build(p: Plan, out, workers: int = 1) -> dict:
+    """Write a pixel dataset's images.npy, labels.npy and dataset.json into `out` (an empty temp folder); return
+    the info. `workers` processes decode; the bytes written do not depend on how many. (A latent dataset is
+    encoded in chunks first: data/encoding.py.)"""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = p.count if p.kind == "shapes" else len(p.files)
     # Written row by row straight to disk, in source order: memory holds the chunks in flight, not the dataset.
-    shape = (total, p.resolution, p.resolution, 3)
-    keep = p.latent is None or p.keep_images
-    images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8, shape=shape) if keep else None
-    encoded = latents.Writer(out, total, p.resolution, p.latent, p.xflip, device) if p.latent else None
+    images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8,
+                                       shape=(total, p.resolution, p.resolution, 3))
     labels, rels, skipped = [], [], []
     progress = Progress(total)
     with contextlib.closing(_rows(p, workers)) as rows:
@@ -291,40 +292,42 @@ def build(p: Plan, out, workers: int = 1, device="cpu") -> dict:
             if img is None:
                 skipped.append(rel)
             else:
-                if images is not None:
-                    images[len(labels)] = img
-                if encoded:
-                    encoded.add(img)
+                images[len(labels)] = img
                 labels.append(label)
                 rels.append(rel)
             progress.update(len(labels) + len(skipped))
     count = len(labels)
-    if encoded:
-        encoded.close(count)
-    if images is not None:
-        images.flush()
-        del images
-        if count < total:  # some files were skipped: keep only the rows that were filled
-            np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
-            os.replace(out / "kept.npy", out / "images.npy")
+    images.flush()
+    del images
+    if count < total:  # some files were skipped: keep only the rows that were filled
+        np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
+        os.replace(out / "kept.npy", out / "images.npy")
+    info = finish(p, out, labels, rels, skipped)
+    logs.get().info(progress.line(final=True))
+    return info
+
+
+def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: dict | None = None) -> dict:
+    """labels.npy and dataset.json, once the arrays are written; the info."""
+    count = len(labels)
     class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else []
     if p.kind == "folder":
         if not count:
-            raise UserError(f"{p.root}: data.path: none of the {total} images could be read "
+            raise UserError(f"{p.root}: data.path: none of the {len(p.files)} images could be read "
                             f"(all skipped); fix the files or point data.path at another folder")
         if p.labels == "auto":
             labels, class_names = folder_labels(rels)
     if skipped:
-        log.warning(f"prepare: skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}; "
-                    f"listed in dataset.json 'skipped'")
+        logs.get().warning(f"prepare: skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}; "
+                           f"listed in dataset.json 'skipped'")
     np.save(out / "labels.npy", np.asarray(labels, dtype=np.int64))
     info = {"format": FORMAT, "kind": p.kind, "count": count, "resolution": p.resolution,
             "num_classes": len(class_names), "class_names": class_names, "labels": p.labels,
             "fingerprint": p.fingerprint, "skipped": skipped, "source": p.source}
     if p.latent:
         info["latent"] = p.latent | {"xflip": p.xflip, "keep_images": p.keep_images}
+    info |= extra or {}
     io.write_json(out / "dataset.json", info)
-    log.info(progress.line(final=True))
     return info
 
 

@@ -1,6 +1,7 @@
 """Latent datasets: `prepare` encodes every image once; training draws a latent from the stored distribution.
 
-What prepare writes beside labels.npy and dataset.json (its "latent" entry is encoders.record):
+What prepare writes beside labels.npy and dataset.json (its "latent" entry is encoders.record; the encoding
+itself, in chunks over the ranks, is data/encoding.py):
   latents.npy        float32 (N, 2C, h, w): the mean and then the std of each image's latent distribution,
                      unscaled, as edm2's dataset_tool.py encode stores them (so a run can pick its own draw)
   latents_xflip.npy  the same of the mirrored images, when data.xflip > 0: the latent of a mirrored image is not
@@ -13,7 +14,6 @@ an image is seen, the same for any process count and on resume (edm2's encode_la
 latent_dist.sample() * 0.18215 is the same draw with bias 0).
 """
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -22,55 +22,6 @@ from diffrelay.data import encoders
 from diffrelay.errors import UserError
 
 ENCODED, FLIPPED = "latents.npy", "latents_xflip.npy"
-
-
-class Writer:
-    """Encodes images as they come (encoders.ROWS at a time) straight into the memory-mapped arrays: memory holds
-    one chunk, not the dataset, and the bytes do not depend on how the images were decoded."""
-
-    def __init__(self, out: Path, total: int, resolution: int, latent: dict, xflip: bool, device):
-        import torch
-
-        self.out, self.latent, self.xflip, self.device = out, latent, xflip, torch.device(device)
-        self.spec = latent["encoder"]
-        path = None if latent["path"] is None else Path(latent["path"])
-        self.enc = encoders.load(self.spec, path, latent["norm"] or "dit", self.device)
-        c, f = latent["channels"], latent["factor"]
-        shape = (total, 2 * c, resolution // f, resolution // f)
-        self.arrays = [np.lib.format.open_memmap(out / name, mode="w+", dtype=np.float32, shape=shape)
-                       for name in ((ENCODED, FLIPPED) if xflip else (ENCODED,))]
-        self.pending, self.done = [], 0
-
-    def add(self, image: np.ndarray) -> None:
-        self.pending.append(image)
-        if len(self.pending) == encoders.ROWS:
-            self._flush()
-
-    def _flush(self) -> None:
-        import torch
-
-        if not self.pending:
-            return
-        images = torch.from_numpy(np.stack(self.pending)).permute(0, 3, 1, 2).to(self.device)
-        views = (images, images.flip(3)) if self.xflip else (images,)
-        for array, view in zip(self.arrays, views):
-            mean, std = encoders.encode(self.enc, view.contiguous(), self.spec)
-            array[self.done:self.done + len(images)] = torch.cat([mean, std], 1).cpu().numpy()
-        self.done += len(images)
-        self.pending = []
-
-    def close(self, count: int) -> None:
-        """Flush; keep the first `count` rows (the images that were not skipped)."""
-        self._flush()
-        for array in self.arrays:
-            array.flush()
-        names = [Path(a.filename).name for a in self.arrays]
-        total = len(self.arrays[0])
-        self.arrays = []
-        if count < total:
-            for name in names:
-                np.save(self.out / f"kept-{name}", np.load(self.out / name, mmap_mode="r")[:count])
-                os.replace(self.out / f"kept-{name}", self.out / name)
 
 
 def open_arrays(path: Path, info: dict, count: int) -> tuple:

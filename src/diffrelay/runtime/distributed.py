@@ -35,6 +35,10 @@ def env_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def env_local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def pick_device(want: str = "auto"):
     """cuda:LOCAL_RANK when a GPU is wanted and present, else cpu."""
     import torch
@@ -175,6 +179,20 @@ def agree(value: int, what: str) -> None:
         raise UserError(f"ranks disagree on {what}: {low} on some, {high} on others (rank {rank()} has {value}); "
                         "the run folder looks different from different nodes (a shared file system's cache?); "
                         "check that every node sees the same run folder, then rerun")
+
+
+def from_main(value: int, what: str) -> int:
+    """Rank 0's `value` on every rank (the others pass anything). Every rank must call it."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    x = torch.tensor([value], dtype=torch.int64, device=device)
+    with peers(what):
+        dist.broadcast(x, src=0)
+    return int(x.item())
 
 
 def all_reduce_sum(x):

@@ -1,0 +1,196 @@
+"""Encoding a latent dataset: fixed chunks, spread over the ranks of `diffrelay launch`, kept across a kill.
+
+The images are cut into chunks of chunk_rows(resolution) rows, a multiple of encoders.ROWS fixed by the
+resolution alone; rank r of w encodes chunks r, r + w, r + 2w, ... Each chunk is encoded in the same ROWS-row
+calls whatever the process count, and written as one file in the work folder beside the dataset
+(.<dataset>.encoding/chunk_000012.safetensors, renamed into place when whole): the bytes do not depend on the
+process count, a killed prepare keeps every finished chunk, and the next one encodes only the missing ones.
+When every rank is done, rank 0 joins the chunks into the dataset folder (atomically) and deletes the work
+folder, which only prepare writes.
+
+Ranks meet twice, every rank at both: after rank 0 has planned (a broadcast of its status) and after the last
+chunk (a barrier). The group's timeout is long (GROUP_MINUTES): rank 0 may hash a large folder first, and a
+resumed rank with little left waits for the others; a rank that dies makes torchrun stop the rest.
+"""
+
+import dataclasses
+import itertools
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from diffrelay import io, logs
+from diffrelay.data import datasets, encoders, latents
+from diffrelay.errors import UserError
+
+CHUNK_BYTES = 48 << 20  # pixels of one chunk in memory: 256 rows up to 256 px, 64 at 512 px
+GROUP_MINUTES = 24 * 60
+PLAN = "plan.json"
+
+
+def chunk_rows(resolution: int) -> int:
+    per_call = encoders.ROWS * resolution * resolution * 3
+    return encoders.ROWS * max(1, min(16, CHUNK_BYTES // per_call))
+
+
+def work_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.encoding"
+
+
+def chunk_path(work: Path, index: int) -> Path:
+    return work / f"chunk_{index:06d}.safetensors"
+
+
+def total_of(p) -> int:
+    return p.count if p.kind == "shapes" else len(p.files)
+
+
+def write_plan(work: Path, p) -> None:
+    """Rank 0's plan, for the other ranks (JSON: no pickle crosses between processes). A work folder left by a
+    prepare of other inputs is emptied of its chunks first: they belong to another fingerprint."""
+    old = io.read_json(work / PLAN) if (work / PLAN).is_file() else None
+    if isinstance(old, dict) and old.get("fingerprint") != p.fingerprint:
+        logs.get().info(f"prepare: {work} holds chunks of another dataset (fingerprint "
+                        f"{str(old.get('fingerprint'))[:12]}); encoding anew")
+        for f in work.glob("chunk_*.safetensors"):
+            f.unlink()
+    d = dataclasses.asdict(p) | {"root": None if p.root is None else str(p.root)}
+    io.write_json(work / PLAN, d)
+
+
+def read_plan(work: Path):
+    d = io.read_json(work / PLAN)
+    return datasets.Plan(**d | {"root": None if d["root"] is None else Path(d["root"]),
+                           "files": tuple(tuple(f) for f in d["files"])})
+
+
+def chunk_span(p, index: int) -> range:
+    """The source indices of chunk `index`."""
+    rows = chunk_rows(p.resolution)
+    return range(index * rows, min(total_of(p), (index + 1) * rows))
+
+
+def _shapes(p, rows: int) -> dict:
+    """name: (shape with None for the kept-image count, safetensors dtype) of a chunk file's arrays."""
+    c, side = p.latent["channels"], p.resolution // p.latent["factor"]
+    want = {"kept": ((rows,), "U8"), "labels": ((None,), "I64"), "latents": ((None, 2 * c, side, side), "F32")}
+    if p.xflip:
+        want["latents_xflip"] = want["latents"]
+    if p.keep_images:
+        want["images"] = ((None, p.resolution, p.resolution, 3), "U8")
+    return want
+
+
+def check_chunk(work: Path, p, index: int) -> np.ndarray | None:
+    """A finished chunk's kept-image mask, read with its header only; None when the chunk is missing or not what
+    this plan makes (then it is encoded again)."""
+    from safetensors import SafetensorError, safe_open
+
+    path, rows = chunk_path(work, index), len(chunk_span(p, index))
+    if not path.is_file():
+        return None
+    want = _shapes(p, rows)
+    try:
+        with safe_open(path, framework="np") as f:
+            if set(f.keys()) != set(want):
+                return None
+            kept = f.get_tensor("kept")
+            n = int(kept.sum()) if kept.shape == (rows,) else -1
+            for name, (shape, dtype) in want.items():
+                s = f.get_slice(name)
+                if s.get_dtype() != dtype or tuple(s.get_shape()) != tuple(n if d is None else d for d in shape):
+                    return None
+    except (OSError, SafetensorError, ValueError):
+        return None
+    return kept.astype(bool)
+
+
+def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: int) -> None:
+    """Encode this rank's chunks that are not in `work` yet; `workers` processes decode the images."""
+    import contextlib
+
+    import torch
+    from safetensors.numpy import save
+
+    # Encoding makes the dataset's bytes: no TF32, no kernels picked by a benchmark (they may change with the
+    # batch), as edm2's dataset_tool.py encode sets them.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    total, rows = total_of(p), chunk_rows(p.resolution)
+    want = _shapes(p, rows)  # (only the trailing dimensions are read from it)
+    mine = range(rank, math.ceil(total / rows), world)
+    todo = [c for c in mine if check_chunk(work, p, c) is None]
+    if len(todo) < len(mine):
+        logs.get().info(f"prepare: rank {rank} of {world} resumes: {len(mine) - len(todo)} of its {len(mine)} "
+                        f"chunks are already encoded in {work}")
+    spans = [chunk_span(p, c) for c in todo]
+    progress = datasets.Progress(sum(map(len, spans)), f"prepare: rank {rank} of {world} encoded", "encoded")
+    with contextlib.closing(datasets._rows(p, workers, list(itertools.chain.from_iterable(spans)))) as results:
+        for c, span in zip(todo, spans):
+            got = [(img, label) for img, label, _ in itertools.islice(results, len(span))]
+            images = [img for img, _ in got if img is not None]
+            arrays = {"kept": np.array([img is not None for img, _ in got], dtype=np.uint8),  # the chunk's rows
+                      "labels": np.array([label for img, label in got if img is not None], dtype=np.int64)}
+            if p.keep_images:
+                arrays["images"] = np.stack(images) if images else np.zeros((0, *want["images"][0][1:]), np.uint8)
+            for name in ("latents", "latents_xflip") if p.xflip else ("latents",):
+                arrays[name] = np.zeros((0, *want[name][0][1:]), np.float32)  # a chunk of skipped files
+            if images:
+                x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).to(device)
+                for name, view in zip(("latents", "latents_xflip"), (x, x.flip(3)) if p.xflip else (x,)):
+                    mean, std = encoders.encode(enc, view.contiguous(), p.latent["encoder"])
+                    arrays[name] = torch.cat([mean, std], 1).cpu().numpy()
+            # C order: the encoder's output keeps the channels-last strides of the permuted images, and safetensors
+            # writes an array's memory as it lies.
+            io.write_bytes(chunk_path(work, c), save({k: np.ascontiguousarray(v) for k, v in arrays.items()}))
+            progress.update(progress.done + len(span))
+    logs.get().info(progress.line(final=True))
+
+
+def join(p, work: Path, out: Path) -> tuple[int, list, list]:
+    """Write the dataset's arrays into `out` from the chunks in order, one chunk in memory at a time;
+    (labels, relative paths, skipped relative paths) of the images kept."""
+    from safetensors.numpy import load_file
+
+    total, rows = total_of(p), chunk_rows(p.resolution)
+    paths = [chunk_path(work, c) for c in range(math.ceil(total / rows))]
+    kept = []
+    for c, path in enumerate(paths):
+        kept.append(check_chunk(work, p, c))
+        if kept[-1] is None:  # every rank passed the barrier after writing its chunks
+            raise UserError(f"{path}: missing or unreadable after every rank finished (do all nodes see the same "
+                            "folder?); rerun prepare: it encodes only the missing chunks")
+    kept = np.concatenate(kept)
+    count = int(kept.sum())
+    names = {"images": "images.npy", "latents": latents.ENCODED, "latents_xflip": latents.FLIPPED}
+    want = _shapes(p, rows)
+    outs = {name: np.lib.format.open_memmap(out / file, mode="w+", shape=(count, *want[name][0][1:]),
+                                            dtype={"U8": np.uint8, "F32": np.float32}[want[name][1]])
+            for name, file in names.items() if name in want}
+    labels, done = [], 0
+    for path in paths:
+        arrays = load_file(path)
+        n = len(arrays["labels"])
+        for name, array in outs.items():
+            array[done:done + n] = arrays[name]
+        labels += arrays["labels"].tolist()
+        done += n
+    for array in outs.values():
+        array.flush()
+    rels = [f[0] for f, k in zip(p.files, kept) if k] if p.kind == "folder" else [None] * count
+    skipped = [f[0] for f, k in zip(p.files, kept) if not k] if p.kind == "folder" else []
+    return labels, rels, skipped
+
+
+def remove_work(work: Path) -> None:
+    """Delete the work folder: only its plan and chunks are ours; anything else there is left, and so is it."""
+    for f in [work / PLAN, *work.glob("chunk_*.safetensors")]:
+        f.unlink(missing_ok=True)
+    for f in work.glob(".chunk_*.safetensors.*.tmp"):  # io.atomic_write's temp files of a killed write
+        f.unlink(missing_ok=True)
+    for f in work.glob(f".{PLAN}.*.tmp"):
+        f.unlink(missing_ok=True)
+    if work.is_dir() and not any(work.iterdir()):
+        shutil.rmtree(work, ignore_errors=True)
