@@ -1,6 +1,7 @@
 """Host work per training step at dataset sizes up to ImageNet's, and a training process's memory.
 
   python benchmarks/bench_scale.py [--quick] [--resolution 8] [--threads 1] [--sizes 2000 50000 1281167] [--no-rss]
+  python benchmarks/bench_scale.py --latents [--sizes 2000 50000 200000]   # -> results/scale_latents.json
 
 host_ms_per_step[<dataset size>][<images per process>]: the host work of one training step with the
 network taken out, on one process: the data order (DataOrder.next_batch), reading the rows from the
@@ -16,12 +17,18 @@ end of its segment, and of a loader-only process after reading one whole epoch, 
 images; `imports_only` is a process that has only imported torch and diffrelay. RssAnon is the
 process's own memory; RssFile is the memory-mapped images in the page cache, shared and
 reclaimable by the kernel. Writes benchmarks/results/scale.json.
+
+--latents: the same host work for a latent dataset (data.encoder sd-vae at 256 px, so 4 x 32 x 32 latents with
+data.xflip 0.5): reading each row's mean and std (a flipped row from latents_xflip.npy), the objective's noise and
+this step's draw of every latent, (mean + std * eps) * scale + bias. Random values, written in full (64 KiB an
+image with the mirrors: 200,000 images are 13 GB, so ImageNet's 1.28 M are not written here). No rss runs.
 """
 
 import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,7 +54,8 @@ def host_step_ms(data, per_process: int, steps: int) -> list[float]:
     from diffrelay.data.order import DataOrder
 
     order = DataOrder(SEED, data.count, per_process)
-    maker = BatchMaker(data, SEED, per_process, rank=0, world=1, grad_accum=1, device="cpu")
+    maker = BatchMaker(data, SEED, per_process, rank=0, world=1, grad_accum=1, device="cpu",
+                       xflip=0.5 if data.latent else 0.0)
     times = []
     for step in range(steps + 3):  # the first steps pay the first permutation and warm caches
         t0 = time.perf_counter()
@@ -161,8 +169,12 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="dataset sizes for host_ms_per_step")
     ap.add_argument("--no-rss", action="store_true", help="leave out the resident-memory runs")
-    ap.add_argument("--out", default=str(HERE / "results" / "scale.json"))
+    ap.add_argument("--latents", action="store_true", help="a latent dataset of 4 x 32 x 32 latents (see above)")
+    ap.add_argument("--out", default=None, help="[default: results/scale.json, or scale_latents.json]")
     args = ap.parse_args()
+    if args.latents:
+        return latent_main(args)
+    args.out = args.out or str(HERE / "results" / "scale.json")
     torch.set_num_threads(args.threads)
     steps, before_steps, train_steps = (40, 3, 30) if args.quick else (300, 10, 100)
     from diffrelay.data import datasets
@@ -210,6 +222,38 @@ def main():
 
     io.write_json(args.out, result)
     print(f"wrote {args.out}")
+
+
+def latent_main(args) -> None:
+    from diffrelay import io
+    from diffrelay.data import datasets
+    from synthetic import write_latent_dataset
+
+    torch.set_num_threads(args.threads)
+    steps = 40 if args.quick else 300
+    sizes = args.sizes if args.sizes != list(SIZES) else [2000, 50000, 200000]
+    result = {"settings": {**vars(args), "sizes": sizes, "steps": steps, "latent_shape": [4, 32, 32],
+                           "xflip": 0.5}, "host_ms_per_step": {}, "host_ms_per_step_median": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            t0 = time.perf_counter()
+            data = datasets.open_prepared(write_latent_dataset(Path(tmp) / f"l{n}", n))
+            os.sync()  # the write-back of gigabytes just written would compete with the reads measured
+            print(f"wrote {n} latents (and their mirrors) in {time.perf_counter() - t0:.1f} s", flush=True)
+            result["host_ms_per_step"][n], result["host_ms_per_step_median"][n] = {}, {}
+            for b in PER_PROCESS:
+                now = host_step_ms(data, b, steps)
+                result["host_ms_per_step"][n][b] = round(statistics.mean(now), 3)
+                result["host_ms_per_step_median"][n][b] = round(statistics.median(now), 3)
+                print(f"{n:>8d} latents  {b:>5d}/process  host {statistics.mean(now):7.3f} ms/step "
+                      f"(median {statistics.median(now):6.3f})", flush=True)
+            del data
+            shutil.rmtree(Path(tmp) / f"l{n}")  # the disk holds one size at a time
+    result["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                         "numpy": np.__version__}
+    out = args.out or str(HERE / "results" / "scale_latents.json")
+    io.write_json(out, result)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

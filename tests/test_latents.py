@@ -239,6 +239,15 @@ def test_samples_are_decoded_images_byte_identical_for_any_process_count(trained
     assert folder_bytes(tmp / "bare") == ref
 
 
+def test_a_hand_run_train_checks_the_network_against_the_latents(trained, tmp_path):
+    tmp, d, _, _ = trained
+    # 5 levels halve 4 times: the 16 px images would do, the 8 x 8 latents do not.
+    wide = d | {"model": d["model"] | {"channel_mult": [1, 1, 1, 1, 1]}, "run": d["run"] | {"name": "deep"}}
+    p = run_cli("train", "--config", write(tmp_path, wide), "--dataset", tmp / "results/lat/dataset", check=False)
+    assert p.returncode != 0 and "UNet with 5 levels" in p.stderr and "sees 8x8 latents" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
 def test_sampling_refuses_another_decoder(trained, tmp_path):
     tmp, d, cfg, snap = trained
     other = dict(d, data=dict(d["data"], encoder_path=str(tiny_vae(tmp_path / "other", seed=5))))

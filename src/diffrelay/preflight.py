@@ -243,11 +243,15 @@ def net_geometry(cfg, source: str = "config") -> tuple[int, int]:
 
 def check_latent(cfg, source: str) -> None:
     """The encoder's geometry fits the resolution, and the network fits the latents (nets/checks.py)."""
-    from diffrelay.nets import checks
-
     if cfg.data.encoder == "none":
         return
-    _, side = net_geometry(cfg, source)
+    latent_model(cfg, net_geometry(cfg, source)[1], source)
+
+
+def latent_model(cfg, side: int, source: str) -> None:
+    """The network fits `side` x `side` latents (config load checks a pixel run's network against the images)."""
+    from diffrelay.nets import checks
+
     bad = checks.check_model(cfg.to_dict()["model"], side)
     if bad:
         key, why = bad[0]

@@ -264,6 +264,8 @@ def _set_up(cfg, dataset_dir):
                         f"train.grad_accum={t.grad_accum}; change the batch or the process count")
     data = datasets.open_prepared(dataset_dir)
     latents.check_kind(data, cfg.data, cfg.run.resources)  # latents of this encoder for a latent run, else pixels
+    if data.latent is not None:  # a hand-run train meets the workflow's check of the network against the latents
+        preflight.latent_model(cfg, data.shape[1], "config")
     if cfg.model.class_conditional and not data.num_classes:
         raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
     return device, log, data
