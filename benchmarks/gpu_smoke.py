@@ -7,7 +7,9 @@
   4. a train.channels_last switch between fused segments: max abs difference against no switch;
   5. kill -9 of one rank: seconds until the job ends, and its last line;
   6. with-gpus with the machine's real ids: two concurrent jobs get different GPUs;
-  7. benchmarks/bench_gpu.py, shortened.
+  7. a latent dataset (a tiny random AutoencoderKL): encoded by 2 GPU ranks against 1 (same bytes?), against the
+     CPU's encode (max abs difference), and the GPU's encode rate;
+  8. benchmarks/bench_gpu.py, shortened.
 Each check is recorded as passed/failed with its numbers; one failing does not stop the others.
 """
 
@@ -181,6 +183,31 @@ def check_with_gpus(tmp: Path) -> dict:
     return {"ids": ids, "passed": len(set(ids)) == 2 and all(ids)}
 
 
+def check_latent_encode(tmp: Path, nproc: int) -> dict:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 32), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=8, sample_size=32).save_pretrained(tmp / "vae")
+    over = {"run": {"name": "lat"}, "data": {"count": 2000, "encoder": "sd-vae", "encoder_path": str(tmp / "vae"),
+                                             "xflip": 0.5}}
+    cfg, out = config_file(tmp, "lat", over), {}
+    t0 = time.time()
+    diffrelay("prepare", "--config", cfg, "--out", tmp / "lat1")
+    out["one_rank_seconds"] = round(time.time() - t0, 1)
+    diffrelay("launch", "--standalone", "--nproc-per-node", nproc, "-m", "diffrelay", "prepare", "--config", cfg,
+              "--out", tmp / "latn")
+    cpu = config_file(tmp, "latcpu", merge(over, {"run": {"device": "cpu"}}))
+    diffrelay("prepare", "--config", cpu, "--out", tmp / "latcpu")
+    a, b, c = (np.load(tmp / d / "latents.npy") for d in ("lat1", "latn", "latcpu"))
+    out.update(processes=nproc, same_bytes=bool(np.array_equal(a, b)),
+               max_abs_difference_to_cpu=float(np.abs(a - c).max()),
+               encoded_on=json.loads((tmp / "latn" / "dataset.json").read_text())["encoded_on"])
+    out["passed"] = out["same_bytes"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "results" / "gpu_smoke.json"))
@@ -205,7 +232,8 @@ def main() -> int:
                   ("fid_foreign_reference", lambda: check_fid_foreign(tmp, dataset), True),
                   ("channels_last_switch", lambda: check_channels_last(tmp, dataset), True),
                   ("kill_one_rank", lambda: check_dead_rank(tmp, dataset), two),
-                  ("with_gpus_real_ids", lambda: check_with_gpus(tmp), two)]
+                  ("with_gpus_real_ids", lambda: check_with_gpus(tmp), two),
+                  ("latent_encode", lambda: check_latent_encode(tmp, nproc), True)]
         for name, run, possible in checks:
             t0 = time.time()
             if not possible:

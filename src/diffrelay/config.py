@@ -141,6 +141,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     bad += check_pool(d)
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
+    elif data["kind"] == "shapes" and data["crop"] != "center":
+        bad.append((f"data.crop={data['crop']}", "applies to folder images; shapes are drawn at data.resolution, "
+                    "so drop it"))
     width = m["channels"] * max(m["channel_mult"])
     if width > MAX_WIDTH:
         bad.append((f"model.channels={m['channels']}",
@@ -342,7 +345,8 @@ def _trajectory_of(d: dict) -> dict:
     data = {k: v for k, v in d["data"].items() if k not in _NOT_PIXELS}
     # Pixel runs read as they did before latents existed. Where the weights are and whether the pixels are kept
     # too does not change the weights: the dataset's fingerprint names the encoder by its sha256.
-    for key in ("encoder_path", "keep_images") + (() if _latent(data) else ("encoder", "latent_norm")):
+    center = ("crop",) if data.get("crop") == "center" else ()  # the default: hashed as before data.crop existed
+    for key in ("encoder_path", "keep_images") + center + (() if _latent(data) else ("encoder", "latent_norm")):
         data.pop(key, None)
     if data.get("encoder") == "sd-vae":
         data["encoder"] = "sd-vae-ft-mse"  # the same weights under their full name

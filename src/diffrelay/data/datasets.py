@@ -16,7 +16,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
-from diffrelay.data import encoders, latents
+from diffrelay.data import crop, encoders, latents
 from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
@@ -40,6 +40,7 @@ class Plan:
     root: Path | None = None
     files: tuple = ()  # folder: (relative posix path, sha256 or None when unreadable), sorted by path
     on_corrupt: str = "error"
+    crop: str = "center"  # data.crop (data/crop.py)
     latent: dict | None = None  # encoders.record of data.encoder, None for pixels (data/latents.py)
     xflip: bool = False  # latents: also encode the mirrored images
     keep_images: bool = True
@@ -164,20 +165,16 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def load_image(data: bytes, resolution: int) -> np.ndarray:
-    """Decode, convert to RGB, centre-crop to a square and resize with Lanczos to resolution x resolution."""
+def load_image(data: bytes, resolution: int, mode: str = "center") -> np.ndarray:
+    """Decode, convert to RGB, then make a resolution x resolution square as data.crop `mode` says: center =
+    centre square resized with Lanczos, dhariwal = ADM's box halvings, bicubic and centre crop (data/crop.py)."""
     with Image.open(bytes_io.BytesIO(data)) as img:
         img.load()
         img = to_rgb(img)
-    w, h = img.size
-    side = min(w, h)
-    left, top = (w - side) // 2, (h - side) // 2
-    # Crop first: resize(box=...) would let the filter reach pixels outside the square.
-    img = img.crop((left, top, left + side, top + side)).resize((resolution, resolution), Image.Resampling.LANCZOS)
-    return np.asarray(img, dtype=np.uint8)
+    return crop.square(img, resolution, mode)
 
 
-def _file_row(root: Path, resolution: int, on_corrupt: str, item: tuple) -> np.ndarray | None:
+def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tuple) -> np.ndarray | None:
     """The image of one (rel, sha) entry of a plan; None when it cannot be read and on_corrupt is skip."""
     rel, sha = item
     path = root / rel
@@ -190,7 +187,7 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, item: tuple) -> np.n
             raise UserError(_unopenable(path, e)) from e
         return None
     try:
-        return load_image(data, resolution)
+        return load_image(data, resolution, mode)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         # PIL reports broken files with several exception types (UnidentifiedImageError is an OSError).
         if on_corrupt != "skip":
@@ -211,7 +208,7 @@ def _rows(p: Plan, workers: int, indices=None):
         fn, items = functools.partial(shape_row, p.seed, p.resolution, p.labels), range(p.count)
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
-        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt), p.files
+        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop), p.files
     if indices is not None:
         items = [items[i] for i in indices]
     with contextlib.closing(parallel.ordered_map(fn, items, workers, chunk, processes=True)) as results:
@@ -269,10 +266,12 @@ def _pixel_plan(data) -> Plan:
     root = Path(data.path).expanduser()
     files = hash_files(root, data.on_corrupt)
     # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
+    # The crop joins only when it is not center, so datasets made before data.crop existed keep theirs.
+    mode = getattr(data, "crop", "center")
     fp = _digest({"format": f"folder/{FOLDER_VERSION}", "resolution": data.resolution, "labels": data.labels,
-                  "files": [list(f) for f in files]})
+                  "files": [list(f) for f in files]} | ({} if mode == "center" else {"crop": mode}))
     return Plan("folder", data.resolution, data.labels, fp, str(root.resolve()), root=root, files=files,
-                on_corrupt=data.on_corrupt)
+                on_corrupt=data.on_corrupt, crop=mode)
 
 
 def build(p: Plan, out, workers: int = 1) -> dict:
