@@ -142,8 +142,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
     elif data["kind"] == "shapes" and data["crop"] != "center":
-        bad.append((f"data.crop={data['crop']}", "applies to folder images; shapes are drawn at data.resolution, "
-                    "so drop it"))
+        bad.append((f"data.crop={data['crop']}", "crops folder images; shapes are drawn at data.resolution: drop it"))
     width = m["channels"] * max(m["channel_mult"])
     if width > MAX_WIDTH:
         bad.append((f"model.channels={m['channels']}",
