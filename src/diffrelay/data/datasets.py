@@ -197,7 +197,7 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tup
         return None
 
 
-def _rows(p: Plan, workers: int, indices=None):
+def source_rows(p: Plan, workers: int, indices=None):
     """(image or None when skipped, label, rel) of every source image in order (or of those at `indices`),
     decoded by `workers` processes.
 
@@ -286,7 +286,7 @@ def build(p: Plan, out, workers: int = 1) -> dict:
                                        shape=(total, p.resolution, p.resolution, 3))
     labels, rels, skipped = [], [], []
     progress = Progress(total)
-    with contextlib.closing(_rows(p, workers)) as rows:
+    with contextlib.closing(source_rows(p, workers)) as rows:
         for img, label, rel in rows:
             if img is None:
                 skipped.append(rel)

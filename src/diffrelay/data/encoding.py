@@ -127,7 +127,7 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
                         f"chunks are already encoded in {work}")
     spans = [chunk_span(p, c) for c in todo]
     progress = datasets.Progress(sum(map(len, spans)), f"prepare: rank {rank} of {world} encoded", "encoded")
-    with contextlib.closing(datasets._rows(p, workers, list(itertools.chain.from_iterable(spans)))) as results:
+    with contextlib.closing(datasets.source_rows(p, workers, list(itertools.chain.from_iterable(spans)))) as results:
         for c, span in zip(todo, spans):
             got = [(img, label) for img, label, _ in itertools.islice(results, len(span))]
             images = [img for img, _ in got if img is not None]
@@ -149,7 +149,7 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
     logs.get().info(progress.line(final=True))
 
 
-def join(p, work: Path, out: Path) -> tuple[int, list, list]:
+def join(p, work: Path, out: Path) -> tuple[list, list, list]:
     """Write the dataset's arrays into `out` from the chunks in order, one chunk in memory at a time;
     (labels, relative paths, skipped relative paths) of the images kept."""
     from safetensors.numpy import load_file

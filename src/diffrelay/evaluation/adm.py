@@ -1,0 +1,298 @@
+"""The arithmetic of OpenAI's ADM evaluator (guided-diffusion evaluations/evaluator.py) in NumPy, without TensorFlow.
+
+The evaluator scores a sample batch against a reference batch (e.g. VIRTUAL_imagenet256_labeled.npz) with
+Inception-V3 features: FID on the 2048 pool_3 features, sFID on the first 7 channels of mixed_6/conv
+(17 x 17 x 7 = 2023 values), the Inception Score on the softmax of the pool features, and precision/recall
+with a k-nearest-neighbour manifold estimate on the pool features. This module is everything after the
+network: statistics, the Frechet distance with the evaluator's sqrtm fallback, the split Inception Score,
+the manifold radii and precision/recall with the evaluator's batching, and the reference `.npz` reader.
+Formulas follow the evaluator; the code is our own. Every problem with an input is one line of UserError.
+"""
+
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from scipy import linalg
+
+from diffrelay.errors import UserError
+
+POOL_DIM = 2048  # pool_3:0
+SPATIAL_DIM = 2023  # mixed_6/conv:0 sliced to [..., :7]: 17 x 17 x 7 for 299 x 299 inputs
+IMAG_TOLERANCE = 1e-3  # FIDStatistics.frechet_distance: largest |imag| allowed on sqrtm's diagonal
+FLOAT16_MAX = 65504.0
+STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+
+
+# ---------------------------------------------------------------------------- FID and sFID
+
+def statistics(features) -> tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of N x D features as Evaluator.compute_statistics makes them: mean over rows (in the
+    features' dtype) and np.cov with rowvar=False (float64)."""
+    x = np.asarray(features)
+    if x.ndim != 2 or len(x) < 2:
+        raise UserError(f"statistics: features of shape {x.shape}; give an N x D array with N >= 2 rows")
+    return np.mean(x, axis=0), np.cov(x, rowvar=False)
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
+    """|mu1 - mu2|^2 + tr(sigma1) + tr(sigma2) - 2 tr(sqrtm(sigma1 sigma2)), term for term as
+    FIDStatistics.frechet_distance adds them (from TTUR's fid.py), with its two repairs of sqrtm:
+      - a non-finite sqrtm is computed again from (sigma1 + eps I)(sigma2 + eps I); the traces stay those of
+        the unshifted sigmas;
+      - a complex sqrtm is accepted when every imaginary part on its diagonal is within 1e-3, and its real
+        part is used; otherwise the evaluator raises, and so do we.
+    One departure: where the evaluator would return NaN (sqrtm still not finite after the shift), we raise."""
+    mu1, mu2 = np.atleast_1d(mu1), np.atleast_1d(mu2)
+    sigma1, sigma2 = np.atleast_2d(sigma1), np.atleast_2d(sigma2)
+    if mu1.shape != mu2.shape or mu1.ndim != 1:
+        raise UserError(f"frechet_distance: mean vectors of shapes {mu1.shape} and {mu2.shape}; both statistics "
+                        "must come from the same features (2048 pool_3 for FID, 2023 spatial for sFID)")
+    if not sigma1.shape == sigma2.shape == (len(mu1), len(mu1)):
+        raise UserError(f"frechet_distance: covariances of shapes {sigma1.shape} and {sigma2.shape} for means of "
+                        f"{len(mu1)} values; give D x D covariances of the same D features")
+    for name, a in (("mu", mu1), ("sigma", sigma1), ("mu", mu2), ("sigma", sigma2)):
+        if not np.isfinite(a).all():
+            raise UserError(f"frechet_distance: {name} holds NaN or inf; recompute the statistics from finite features")
+    diff = mu1 - mu2
+    # scipy's `disp` only adds an error estimate to the return value; the square root itself is the same.
+    covmean = linalg.sqrtm(sigma1.dot(sigma2))
+    if not np.isfinite(covmean).all():
+        # evaluator.py: "product might be almost singular" -> shift both diagonals by eps and try once more
+        warnings.warn(f"frechet_distance: sqrtm of the covariance product is not finite; adding {eps} to the "
+                      "diagonal of both covariances", RuntimeWarning, stacklevel=2)
+        shift = np.eye(sigma1.shape[0]) * eps
+        covmean = linalg.sqrtm((sigma1 + shift).dot(sigma2 + shift))
+    if np.iscomplexobj(covmean):
+        # np.allclose(diag.imag, 0, atol=1e-3) in the evaluator is |imag| <= 1e-3 entry by entry (NaN fails)
+        if not np.all(np.abs(np.diagonal(covmean).imag) <= IMAG_TOLERANCE):
+            worst = np.max(np.abs(covmean.imag))  # the evaluator reports the largest over the whole matrix
+            raise UserError(f"frechet_distance: sqrtm of the covariance product has imaginary parts up to {worst:.3g} "
+                            f"(more than {IMAG_TOLERANCE} on the diagonal); the covariances are not usable "
+                            "together: use more images for the sample statistics")
+        covmean = covmean.real
+    value = diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean)
+    if not np.isfinite(value):
+        raise UserError("frechet_distance: sqrtm is not finite even with the eps shift (the evaluator would "
+                        "print NaN); use more images so the covariances are not singular")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------- Inception Score
+
+def inception_score(probs, split_size: int = 5000) -> float:
+    """Evaluator.compute_inception_score from class probabilities (N x C softmax rows, not logits).
+
+    The evaluator's probabilities are float32 softmax(pool_3 @ W), W the weight of the graph's
+    softmax/logits/MatMul (its bias is not added), 1008 classes; the arithmetic here keeps the dtype given.
+    Rows are cut into consecutive splits of `split_size` (the last one may be shorter and counts like the
+    others); a split scores exp(mean over its rows of KL(p(y|x) || p(y))), p(y) the split's mean row; the
+    result is the plain mean of the split scores (no weighting by split length, no std)."""
+    p = np.asarray(probs)
+    if p.ndim != 2 or len(p) == 0 or not np.issubdtype(p.dtype, np.floating):
+        raise UserError(f"inception_score: probabilities of shape {p.shape} and dtype {p.dtype}; give an N x C "
+                        "float array of softmax rows")
+    if split_size < 1:
+        raise UserError(f"inception_score: split_size {split_size}; give a positive number of rows")
+    if not (np.isfinite(p).all() and (p > 0).all()):
+        # 0 * log(0) makes the evaluator's score NaN
+        raise UserError("inception_score: probabilities must be finite and > 0 (the evaluator's score would be "
+                        "NaN); give softmax outputs, not logits or rounded values")
+    scores = []
+    for start in range(0, len(p), split_size):
+        part = p[start:start + split_size]
+        marginal = np.expand_dims(np.mean(part, 0), 0)
+        kl = part * (np.log(part) - np.log(marginal))
+        scores.append(np.exp(np.mean(np.sum(kl, 1))))
+    return float(np.mean(scores))
+
+
+# ---------------------------------------------------------------------------- precision and recall
+
+def _half(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to float16 and back (overflow -> inf), as a float16 TF tensor holds them."""
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).astype(np.float32)
+
+
+def _squared_distances(u: np.ndarray, v: np.ndarray, half: bool) -> np.ndarray:
+    """max(|u|^2 - 2 u.v + |v|^2, 0) for all row pairs (_batch_pairwise_distances). With half=True, a model of
+    the evaluator's float16 graph: inputs and every op's output rounded to float16, the sums and the matmul
+    accumulated in float32 (as GPU kernels do) before their one rounding."""
+    r = _half if half else (lambda a: a)
+    if half:
+        u, v = r(u), r(v)
+    norm_u = r(np.sum(r(u * u), axis=1))[:, None]
+    norm_v = r(np.sum(r(v * v), axis=1))[None, :]
+    with np.errstate(invalid="ignore"):  # inf - inf in an overflowing float16 block: caught by the caller
+        d = r(r(norm_u - r(2 * r(u @ v.T))) + norm_v)
+    return np.maximum(d, np.float32(0))
+
+
+def pairwise_distances(u, v, distances: str = "float16") -> np.ndarray:
+    """Squared distances of one block as DistanceBlock.pairwise_distances gives them (float32): the evaluator
+    casts the features to float16, computes there, and only when some value is not finite computes the whole
+    block again in float32. distances="float32" skips the float16 attempt."""
+    # v is copied: numpy computes x @ x.T (a diagonal block) with syrk, rounding unlike every other block's gemm
+    u, v = np.asarray(u, np.float32), np.array(v, np.float32)
+    if distances not in ("float16", "float32"):
+        raise UserError(f"distances={distances!r}; use 'float16' (the evaluator's) or 'float32'")
+    if distances == "float16":
+        d = _squared_distances(u, v, half=True)
+        if np.isfinite(d).all():
+            return d
+    return _squared_distances(u, v, half=False)
+
+
+def _features(x, name: str, k: int) -> np.ndarray:
+    a = np.asarray(x, np.float32)  # the evaluator feeds float32 placeholders
+    if a.ndim != 2 or len(a) < k + 1 or not np.isfinite(a).all():
+        raise UserError(f"precision/recall: {name} features of shape {a.shape}; give a finite N x D array with "
+                        f"more than k = {k} rows")
+    return a
+
+
+def _check_batches(k: int, row_batch_size: int, col_batch_size: int) -> None:
+    if k < 1 or row_batch_size < 1 or col_batch_size < 1:
+        raise UserError(f"precision/recall: k={k}, row_batch_size={row_batch_size}, col_batch_size="
+                        f"{col_batch_size}; all must be positive")
+
+
+def manifold_radii(features, k: int = 3, row_batch_size: int = 10000, col_batch_size: int = 10000,
+                   distances: str = "float16") -> np.ndarray:
+    """Squared distance of each row to its k-th nearest other row (float32, N), as ManifoldEstimator.manifold_radii
+    with nhood_sizes=(k,) and no clamp_to_percentile (the evaluator's defaults: k=3, None).
+
+    The evaluator partitions each full row of distances at k (so the self-distance, normally 0, is the 0th and
+    k is the k-th neighbour) with distances computed in (row_batch_size x col_batch_size) blocks. Here the same
+    blocks are computed, and only the k+1 smallest values of each row are carried from block to block, so memory
+    is row_batch_size x (col_batch_size + k + 1) instead of the evaluator's row_batch_size x N."""
+    _check_batches(k, row_batch_size, col_batch_size)
+    x = _features(features, "the", k)
+    n = len(x)
+    radii = np.empty(n, np.float32)
+    for r0 in range(0, n, row_batch_size):
+        rows = x[r0:r0 + row_batch_size]
+        best = np.empty((len(rows), 0), np.float32)
+        for c0 in range(0, n, col_batch_size):
+            merged = np.concatenate([best, pairwise_distances(rows, x[c0:c0 + col_batch_size], distances)], axis=1)
+            best = np.partition(merged, k, axis=1)[:, :k + 1] if merged.shape[1] > k + 1 else merged
+        radii[r0:r0 + len(rows)] = np.partition(best, k, axis=1)[:, k]
+    return radii
+
+
+def in_manifolds(real, real_radii, fake, fake_radii, row_batch_size: int = 10000, col_batch_size: int = 10000,
+                 distances: str = "float16") -> tuple[np.ndarray, np.ndarray]:
+    """(fake_in_real, real_in_fake) booleans, as ManifoldEstimator.evaluate_pr: blocks of real rows (row_batch_size)
+    against fake rows (col_batch_size); a point lies in the other set's manifold when its squared distance to some
+    point there is <= that point's radius (ties count as inside)."""
+    _check_batches(1, row_batch_size, col_batch_size)
+    real, fake = _features(real, "real", 0), _features(fake, "fake", 0)
+    real_radii, fake_radii = np.asarray(real_radii, np.float32), np.asarray(fake_radii, np.float32)
+    if real_radii.shape != (len(real),) or fake_radii.shape != (len(fake),):
+        raise UserError(f"precision/recall: radii of shapes {real_radii.shape} and {fake_radii.shape} for "
+                        f"{len(real)} real and {len(fake)} fake rows; give one radius per row (manifold_radii)")
+    real_in, fake_in = np.zeros(len(real), bool), np.zeros(len(fake), bool)
+    for r0 in range(0, len(real), row_batch_size):
+        for c0 in range(0, len(fake), col_batch_size):
+            d = pairwise_distances(real[r0:r0 + row_batch_size], fake[c0:c0 + col_batch_size], distances)
+            real_in[r0:r0 + len(d)] |= np.any(d <= fake_radii[None, c0:c0 + d.shape[1]], axis=1)
+            fake_in[c0:c0 + d.shape[1]] |= np.any(d <= real_radii[r0:r0 + len(d), None], axis=0)
+    return fake_in, real_in
+
+
+def precision_recall(real, fake, k: int = 3, row_batch_size: int = 10000, col_batch_size: int = 10000,
+                     distances: str = "float16") -> tuple[float, float]:
+    """(precision, recall) as Evaluator.compute_prec_recall(real, fake): precision is the fraction of fake rows
+    inside the real manifold, recall the fraction of real rows inside the fake manifold (k-NN radii of each set).
+    The evaluator's distances are float16 on the GPU (float32 for a block that overflows); `distances`="float16"
+    models that, "float32" computes every block in float32."""
+    _check_batches(k, row_batch_size, col_batch_size)
+    r, f = _features(real, "real", k), _features(fake, "fake", k)
+    if r.shape[1] != f.shape[1]:
+        raise UserError(f"precision/recall: real features have {r.shape[1]} values and fake {f.shape[1]}; "
+                        "use the same extractor for both")
+    radii = [manifold_radii(x, k, row_batch_size, col_batch_size, distances) for x in (r, f)]
+    fake_in, real_in = in_manifolds(r, radii[0], f, radii[1], row_batch_size, col_batch_size, distances)
+    return float(np.mean(fake_in)), float(np.mean(real_in))
+
+
+# ---------------------------------------------------------------------------- reference batches
+
+def _array_header(path: Path, key: str):
+    """(shape, dtype) of one array in an .npz from its .npy header alone: no data read, nothing unpickled."""
+    with zipfile.ZipFile(path) as z, z.open(f"{key}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            return None
+    return shape, dtype
+
+
+def _check_images(path: Path, shape, dtype) -> None:
+    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
+        raise UserError(f"{path}: arr_0 is {dtype} of shape {tuple(shape)}; an ADM reference batch holds uint8 images "
+                        "(N, H, W, 3): save the images as one uint8 array in [0, 255], channels last")
+
+
+def read_reference(path, images: bool = False) -> dict:
+    """The arrays of an ADM reference batch `.npz` that are present, checked: mu (D,) / sigma (D, D) (pool_3,
+    D = 2048), mu_s / sigma_s (spatial, 2023), and arr_0 (uint8 N x H x W x 3 images; loaded only with
+    images=True, always checked from its header). Never unpickles. "images_shape" holds arr_0's shape (or None)."""
+    path = Path(path)
+    fix = "give an ADM reference batch .npz (e.g. VIRTUAL_imagenet256_labeled.npz)"
+    if not path.is_file():
+        raise UserError(f"{path}: ADM reference batch not found; check the path or {fix}")
+    out = {}
+    try:
+        if not zipfile.is_zipfile(path):  # np.load would also take a bare .npy and hand back one array
+            raise zipfile.BadZipFile("not a zip archive")
+        with np.load(path, allow_pickle=False) as z:
+            keys = set(z.files)
+            if "arr_0" in keys:
+                header = _array_header(path, "arr_0")
+                if header is not None and header[1].hasobject:
+                    raise UserError(f"{path}: arr_0 holds pickled Python objects, which diffrelay never loads; {fix}")
+                if header is None or images:
+                    out["arr_0"] = z["arr_0"]
+                    header = (out["arr_0"].shape, out["arr_0"].dtype)
+                _check_images(path, *header)
+                out["images_shape"] = tuple(header[0])
+            for key in STAT_KEYS:
+                if key in keys:
+                    try:
+                        out[key] = z[key]
+                    except ValueError as e:  # numpy's refusal of an object array when allow_pickle=False
+                        raise UserError(f"{path}: {key} holds pickled Python objects, which diffrelay never "
+                                        f"loads; {fix}") from e
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path}: not a readable .npz ({type(e).__name__}: {e}); {fix}") from e
+    out.setdefault("images_shape", None)
+    for mu, sigma in (("mu", "sigma"), ("mu_s", "sigma_s")):
+        if (mu in out) != (sigma in out):
+            raise UserError(f"{path}: {mu if mu in out else sigma} without {sigma if mu in out else mu}; {fix}")
+        if mu in out:
+            m, s = out[mu], out[sigma]
+            if not (np.issubdtype(m.dtype, np.floating) and np.issubdtype(s.dtype, np.floating)):
+                raise UserError(f"{path}: {mu} is {m.dtype} and {sigma} {s.dtype}; both must be float arrays")
+            if m.ndim != 1 or s.shape != (len(m), len(m)):
+                raise UserError(f"{path}: {mu} of shape {m.shape} and {sigma} of shape {s.shape}; expected (D,) "
+                                "and (D, D)")
+            if not (np.isfinite(m).all() and np.isfinite(s).all()):
+                raise UserError(f"{path}: {mu} or {sigma} holds NaN or inf; {fix}")
+    if out["images_shape"] is None and "mu" not in out:
+        raise UserError(f"{path}: neither arr_0 nor mu/sigma (found {', '.join(sorted(keys)) or 'nothing'}); {fix}")
+    return out
+
+
+def require(ref: dict, names, path, why: str) -> None:
+    """One line of UserError when the reference `ref` (read_reference) lacks any of `names`; `why` says which
+    metric needs them and what to do, e.g. "sfid needs them: use a reference that has them
+    (VIRTUAL_imagenet256_labeled.npz does) or drop sfid from fid.metrics"."""
+    missing = [n for n in names if (ref.get("images_shape") is None if n == "arr_0" else n not in ref)]
+    if missing:
+        raise UserError(f"{path}: an ADM reference batch without {'/'.join(missing)}; {why}")
