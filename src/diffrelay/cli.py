@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddpm-eta", type=float, help="sample.ddpm.eta (solver ddim)")
     p.add_argument("--ddpm-guided-channels", type=int, help="sample.ddpm.guided_channels (DiT's sample.py: 3)")
     p.add_argument("--ddpm-clip-denoised", type=_true_false, help="sample.ddpm.clip_denoised: true or false")
+    p.add_argument("--npz", type=_true_false, help="also write samples.npz (ADM evaluator's format): true or false "
+                   "[default: sample.npz]")
     p.set_defaults(module="diffrelay.sampling.sample")
 
     p = sub.add_parser("phema", help="post-hoc EMA: a snapshot with the EMA of any width, from train.phema's files")

@@ -212,6 +212,15 @@ def get_sample_threads(wildcards, threads):
     return max(1, threads // CFG.sample.nproc)
 
 
+def get_sample_config_args(wildcards, threads):
+    """The config files, and --npz true with sample.npz (samples.npz). Derived (it takes threads), so
+    not a rerun trigger: the npz changes no pixel, and a rerun would delete the folder and sample it
+    again (Snakemake deletes a job's output first). Folders finished before a switch stay as they
+    are; their logged command, run again by hand, adds or removes only the npz (it reads the config).
+    """
+    return CONFIG_ARGS + (" --npz true" if CFG.sample.npz else "")
+
+
 # --- post-hoc EMA (phema.smk) -----------------------------------------------------------------
 # Each width of sample.phema is reconstructed at the run's last step and evaluated like a snapshot,
 # under the variant _ema<width> (every guidance scale and seed set of the first pass).

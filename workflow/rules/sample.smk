@@ -26,7 +26,7 @@ rule sample_snapshot:
     resources:
         **gpu_resources("eval", CFG.sample.nproc),
     params:
-        config=get_config_args,
+        config=get_sample_config_args,
         launcher=get_sample_launcher,
         threads=get_sample_threads,
         settings=get_sample_settings,

@@ -20,6 +20,7 @@ from diffrelay.errors import UserError
 MANIFEST_FORMAT = "diffrelay-samples/2"  # /2 added per-file sizes and hashes
 OLD_FORMATS = ("diffrelay-samples/1",)
 PNG_NAME = re.compile(r"^\d{6}\.png\Z")
+NPZ_NAME = "samples.npz"  # sample.npz: the images as one array (export.py)
 WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
 
 
@@ -79,9 +80,9 @@ def is_sample_folder(path) -> bool:
 
 
 def _is_work_folder(path) -> bool:
-    """Only names this stage writes in a work folder: images, markers, settings, grid, temp files."""
-    return all(PNG_NAME.match(n) or n.startswith(("done-", ".")) or n in ("settings.json", "grid.png", "manifest.json")
-               for n in os.listdir(path))
+    """Only names this stage writes in a work folder: images, markers, settings, grid, npz, temp files."""
+    names = ("settings.json", "grid.png", "manifest.json", NPZ_NAME)
+    return all(PNG_NAME.match(n) or n.startswith(("done-", ".")) or n in names for n in os.listdir(path))
 
 
 def check_out(out: Path) -> None:
@@ -96,10 +97,12 @@ def check_out(out: Path) -> None:
     io.check_replaceable(work_dir(out), _is_work_folder, "a sample work folder", f"move it aside; {fix}")
 
 
-def _open_work(work: Path, out: Path, key: dict, rank: int) -> bool:
+def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = None) -> bool:
     """Rank 0 makes the folder (clearing one left by other settings); the others wait until it matches.
 
     False when `out` turned up to date meanwhile (another process finalized with markers of an earlier launch).
+    seen: the manifest of the finished folder this launch remakes (damaged files, samples.npz to add or remove):
+    it is up to date by its key, so only another manifest means finished meanwhile.
     """
     settings_file = work / "settings.json"
     if rank == 0:
@@ -124,7 +127,7 @@ def _open_work(work: Path, out: Path, key: dict, rank: int) -> bool:
         return True
     deadline = time.monotonic() + WAIT_SECONDS
     while _read_json_or_none(settings_file) != key:
-        if up_to_date(out, key):
+        if up_to_date(out, key) not in (None, seen):
             return False
         if time.monotonic() > deadline:
             raise UserError(f"{work}: process 0 did not set up the work folder in {WAIT_SECONDS} s; "

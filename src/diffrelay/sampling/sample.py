@@ -28,12 +28,13 @@ from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import guidance
+from diffrelay.sampling import export, guidance
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
-                                     check_out, damaged_files, file_record, image_files, is_sample_folder, png_name,
-                                     up_to_date, work_dir)
+                                     check_out, file_record, image_files, is_sample_folder, png_name, up_to_date,
+                                     work_dir)
+from diffrelay.sampling.folder import damaged_files  # noqa: F401 -- sample.damaged_files, used by the tests
 
 # CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
 # (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
@@ -245,13 +246,15 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         buf = bytes_io.BytesIO()
         make_grid(tiles, names, grid_title(meta, s)).save(buf, format="PNG")
         io.write_bytes(work / "grid.png", buf.getvalue())
+        # sample.npz: samples.npz from the PNG files as written, with the labels generate() gave each image.
+        exported = export.finish(work, s.npz, s.num_images, class_labels(range(s.num_images), meta, s.class_labels))
         # Rate of this launch: images made (not skipped) by all ranks over this process's wall time.
         generated = sum((_read_json_or_none(_marker(work, r, world)) or {}).get("generated", 0) for r in range(world))
         finished = time.time()
         seconds = finished - manifest["started"]
         manifest |= {"finished": finished, "seconds": round(seconds, 3), "generated": generated,
                      "images_per_s": round(generated / max(seconds, 1e-9), 3),
-                     "files": {p.name: file_record(p) for p in [*image_files(work), work / "grid.png"]}}
+                     "files": {p.name: file_record(p) for p in [*image_files(work), work / "grid.png", *exported]}}
         io.write_json(work / "manifest.json", manifest)
         # Bookkeeping and temp files of writes a kill interrupted do not belong in the result.
         for p in [work / "settings.json", *work.glob("done-*.json"), *work.glob(".*.tmp")]:
@@ -313,20 +316,23 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     if guide is not None:  # only then: CFG folders keep the key they had
         key["guide_sha256"] = io.sha256_file(s.guide)
     done = up_to_date(out, key)
-    damaged = damaged_files(out, done) if done else []
-    if done and not damaged:
+    damaged, changed = export.check(out, done, s.npz) if done else ([], [])  # changed: samples.npz to add/remove
+    if done and not damaged and not changed:
         log.info("%s: up to date (%d images from step %s)", out, done["num_images"], done["step"])
         return done
     if damaged:
         log.warning("%s: %d file(s) differ from manifest.json (e.g. %s); making them again", out, len(damaged),
                     damaged[0])
+    if changed:
+        log.info("%s: sample.npz %s: %s %s; the images are kept", out, str(s.npz).lower(),
+                 "adding" if s.npz else "removing", changed[0])
 
     # This process's share, minus images a killed run already wrote.
     work = work_dir(out)
-    if not _open_work(work, out, key, rank):
+    if not _open_work(work, out, key, rank, done):
         return up_to_date(out, key)
     mine = rank_share(s.num_images, rank, world)
-    if damaged:
+    if damaged or changed:
         _reuse_intact(out, work, mine, set(damaged))
     todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))]
     if not work.is_dir():  # finalized and renamed by another process since _open_work

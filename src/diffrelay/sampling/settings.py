@@ -41,6 +41,7 @@ class Settings:
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
     guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
     ema_decay: float | None = None  # which of train.ema_decays's EMAs; None = the first
+    npz: bool = False  # also samples.npz (export.py); not a pixel setting
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
@@ -77,6 +78,8 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         raise UserError(f"--guidance={over['guidance']}: must be a finite number, 0 or more (1 = off)")
     if not 0 < over.get("ema_decay", 0.5) < 1:
         raise UserError(f"--ema-decay={over['ema_decay']}: a decay lies between 0 and 1; give one of train.ema_decays")
+    if getattr(args, "npz", None) is not None:  # a bool: not range-checked above
+        over["npz"] = args.npz
     if args.class_labels is not None:
         cl = args.class_labels.strip()
         if cl != "balanced" and not cl.isdigit():
