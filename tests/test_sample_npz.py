@@ -1,37 +1,21 @@
 """sample.npz: samples.npz (arr_0 images, arr_1 labels) beside the PNGs, recorded in the manifest, added or
 removed on a finished folder without sampling its images again."""
+# ruff: noqa: F811 (the fixtures snap and uncond_snap come from test_sample, as arguments they redefine the import)
 
 import json
-import logging
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from conftest import run_cli
-from test_sample import folder_bytes, make_snapshot, sample_args, settings
+from test_sample import _quiet_logger, folder_bytes, sample_args, settings, snap, uncond_snap  # noqa: F401 (fixtures)
 from diffrelay import cli, config, io, logs
 from diffrelay.evaluation import features
 from diffrelay.sampling import folder, sample
 from diffrelay.sampling import settings as sample_settings
 
 N = 6
-
-
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    yield
-    logging.getLogger(logs.LOGGER).handlers.clear()
-
-
-@pytest.fixture(scope="module")
-def snap(tmp_path_factory):
-    return make_snapshot(tmp_path_factory.mktemp("snap") / "step_0000040.safetensors")
-
-
-@pytest.fixture(scope="module")
-def uncond_snap(tmp_path_factory):
-    return make_snapshot(tmp_path_factory.mktemp("snap") / "uncond.safetensors", conditional=False, num_classes=0)
 
 
 def npz_settings(**over):
