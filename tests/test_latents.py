@@ -4,6 +4,7 @@ The VAE is a tiny diffusers AutoencoderKL that the tests build (random weights, 
 formulas are restated here from DiT's and edm2's code, not read from diffrelay's modules.
 """
 
+import dataclasses
 import json
 import re
 import sys
@@ -396,8 +397,9 @@ def test_ranks_encode_disjoint_chunks_to_the_same_bytes_and_a_killed_encode_resu
     d = latent_config(tmp_path, count=600, encoder="mine_enc:Pool", encoder_path=None)
     cfg = write(tmp_path, d)
     run_cli("prepare", "--config", cfg, "--out", tmp_path / "one", env=env)
-    run_cli("torchrun", "--standalone", "--nproc-per-node=2", "-m", "diffrelay", "prepare", "--config", cfg,
-            "--out", tmp_path / "two", env=env)
+    # As the workflow runs it: prepare starts itself again under `diffrelay launch` with 2 ranks.
+    run_cli("prepare", "--config", cfg, "--out", tmp_path / "two", "--relaunch",
+            "diffrelay launch --standalone --nproc-per-node 2 -m diffrelay", env=env)
     info = json.loads((tmp_path / "two/dataset.json").read_text())
     assert info["encoded_on"]["processes"] == 2 and info["encoded_on"]["device"] == "cpu"
     assert not (tmp_path / ".two.encoding").exists() and not (tmp_path / ".one.encoding").exists()
@@ -424,9 +426,37 @@ def test_ranks_encode_disjoint_chunks_to_the_same_bytes_and_a_killed_encode_resu
 
 def test_the_workflow_encodes_on_the_gpus_training_uses(tmp_path):
     d = latent_config(tmp_path)
-    for device, nproc, launcher in (("cuda", 2, "diffrelay launch --standalone --nproc-per-node 2 -m diffrelay "
-                                                "prepare"), ("cpu", 2, "diffrelay prepare")):
+    relaunch = " --relaunch 'diffrelay launch --standalone --nproc-per-node 2 -m diffrelay'"
+    for device, nproc, extra in (("cuda", 2, relaunch), ("cpu", 2, "")):
         d["run"]["device"], d["train"]["nproc_per_node"] = device, nproc
         p = run_cli("snakemake", "-n", "-p", "--cores", 2, "--configfile", write(tmp_path, d), "-d", tmp_path / "wf",
                     "-s", REPO / "Snakefile")
-        assert re.search(rf"set -x; {launcher} --config", p.stdout), p.stdout
+        # The shell text is the one it was before latents (a rerun trigger); the launcher travels as an argument.
+        command = re.search(r"set -x; (diffrelay prepare --config .*)", p.stdout).group(1)
+        assert command.endswith(f"--workers 0{extra} --out {tmp_path / 'results/lat/dataset'}"), command
+
+
+def test_chunks_are_reused_only_from_the_same_plan_on_the_same_kind_of_device(tmp_path):
+    from diffrelay.data import encoding
+
+    d = latent_config(tmp_path)
+    plan = datasets.plan(config.Config(config.validate(d)).data)
+    work = tmp_path / ".dataset.encoding"
+    chunk = encoding.chunk_path(work, 0)
+
+    def left_after(p, device="cpu", plan_file=True):
+        work.mkdir(exist_ok=True)
+        chunk.write_bytes(b"a finished chunk")
+        if not plan_file:
+            (work / encoding.PLAN).unlink(missing_ok=True)
+        encoding.write_plan(work, p, device)
+        return chunk.exists()
+
+    assert not left_after(plan, plan_file=False)  # chunks without a plan are never taken
+    assert left_after(plan)  # the same plan: resumed
+    assert encoding.read_plan(work) == plan
+    assert not left_after(plan, device="cuda")  # a GPU's latents are not a CPU's
+    left_after(plan)
+    assert not left_after(dataclasses.replace(plan, on_corrupt="skip"))  # not in the fingerprint, still a change
+    encoding.remove_work(work)
+    assert not work.exists()

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config(p)
     p.add_argument("--out", help="dataset folder [default: <results>/<run>/dataset]")
     p.add_argument("--workers", type=_non_negative, help="decoding processes; 0 = one per core [default: data.workers]")
+    p.add_argument("--relaunch", metavar="COMMAND", help="a latent run: start prepare again under this launcher "
+                                                         "(the workflow's `diffrelay launch ... -m diffrelay`)")
     p.set_defaults(module="diffrelay.data.prepare")
 
     p = sub.add_parser("train", help="train one segment: resume, run to --until-step, checkpoint, exit")

@@ -59,18 +59,17 @@ def get_prepare_args(wildcards, threads):
     # affinity mask: the allocation on a cluster). Snakemake's threads then count 1: prepare runs
     # before training needs any core, and on a cluster a thread count read from --cores would not
     # match the allocation.
-    return f"{CONFIG_ARGS} --workers {threads if CFG.data.workers else 0}"
-
-
-def get_prepare_launcher(wildcards, threads):
-    """`diffrelay` (pixels, or one encoder) or `diffrelay launch` with ENCODERS ranks, on free GPU ids."""
+    args = f"{CONFIG_ARGS} --workers {threads if CFG.data.workers else 0}"
     if not LATENT:
-        return "diffrelay"
+        return args
+    # A latent run encodes on ENCODERS ranks, on free GPU ids of a pool: `diffrelay prepare` starts
+    # itself again under this launcher. Passed as an argument, so that the rule's shell text (a rerun
+    # trigger for every finished run) is what it was before latents.
     gpus = with_gpus("train", ENCODERS) if USE_GPU else ""
-    if ENCODERS == 1:
-        return gpus + "diffrelay"
-    return (
-        gpus + f"diffrelay launch --standalone --nproc-per-node {ENCODERS} -m diffrelay"
+    launch = f"diffrelay launch --standalone --nproc-per-node {ENCODERS} -m diffrelay"
+    launcher = gpus + (launch if ENCODERS > 1 else "diffrelay")
+    return args + (
+        f" --relaunch {shlex.quote(launcher)}" if launcher != "diffrelay" else ""
     )
 
 

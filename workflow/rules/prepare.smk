@@ -1,5 +1,5 @@
 # prepare_dataset: build the dataset folder (images.npy, labels.npy, dataset.json; a latent run's
-# latents too, encoded on the GPUs training uses, see get_prepare_launcher). Training and the FID
+# latents too, encoded on the GPUs training uses, see get_prepare_args). Training and the FID
 # reference both read the arrays. Atomic: the folder appears only when complete.
 rule prepare_dataset:
     output:
@@ -16,13 +16,13 @@ rule prepare_dataset:
     resources:
         **(gpu_resources("train", ENCODERS) if LATENT else {}),
     params:
-        # The config files and --workers {threads}; derived from threads, so not a rerun trigger.
+        # The config files, --workers {threads} and a latent run's --relaunch; derived from threads, so
+        # not a rerun trigger (nor is the shell text below, which stays as it was before latents).
         config=get_prepare_args,
-        launcher=get_prepare_launcher,
         # A change of a data.* setting that changes the bytes rebuilds the dataset (and so retrains).
         data=drconfig.data_hash(CFG),
     message:
         "Preparing the {wildcards.run} dataset"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "{params.launcher} prepare {params.config} --out {output.dataset:q}"
+        "diffrelay prepare {params.config} --out {output.dataset:q}"

@@ -15,8 +15,8 @@ resumed rank with little left waits for the others; a rank that dies makes torch
 
 import dataclasses
 import itertools
+import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from diffrelay.errors import UserError
 CHUNK_BYTES = 48 << 20  # pixels of one chunk in memory: 256 rows up to 256 px, 64 at 512 px
 GROUP_MINUTES = 24 * 60
 PLAN = "plan.json"
+MAX_PLAN_BYTES = 1 << 36
 
 
 def chunk_rows(resolution: int) -> int:
@@ -47,23 +48,34 @@ def total_of(p) -> int:
     return p.count if p.kind == "shapes" else len(p.files)
 
 
-def write_plan(work: Path, p) -> None:
-    """Rank 0's plan, for the other ranks (JSON: no pickle crosses between processes). A work folder left by a
-    prepare of other inputs is emptied of its chunks first: they belong to another fingerprint."""
-    old = io.read_json(work / PLAN) if (work / PLAN).is_file() else None
-    if isinstance(old, dict) and old.get("fingerprint") != p.fingerprint:
-        logs.get().info(f"prepare: {work} holds chunks of another dataset (fingerprint "
-                        f"{str(old.get('fingerprint'))[:12]}); encoding anew")
-        for f in work.glob("chunk_*.safetensors"):
+def write_plan(work: Path, p, device_type: str) -> None:
+    """Rank 0's plan, for the other ranks (JSON: no pickle crosses between processes). Chunks already there are
+    kept only when they were made from exactly this plan on this kind of device (a GPU's latents and a CPU's
+    differ in rounding); otherwise they are removed: they are prepare's own files."""
+    d = dataclasses.asdict(p) | {"root": None if p.root is None else str(p.root), "device": device_type}
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        old = io.read_json(work / PLAN, max_bytes=MAX_PLAN_BYTES) if (work / PLAN).is_file() else None
+    except UserError:
+        old = None
+    except OSError as e:
+        raise UserError(f"{work}: cannot make prepare's work folder beside the dataset ({e.strerror}); check the "
+                        "permissions of --out's parent folder, and that nothing else is named so") from e
+    if old != json.loads(json.dumps(d)):
+        stale = list(work.glob("chunk_*.safetensors"))
+        if stale:
+            logs.get().info(f"prepare: {work} holds {len(stale)} chunks made from other inputs; encoding anew")
+        for f in stale:
             f.unlink()
-    d = dataclasses.asdict(p) | {"root": None if p.root is None else str(p.root)}
-    io.write_json(work / PLAN, d)
+    # Compact: a folder of millions of images makes a plan of hundreds of MB.
+    io.write_text(work / PLAN, json.dumps(d, separators=(",", ":")))
 
 
 def read_plan(work: Path):
-    d = io.read_json(work / PLAN)
+    d = io.read_json(work / PLAN, max_bytes=MAX_PLAN_BYTES)
+    d.pop("device")
     return datasets.Plan(**d | {"root": None if d["root"] is None else Path(d["root"]),
-                           "files": tuple(tuple(f) for f in d["files"])})
+                                "files": tuple(tuple(f) for f in d["files"])})
 
 
 def chunk_span(p, index: int) -> range:
@@ -185,12 +197,12 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
 
 
 def remove_work(work: Path) -> None:
-    """Delete the work folder: only its plan and chunks are ours; anything else there is left, and so is it."""
-    for f in [work / PLAN, *work.glob("chunk_*.safetensors")]:
+    """Delete the work folder: only its chunks and plan are ours (the plan last: chunks without it are never
+    reused, see write_plan); anything else there is left, and so is the folder then."""
+    if not work.is_dir():
+        return
+    for f in [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
+              *work.glob(f".{PLAN}.*.tmp"), work / PLAN]:
         f.unlink(missing_ok=True)
-    for f in work.glob(".chunk_*.safetensors.*.tmp"):  # io.atomic_write's temp files of a killed write
-        f.unlink(missing_ok=True)
-    for f in work.glob(f".{PLAN}.*.tmp"):
-        f.unlink(missing_ok=True)
-    if work.is_dir() and not any(work.iterdir()):
-        shutil.rmtree(work, ignore_errors=True)
+    if not any(work.iterdir()):
+        work.rmdir()

@@ -8,6 +8,8 @@ A pixel dataset is made by one process (rank 0 under torchrun) with data.workers
 dataset is encoded by every rank, each its own chunks, resumable after a kill (data/encoding.py).
 """
 
+import os
+import shlex
 import time
 from pathlib import Path
 
@@ -17,11 +19,14 @@ from diffrelay.errors import UserError
 from diffrelay.runtime import distributed, parallel
 
 WORK, CURRENT, FAILED = 2, 1, -1  # rank 0's verdict after planning, sent to every rank
+RELAUNCHED = "DIFFRELAY_PREPARE_RELAUNCHED"
 
 
 def main(args) -> int:
     log = logs.setup()
     cfg = config.load(args.config)
+    if args.relaunch and encoders.is_latent(cfg.data.encoder) and not os.environ.get(RELAUNCHED):
+        relaunch(args)  # does not return
     out = Path(args.out) if args.out else config.run_dir(cfg) / "dataset"
     if not encoders.is_latent(cfg.data.encoder):
         return prepare_pixels(args, cfg, out) if distributed.env_rank() == 0 else 0
@@ -32,6 +37,16 @@ def main(args) -> int:
         return prepare_latents(args, cfg, out, device, log)
     finally:
         distributed.teardown()
+
+
+def relaunch(args) -> None:
+    """Become `<launcher> prepare <the same arguments>`: the workflow's way to encode on several ranks (the
+    process is replaced, so nothing is left behind it)."""
+    argv = shlex.split(args.relaunch) + ["prepare"] + [a for c in args.config for a in ("--config", c)]
+    argv += (["--out", args.out] if args.out else []) + (["--workers", str(args.workers)] if args.workers is not None
+                                                          else [])
+    logs.get().info(f"prepare: encoding under {args.relaunch}")
+    os.execvpe(argv[0], argv, os.environ | {RELAUNCHED: "1"})
 
 
 def checks(args, cfg, out: Path) -> None:
@@ -68,10 +83,10 @@ def prepare_latents(args, cfg, out: Path, device, log) -> int:
             plan = datasets.plan(cfg.data, encoders.resolve(cfg.data, cfg.run.resources))
             if datasets.is_current(out, plan):
                 log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
+                encoding.remove_work(work)  # a kill after the dataset was renamed into place left it
                 verdict = CURRENT
             else:
-                work.mkdir(parents=True, exist_ok=True)
-                encoding.write_plan(work, plan)
+                encoding.write_plan(work, plan, device.type)
         except UserError as e:
             verdict, error = FAILED, e
     verdict = distributed.from_main(verdict, "planning the dataset")
