@@ -45,6 +45,11 @@ class Plan:
     xflip: bool = False  # latents: also encode the mirrored images
     keep_images: bool = True
 
+    @property
+    def total(self) -> int:
+        """Source images, skipped ones included."""
+        return self.count if self.kind == "shapes" else len(self.files)
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -280,7 +285,7 @@ def build(p: Plan, out, workers: int = 1) -> dict:
     encoded in chunks first: data/encoding.py.)"""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    total = p.count if p.kind == "shapes" else len(p.files)
+    total = p.total
     # Written row by row straight to disk, in source order: memory holds the chunks in flight, not the dataset.
     images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8,
                                        shape=(total, p.resolution, p.resolution, 3))

@@ -44,10 +44,6 @@ def chunk_path(work: Path, index: int) -> Path:
     return work / f"chunk_{index:06d}.safetensors"
 
 
-def total_of(p) -> int:
-    return p.count if p.kind == "shapes" else len(p.files)
-
-
 def write_plan(work: Path, p, device_type: str) -> None:
     """Rank 0's plan, for the other ranks (JSON: no pickle crosses between processes). Chunks already there are
     kept only when they were made from exactly this plan on this kind of device (a GPU's latents and a CPU's
@@ -81,7 +77,7 @@ def read_plan(work: Path):
 def chunk_span(p, index: int) -> range:
     """The source indices of chunk `index`."""
     rows = chunk_rows(p.resolution)
-    return range(index * rows, min(total_of(p), (index + 1) * rows))
+    return range(index * rows, min(p.total, (index + 1) * rows))
 
 
 def _shapes(p, rows: int) -> dict:
@@ -130,7 +126,7 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
     # batch), as edm2's dataset_tool.py encode sets them.
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
-    total, rows = total_of(p), chunk_rows(p.resolution)
+    total, rows = p.total, chunk_rows(p.resolution)
     want = _shapes(p, rows)  # (only the trailing dimensions are read from it)
     mine = range(rank, math.ceil(total / rows), world)
     todo = [c for c in mine if check_chunk(work, p, c) is None]
@@ -166,7 +162,7 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
     (labels, relative paths, skipped relative paths) of the images kept."""
     from safetensors.numpy import load_file
 
-    total, rows = total_of(p), chunk_rows(p.resolution)
+    total, rows = p.total, chunk_rows(p.resolution)
     paths = [chunk_path(work, c) for c in range(math.ceil(total / rows))]
     kept = []
     for c, path in enumerate(paths):
