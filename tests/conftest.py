@@ -55,3 +55,65 @@ def run_cli(*args, env=None, check=True, timeout=600, cwd=None) -> subprocess.Co
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def small_inception(path: Path, seed: int = 0) -> Path:
+    """A TorchScript file laid out as clean-fid's inception-2015-12-05.pt (the tests' small extractor): a
+    `layers` trunk with conv ... mixed_6 (whose `conv` branch ADM's sFID reads at 17 x 17) ... pool2 giving
+    2048 pool features, an `output` classifier of 1008 classes, and forward(img, return_features,
+    use_fp16, no_output_bias) that first resizes like TF1 (source pixel j * in / 299, edges clamped)."""
+    import warnings
+    from collections import OrderedDict
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    def conv(cin, cout, k=3, stride=2):
+        return nn.Sequential(nn.Conv2d(cin, cout, k, stride), nn.ReLU())
+
+    class Mixed(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv = conv(c, 8, 1, 1)
+            self.tower = nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.ReLU())
+
+        def forward(self, x):
+            return torch.cat([self.conv(x), self.tower(x)], 1)
+
+    class SmallInception(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # 299 -> 149 -> 74 -> 36 -> 17: four valid 3x3 convolutions of stride 2
+            self.layers = nn.Sequential(OrderedDict(
+                conv=conv(3, 8), conv_1=conv(8, 8), conv_2=conv(8, 16), conv_3=conv(16, 16), mixed_6=Mixed(16),
+                mixed_7=conv(16, 2048, 1, 1), pool2=nn.AdaptiveAvgPool2d(1)))
+            self.output = nn.Linear(2048, 1008)
+
+        def forward(self, img, return_features: bool = False, use_fp16: bool = False, no_output_bias: bool = False):
+            b, c, h, w = img.shape
+            x = img.to(torch.float16 if use_fp16 else torch.float32)
+            theta = torch.eye(2, 3, device=x.device)
+            theta[0, 2] += theta[0, 0] / w - theta[0, 0] / 299
+            theta[1, 2] += theta[1, 1] / h - theta[1, 1] / 299
+            grid = F.affine_grid(theta.to(x.dtype).unsqueeze(0).repeat(b, 1, 1), [b, c, 299, 299], False)
+            x = F.grid_sample(x, grid, "bilinear", "border", False)
+            feats = self.layers((x - 128) / 128).reshape(-1, 2048)
+            if return_features:
+                return feats
+            logits = F.linear(feats, self.output.weight) if no_output_bias else self.output(feats)
+            return torch.softmax(logits, 1)
+
+    torch.manual_seed(seed)
+    net = SmallInception().eval()
+    with torch.no_grad():
+        for m in net.modules():  # He's initialisation keeps the features apart through the ReLU layers
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                nn.init.uniform_(m.bias, -0.1, 0.1)
+        net.output.weight.mul_(10)  # so that the class probabilities are far from uniform
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.save(torch.jit.script(net), str(path))
+    return path

@@ -36,6 +36,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _metrics(text: str) -> list[str]:
+    from diffrelay.evaluation.protocol import METRICS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in METRICS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: not a metric; use some of {', '.join(METRICS)}")
+    return list(dict.fromkeys(names))
+
+
 def _minutes(text: str) -> float:
     """A time limit: a finite number of minutes above 0 (nan and inf would mean no limit at all)."""
     try:
@@ -160,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-minutes", type=_minutes, default=60, help="kill the scoring child after this long")
     p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")
+    p.add_argument("--metrics", type=_metrics, help="fid.metrics, comma-separated (fid,sfid,is,kid,precision,recall,"
+                   "fd_dinov2); unset: each extractor's distance, KID and precision/recall where the reference allows")
+    p.add_argument("--cache-dir", help="cache of the features of ADM reference batches' images")
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.evaluation.fid")
 

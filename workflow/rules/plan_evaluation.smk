@@ -34,11 +34,18 @@ def get_references(wildcards):
 
 
 def get_score_args(wildcards, input):
-    """--extractor E --ref R per extractor, in config order (the first is the primary score)."""
-    return " ".join(
+    """--extractor E --ref R per extractor, in config order (the first is the primary score); with
+    fid.metrics, --metrics and the cache of ADM batches' features too (unset, the text is what it was,
+    so no finished score is redone)."""
+    pairs = [
         f"--extractor {shlex.quote(e)} --ref {shlex.quote(r)}"
         for e, r in zip(input.extractors, input.refs)
-    )
+    ]
+    metrics = CFG.to_dict()["fid"].get("metrics")
+    if metrics:
+        cache = shlex.quote(f"{CFG.run.resources}/fid-ref")
+        pairs.append(f"--metrics {','.join(metrics)} --cache-dir {cache}")
+    return " ".join(pairs)
 
 
 # --- evaluation ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-# build_report: metrics.csv, FID and loss curves, and the best checkpoint, from the run folder.
+# build_report: metrics.csv, scores.md (the papers' table), FID and loss curves, and the best
+# checkpoint, from the run folder.
 # Flagged outputs go into `snakemake --report report.html`.
 rule build_report:
     input:
@@ -25,6 +26,7 @@ rule build_report:
             caption="../report/loss.rst",
             category="Metrics",
         ),
+        scores=f"{RUN_DIR}/report/scores.md",
         best=f"{RUN_DIR}/report/best.json",
         best_grid=report(
             f"{RUN_DIR}/report/best_grid.png",

@@ -53,6 +53,9 @@ class Extractor:
     input_size: int | None = 299
     # Where fn's weights live: test batches are made there (a CPU batch into a CUDA module fails).
     device: torch.device = torch.device("cpu")
+    # Inception only, when sFID or IS are asked for: pool, spatial and class probabilities in one pass
+    # (inception.Heads), its pool features checked equal to fn's.
+    heads: Callable[[torch.Tensor], dict] | None = None
 
 
 # ---------------------------------------------------------------------------- the random extractor
@@ -149,8 +152,10 @@ def read_meta(path: Path) -> dict:
         return {}
 
 
-def load(path, mode: str = "clean", device="cpu", sha256: str | None = None, fileobj=None) -> Extractor:
-    """Load an extractor file (or `fileobj`, named `path` in messages) and wrap it for `mode`.
+def load(path, mode: str = "clean", device="cpu", sha256: str | None = None, fileobj=None,
+         heads: bool = False) -> Extractor:
+    """Load an extractor file (or `fileobj`, named `path` in messages) and wrap it for `mode`; with `heads`, an
+    Inception file also gets inception.Heads (verified here; other kinds get none).
 
     Raises UserError for a file that is not one."""
     path = Path(path)
@@ -166,7 +171,14 @@ def load(path, mode: str = "clean", device="cpu", sha256: str | None = None, fil
         return Extractor(module, "random", path, sha256, "FD (random features)", size, device=torch.device(device))
     if _is_inception(module):
         fn = InceptionFile(module, resize_inside=(mode == "legacy_tensorflow")).eval()
-        return Extractor(fn, "inception", path, sha256, "FID", size, device=torch.device(device))
+        more = None
+        if heads:
+            from diffrelay.evaluation import inception
+
+            more = inception.Heads(module, fn.resize_inside, path)
+            with quiet():
+                more.verify(fn, device)
+        return Extractor(fn, "inception", path, sha256, "FID", size, device=torch.device(device), heads=more)
     return Extractor(module, "custom", path, sha256, f"FD ({path.name})", size, device=torch.device(device))
 
 

@@ -93,7 +93,8 @@ def array_images(images, index, views) -> Images:
 
 
 def features(items: Images, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:
-    """(N, D) float32 features of every item for each extractor, in the order of `exts`.
+    """(N, D) float32 features of every item for each extractor, in the order of `exts`; for an extractor with
+    heads, a dict of them instead (pool, spatial, probs: inception.Heads).
 
     The same batches as clean-fid's get_files_features, so the same numbers, but the items (decode and
     resize, which dominate) are made by `workers` threads, a few batches ahead of the extractors. Threads,
@@ -107,7 +108,12 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
 
     def run():
         for out, ext, view in zip(feats, exts, views):
-            out.append(get_batch_features(torch.stack([item[view] for item in batch]), ext.fn, device))
+            x = torch.stack([item[view] for item in batch])
+            if ext.heads is None:
+                out.append(get_batch_features(x, ext.fn, device))
+            else:
+                with torch.no_grad():
+                    out.append({k: v.cpu().numpy() for k, v in ext.heads(x.to(device)).items()})
 
     window = 2 * max(workers, -(-batch_size // 8))  # chunks of 8: about two batches in flight
     with contextlib.closing(parallel.ordered_map(items.__getitem__, range(len(items)), workers, chunk=8,
@@ -119,7 +125,8 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
                 batch = []
     if batch:
         run()
-    return [np.concatenate(f) for f in feats]
+    return [{k: np.concatenate([d[k] for d in f]) for k in f[0]} if isinstance(f[0], dict) else np.concatenate(f)
+            for f in feats]
 
 
 def of_files(files, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:

@@ -56,11 +56,11 @@ def distances(feats, ref: dict) -> tuple[float, float]:
     """(FD, KID) of features against reference statistics, with clean-fid's formulas."""
     mu, sigma = statistics(feats)
     if ref["features"] is None:  # statistics made elsewhere: mu and sigma only, so no KID
-        return _frechet(mu, sigma, ref), None
-    return _frechet(mu, sigma, ref), _kid(feats, ref)
+        return frechet(mu, sigma, ref), None
+    return frechet(mu, sigma, ref), kernel_distance(feats, ref)
 
 
-def _frechet(mu, sigma, ref) -> float:
+def frechet(mu, sigma, ref) -> float:
     from cleanfid.fid import frechet_distance
     from scipy.linalg import LinAlgWarning
 
@@ -71,7 +71,7 @@ def _frechet(mu, sigma, ref) -> float:
         return float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
 
 
-def _kid(feats, ref) -> float:
+def kernel_distance(feats, ref) -> float:
     from cleanfid.fid import kernel_distance
 
     # kernel_distance draws subsets from numpy's global generator: seed it, then put the caller's state back.
@@ -290,34 +290,57 @@ def score(images, ref_path, extractor_path, mode="clean", batch_size=64, workers
     return score_all(images, [(extractor_path, ref_path)], mode, batch_size, workers, device)
 
 
-def score_all(images, pairs, mode="clean", batch_size=64, workers=1, device="auto") -> dict:
+def score_all(images, pairs, mode="clean", batch_size=64, workers=1, device="auto", metrics=None,
+              cache_dir=None) -> dict:
     """Scores of an image folder with each (extractor, reference statistics) pair, in this process; each
     image is decoded once for all of them. Returns the result record: its "scores" hold one entry per
-    pair, and its top-level metric, fid, kid ... repeat the first (the primary score)."""
-    from diffrelay.evaluation import extractor, metrics
+    pair, and its top-level metric, fid, kid ... repeat the first (the primary score). `metrics` (fid.metrics,
+    scores.py) picks the metrics; None keeps the set of results made before it existed."""
+    from diffrelay.evaluation import extractor, scores
+    from diffrelay.evaluation import metrics as more
 
     started = time.time()
+    wanted = None if metrics is None else set(metrics)
     files = features.image_files(images)  # cheap checks first: images, statistics, extractor hashes, then models
     checked = []
     for ext_path, ref_path in pairs:
-        ref, sha = load_reference(ref_path), extractor_sha256(ext_path)
-        check_reference(ref, ref_path, sha, mode)
+        sha = extractor_sha256(ext_path)
+        if wanted is not None and scores.is_adm(ref_path):
+            ref = scores.adm_reference(ref_path, files, wanted)
+        else:
+            ref = load_reference(ref_path)
+            check_reference(ref, ref_path, sha, mode)
         checked.append((ext_path, ref_path, ref, sha))
     exts, device = [], _device(device)
+    heads = wanted is not None and bool(wanted & {"sfid", "is"})
     for ext_path, ref_path, ref, sha in checked:
-        ext = extractor.load(ext_path, mode, device, sha256=sha)
-        if ref["settings"].get("foreign"):  # the feature count must match, checked before the costly pass
-            metrics.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
+        # Heads for the first Inception only: sFID and IS are one metric each, not one per file.
+        ext = extractor.load(ext_path, mode, device, sha256=sha, heads=heads and not any(e.heads for e in exts))
+        if ref["settings"].get("foreign") and not ref["settings"].get("adm"):  # checked before the costly pass
+            more.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
+        if wanted is not None:
+            scores.check(ext, ref, ref_path, wanted)
         exts.append(ext)
+    if heads and not any(e.heads for e in exts):
+        raise UserError(f"--metrics={','.join(sorted(wanted))}: sfid and is need clean-fid's Inception among the "
+                        "extractors (fid.extractors: [inception, ...]); add it or drop them from fid.metrics")
+    for ext, (_, ref_path, ref, _) in zip(exts, checked):
+        if ref["settings"].get("adm"):
+            scores.reference_features(ref, ref_path, ext, mode, batch_size, device, workers, cache_dir)
     feats = features.of_files(files, exts, mode, batch_size, device, workers)
     labels = [e.label for e in exts]
     # Two extractors of one kind (two random seeds, two files of one name) would give one metric name twice.
     labels = [f"{lab} [{e.path.name}]" if labels.count(lab) > 1 else lab for lab, e in zip(labels, exts)]
-    scores = [_distances_record(images, ext, label, f, ref, ref_path) for ext, label, f, (_, ref_path, ref, _) in
-              zip(exts, labels, feats, checked)]
+    if wanted is None:
+        records = [_distances_record(images, ext, label, f, ref, ref_path) for ext, label, f, (_, ref_path, ref, _)
+                   in zip(exts, labels, feats, checked)]
+    else:
+        records = [scores.record(ext, label, f, ref, ref_path, wanted) for ext, label, f, (_, ref_path, ref, _)
+                   in zip(exts, labels, feats, checked)]
     finished = time.time()
-    return {**scores[0], "num_images": len(files), "mode": mode, "seconds": round(finished - started, 3),
-            "images": str(images), "started": started, "finished": finished, "scores": scores}
+    return {**records[0], "num_images": len(files), "mode": mode, "seconds": round(finished - started, 3),
+            "images": str(images), "started": started, "finished": finished, "scores": records,
+            **({} if wanted is None else {"metrics": sorted(wanted)})}
 
 
 def _distances_record(images, ext, label, feats, ref, ref_path) -> dict:
@@ -348,14 +371,19 @@ RESULT_KEYS = ("scores", "num_images", "mode", "images")
 
 
 def main_fid(args) -> int:
+    from diffrelay.evaluation import scores
+
     logs.setup()
     io.check_file_target(args.out, lambda p: io.is_json_object(p, RESULT_KEYS), "a result written by `diffrelay fid`")
     pairs = _pairs(args)
     if not args.in_process:
         # Cheap checks here too, so a bad path fails before a child process is paid for.
-        features.image_files(args.images)
+        files = features.image_files(args.images)
         for ext_path, ref_path in pairs:
-            check_reference(load_reference(ref_path), ref_path, extractor_sha256(ext_path), args.mode)
+            if args.metrics is not None and scores.is_adm(ref_path):
+                scores.adm_reference(ref_path, files, set(args.metrics))
+            else:
+                check_reference(load_reference(ref_path), ref_path, extractor_sha256(ext_path), args.mode)
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
@@ -364,7 +392,9 @@ def main_fid(args) -> int:
                    *[a for e, r in pairs for a in ("--extractor", e, "--ref", r)],
                    "--mode", args.mode, "--batch-size", args.batch_size,
                    "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", private,
-                   "--device", args.device, "--in-process"]
+                   "--device", args.device, "--in-process",
+                   *(["--metrics", ",".join(args.metrics)] if args.metrics is not None else []),
+                   *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
             if code == 0:
                 io.write_bytes(args.out, private.read_bytes())
@@ -374,11 +404,13 @@ def main_fid(args) -> int:
 
     torch.set_num_threads(args.threads)
     # --threads: the extractors' torch threads and as many threads decoding and resizing images ahead of them.
-    result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads, device=args.device)
+    result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads, device=args.device,
+                       metrics=args.metrics, cache_dir=args.cache_dir)
     io.write_json(args.out, result)
     for r in result["scores"]:
         kid = "n/a" if r["kid"] is None else f"{r['kid']:.5f}"
-        log.info(f"{args.images}: {r['metric']} {r['fid']:.4f}, KID {kid} "
-                 f"({result['num_images']} images vs {r['num_ref']} in {r['reference']})")
+        values = (", ".join(f"{name} {r[k]:.4f}" for k, name in r["labels"].items()) if "labels" in r
+                  else f"{r['metric']} {r['fid']:.4f}, KID {kid}")
+        log.info(f"{args.images}: {values} ({result['num_images']} images vs {r['num_ref']} in {r['reference']})")
     log.info(f"scored in {result['seconds']:.1f}s")
     return 0

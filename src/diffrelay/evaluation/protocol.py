@@ -21,6 +21,8 @@ STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
 
 # Extractors diffrelay can fetch or build, by the name a config uses; the value is the file's stem under
 # <run.resources>/extractors/ (random's carries the run's seed).
+# fid.metrics (scores.py); the papers' tables print them in this order: FID, sFID, IS, precision, recall.
+METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fd_dinov2")
 DINOV2_MODELS = ("vits14", "vitb14", "vitl14", "vitg14")
 BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "dinov2": "dinov2-vitl14",
            **{f"dinov2-{m}": f"dinov2-{m}" for m in DINOV2_MODELS}}
@@ -135,6 +137,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
             if key not in names:
                 bad.append((f"fid.reference.{key}", f"not one of the extractors ({', '.join(names)}); "
                             "key each file by an extractor's name as fid.extractors writes it"))
+    bad += _check_metrics(f, names)
     final = f["final"]
     if final["best"] and final["num_images"] <= s["num_images"]:
         bad.append((f"fid.final.num_images={final['num_images']}", f"not more than sample.num_images="
@@ -143,6 +146,26 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if s["first_seed"] + s["seed_sets"] * most > MAX_SEED:
         bad.append((f"sample.first_seed={s['first_seed']}", f"plus {s['seed_sets']} seed set(s) of {most} images "
                     f"passes the largest seed {MAX_SEED}; use a smaller one"))
+    return bad
+
+
+def _check_metrics(f: dict, names: list[str]) -> list[tuple[str, str]]:
+    wanted = f.get("metrics")
+    if not wanted:
+        return []
+    key, bad = f"fid.metrics={','.join(wanted)}", []
+    for name in names:
+        need = "fd_dinov2" if name.startswith("dinov2") else "fid"
+        if need not in wanted:
+            bad.append((key, f"has no {need} for the extractor {name}; add {need}, or drop {name} from fid.extractors"))
+    if "fd_dinov2" in wanted and not any(n.startswith("dinov2") for n in names):
+        bad.append((key, "fd_dinov2 needs a DINOv2 extractor; add dinov2 to fid.extractors, or drop fd_dinov2"))
+    inception = [n for n in names if n == "inception" or n not in BUILTIN]  # a path may be an Inception file
+    if {"sfid", "is"} & set(wanted) and not inception:
+        bad.append((key, "sfid and is come from clean-fid's Inception; add inception to fid.extractors, or drop them"))
+    if "sfid" in wanted and inception and reference_file(f, inception[0]) is None:
+        bad.append((key, "sfid needs ADM's spatial statistics: give fid.reference for inception as an ADM reference "
+                    "batch with mu_s and sigma_s (e.g. VIRTUAL_imagenet256_labeled.npz), or drop sfid"))
     return bad
 
 

@@ -1,4 +1,4 @@
-"""`diffrelay report`: metrics.csv, fid.png, loss.png, best.json and best_grid.png from a run folder.
+"""`diffrelay report`: metrics.csv, scores.md, fid.png, loss.png, best.json and best_grid.png from a run folder.
 
 Example:
   diffrelay report --run-dir results/demo --out results/demo/report
@@ -10,7 +10,7 @@ sampled (sample.ema_decay), empty for the first of train.ema_decays. Each extrac
 metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
 different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
 variant (protocol.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
-set); fid, kid, precision and recall are means over the seed sets, fid_std and fid_min their standard
+set); fid, kid, precision, recall, sfid and is are means over the seed sets, fid_std and fid_min their standard
 deviation and minimum. train_loss_mean and train_images_per_s average the
 training records logged after the previous evaluated step, up to and including this one (a resumed
 segment's repeated steps count once, the last record wins). The *_s columns are wall-clock seconds
@@ -29,12 +29,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from diffrelay import io, logs
-from diffrelay.evaluation import protocol
+from diffrelay.evaluation import protocol, tables
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
 COLUMNS = ["step", "phema", "phema_error", "ema_decay", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
-           "recall", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
+           "recall", "sfid", "is", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
            "sample_images_per_s", "fid_s"]
 # "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
 COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?\Z")
@@ -96,6 +96,10 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "fid": _number(score, "fid", path), "kid": _number(score, "kid", path, required=False),
                          "precision": _number(score, "precision", path, required=False),
                          "recall": _number(score, "recall", path, required=False),
+                         "sfid": _number(score, "sfid", path, required=False),
+                         "is": _number(score, "is", path, required=False),
+                         "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
+                         "mode": rec.get("mode"),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
                          "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
@@ -108,9 +112,11 @@ def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
     groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "metric"], sort=True, dropna=False)
     out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
                      fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
-                     precision=("precision", "mean"), recall=("recall", "mean"), fid_s=("fid_s", "mean"),
+                     precision=("precision", "mean"), recall=("recall", "mean"), sfid=("sfid", "mean"),
+                     is_=("is", "mean"), reference=("reference", "first"), protocol=("protocol", "first"),
+                     mode=("mode", "first"), fid_s=("fid_s", "mean"),
                      primary=("primary", "any"), grid=("grid", "first"), samples=("samples", list))
-    return out.reset_index()
+    return out.reset_index()  # "is_": a namedtuple field cannot be called "is"
 
 
 def read_train(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -178,7 +184,8 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "step": r.step, "phema": r.phema, "phema_error": samples[0]["phema_error"], "ema_decay": r.ema_decay,
             "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
             "seed_sets": r.seed_sets, "fid": r.fid, "fid_std": r.fid_std, "fid_min": r.fid_min, "kid": r.kid,
-            "precision": r.precision, "recall": r.recall,
+            "precision": r.precision, "recall": r.recall, "sfid": r.sfid, "is": r.is_,
+            "reference": r.reference, "protocol": r.protocol, "mode": r.mode,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
             # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
             "train_skipped_steps": train[train.step <= r.step].skipped.iloc[-1] if (train.step <= r.step).any()
@@ -188,7 +195,7 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
             "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid,
         })
-    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid"])
+    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode"])
 
 
 def best_row(table: pd.DataFrame) -> pd.Series:
@@ -281,7 +288,7 @@ def main_collect(args) -> int:
     return 0
 
 
-REPORT_FILES = ("metrics.csv", "fid.png", "loss.png", "best_grid.png", "best.json")
+REPORT_FILES = ("metrics.csv", "scores.md", "fid.png", "loss.png", "best_grid.png", "best.json")
 BEST_KEYS = ("step", "guidance", "metric", "fid", "snapshot", "samples", "grid")
 
 
@@ -320,6 +327,7 @@ def main(args) -> int:
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
     io.write_text(out / "metrics.csv", table[COLUMNS].to_csv(index=False, float_format="%.6g"))
+    io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name))
     plot_fid(table, best, run_dir.name, out / "fid.png")
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated)
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it

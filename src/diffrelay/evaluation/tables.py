@@ -1,0 +1,59 @@
+"""scores.md: the scores of each evaluated snapshot as the papers' tables print them.
+
+Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
+edm2's FD_DINOv2 and any other extractor's distance; two decimals, as those tables round; every header
+carries its image count (FID-50k), and each table names the reference file, the protocol (ADM's evaluator
+arithmetic or clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of
+the first pass and FID-50k of the second are different metrics.
+"""
+
+import math
+
+import pandas as pd
+
+from diffrelay.evaluation import metrics
+
+# (column of metrics.csv, name in the header, better)
+PRIMARY = (("fid", None, "↓"), ("sfid", "sFID", "↓"), ("is", "IS", "↑"), ("precision", "Precision", "↑"),
+           ("recall", "Recall", "↑"))
+
+
+def _cell(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+
+
+def _snapshot(r: dict) -> str:
+    out = f"step {int(r['step'])}"
+    out += "" if math.isnan(r["phema"]) else f", post-hoc EMA {r['phema']:g}"
+    return out + ("" if math.isnan(r["ema_decay"]) else f", EMA decay {r['ema_decay']:g}")
+
+
+def _same(part: pd.DataFrame, r: dict) -> pd.Series:
+    """Rows of `part` for the snapshot and guidance of `r` (NaN widths and decays compare equal)."""
+    same = (part.step == r["step"]) & (part.guidance == r["guidance"])
+    for col in ("phema", "ema_decay"):
+        same &= part[col].fillna(-1) == (-1 if math.isnan(r[col]) else r[col])
+    return same
+
+
+def scores_table(table: pd.DataFrame, run_name: str) -> str:
+    """Markdown of the report's rows (report.build_table): one row per (snapshot, guidance) and image count."""
+    out = [f"# {run_name}: scores of each evaluated snapshot", ""]
+    for count, part in table.groupby(table.num_images.fillna(0), sort=True):
+        label = metrics.count_label(int(count)) if count else "?"
+        primary = part[part.primary].sort_values(["step", "phema", "ema_decay", "guidance"], kind="stable")
+        others = list(dict.fromkeys(part[~part.primary].metric))
+        heads = [(col, f"{name}-{label}" if name else primary.metric.iloc[0], better) for col, name, better in PRIMARY
+                 if col == "fid" or primary[col].notna().any()]
+        header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *(f"{m} ↓" for m in others)]
+        out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
+        for r in primary.to_dict("records"):
+            cells = [_snapshot(r), f"{r['guidance']:g}", *(_cell(r[col]) for col, _, _ in heads)]
+            for m in others:
+                match = part[_same(part, r) & (part.metric == m)]
+                cells.append(_cell(match.fid.iloc[0]) if len(match) else "–")
+            out.append(" | ".join(cells).join(["| ", " |"]))
+        named = "; ".join(f"{r['metric']} against {r['reference']} ({'ADM evaluator' if r['protocol'] == 'adm' else 'clean-fid'}"
+                          f", {r['mode']} mode)" for r in part.drop_duplicates("metric").to_dict("records"))
+        out += ["", f"{named}. Means over {int(part.seed_sets.max())} seed set(s).", ""]
+    return "\n".join(out)
