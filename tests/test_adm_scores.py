@@ -201,7 +201,7 @@ def test_without_metrics_the_result_is_what_it_was(net, scored):
     ("no_spatial", ("arr_0", "mu", "sigma"), ["fid", "sfid"], r"ref.npz: an ADM reference batch without mu_s/sigma_s; "
      r"sfid needs them"),
     ("no_images", ("mu", "sigma", "mu_s", "sigma_s"), ["fid", "precision"], r"without arr_0; precision need its images"),
-    ("resolution", None, ["fid"], r"arr_0 holds 16x16 images and the samples are 32x32 \(000000.png\)"),
+    ("resolution", None, ["fid"], r"arr_0 holds 16x16 images and the samples \(000000.png\) are 32x32"),
     ("dtype", None, ["fid"], r"arr_0 is float32 of shape \(30, 32, 32, 3\); an ADM reference batch holds uint8"),
     ("own_metric", ("arr_0", "mu", "sigma", "mu_s", "sigma_s"), ["is"], r"no fid for the extractor"),
 ])
@@ -218,6 +218,29 @@ def test_bad_reference_batches_and_metric_sets_are_one_line_before_the_pass(net,
         ref = adm_batch(net, tmp_path / "ref.npz", images, "legacy_tensorflow", keys)
     with pytest.raises(UserError, match=match):
         fid.score_all(folder, [(net, ref)], "legacy_tensorflow", 16, device="cpu", metrics=metrics)
+
+
+def test_an_adm_batch_for_another_extractor_is_refused_before_the_pass(scored, tmp_path):
+    tmp, _, _, ref, _ = scored
+    run_cli("fetch-extractor", "--extractor", "random", "--out", tmp_path / "random.pt")
+    with pytest.raises(UserError, match=r"ref.npz: an ADM reference batch holds Inception statistics, but its "
+                       r"extractor random.pt is not"):
+        fid.score_all(tmp / "samples", [(tmp_path / "random.pt", ref)], "legacy_tensorflow", 16, device="cpu",
+                      metrics=["fid"])
+
+
+def test_the_workflow_checks_an_adm_batch_against_the_metrics_when_it_reads_the_config(net, tmp_path,
+                                                                                      write_config):
+    stats_only = adm_batch(net, tmp_path / "stats.npz", pictures(30, seed=2), "legacy_tensorflow", ("mu", "sigma"))
+    wrong_side = adm_batch(net, tmp_path / "side.npz", pictures(30, side=32, seed=2), "legacy_tensorflow")
+    for i, (ref, metrics, want) in enumerate([(stats_only, ["fid", "precision"], "holds mu and sigma only, so no "
+                                               "precision"),
+                                              (wrong_side, ["fid"], "arr_0 holds 32x32 images and data.resolution=16 "
+                                               "images are 16x16")]):
+        cfg = write_config({"fid": {"extractor": "inception", "reference": str(ref), "metrics": metrics}},
+                           name=f"c{i}.yaml")
+        p = run_cli("validate", "--config", cfg, check=False)
+        assert p.returncode != 0 and want in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_the_cli_refuses_an_unknown_metric_and_a_statistics_only_reference_for_precision(net, scored, tmp_path):

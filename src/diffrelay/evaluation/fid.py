@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from diffrelay import io, logs
 from diffrelay.evaluation import features
+from diffrelay.evaluation.metrics import distances, frechet, kernel_distance, statistics  # noqa: F401 (used here and by callers)
 from diffrelay.runtime import distributed, parallel
 from diffrelay.errors import UserError
 
@@ -45,42 +45,6 @@ def _device(want: str = "auto"):
     device = distributed.pick_device(want)
     speed.set_backends(device, tf32=False)
     return device
-
-
-def statistics(feats: np.ndarray):
-    """mu, sigma exactly as clean-fid computes them."""
-    return np.mean(feats, axis=0), np.cov(feats, rowvar=False)
-
-
-def distances(feats, ref: dict) -> tuple[float, float]:
-    """(FD, KID) of features against reference statistics, with clean-fid's formulas."""
-    mu, sigma = statistics(feats)
-    if ref["features"] is None:  # statistics made elsewhere: mu and sigma only, so no KID
-        return frechet(mu, sigma, ref), None
-    return frechet(mu, sigma, ref), kernel_distance(feats, ref)
-
-
-def frechet(mu, sigma, ref) -> float:
-    from cleanfid.fid import frechet_distance
-    from scipy.linalg import LinAlgWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # clean-fid passes scipy's deprecated `disp`
-        # Too few images for the feature count make sigma singular; `score` logs that once, in plain words.
-        warnings.simplefilter("ignore", LinAlgWarning)
-        return float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
-
-
-def kernel_distance(feats, ref) -> float:
-    from cleanfid.fid import kernel_distance
-
-    # kernel_distance draws subsets from numpy's global generator: seed it, then put the caller's state back.
-    state = np.random.get_state()
-    np.random.seed(0)
-    try:
-        return kernel_distance(ref["features"], feats)
-    finally:
-        np.random.set_state(state)
 
 
 def load_reference(path) -> dict:

@@ -2,6 +2,7 @@
 reference statistics made elsewhere (EDM's, ADM's or clean-fid's `.npz` with `mu` and `sigma`).
 """
 
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -112,3 +113,43 @@ def load_foreign_ref(path, want_dim: int | None = None) -> dict:
                         "use the extractor these statistics were made with")
     settings = {"source": path.name, "feature_dim": len(mu), "num_images": None, "foreign": True}
     return {"mu": mu, "sigma": sigma, "features": None, "settings": settings}
+
+
+# ---------------------------------------------------------------------------------------------
+# clean-fid's FID and KID
+
+
+def statistics(feats: np.ndarray):
+    """mu, sigma exactly as clean-fid computes them."""
+    return np.mean(feats, axis=0), np.cov(feats, rowvar=False)
+
+
+def distances(feats, ref: dict) -> tuple[float, float]:
+    """(FD, KID) of features against reference statistics, with clean-fid's formulas."""
+    mu, sigma = statistics(feats)
+    if ref["features"] is None:  # statistics made elsewhere: mu and sigma only, so no KID
+        return frechet(mu, sigma, ref), None
+    return frechet(mu, sigma, ref), kernel_distance(feats, ref)
+
+
+def frechet(mu, sigma, ref) -> float:
+    from cleanfid.fid import frechet_distance
+    from scipy.linalg import LinAlgWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # clean-fid passes scipy's deprecated `disp`
+        # Too few images for the feature count make sigma singular; `score` logs that once, in plain words.
+        warnings.simplefilter("ignore", LinAlgWarning)
+        return float(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]))
+
+
+def kernel_distance(feats, ref) -> float:
+    from cleanfid.fid import kernel_distance as clean_fid_kid
+
+    # clean-fid's kernel_distance draws subsets from numpy's global generator: seed it, then put the caller's state back.
+    state = np.random.get_state()
+    np.random.seed(0)
+    try:
+        return clean_fid_kid(ref["features"], feats)
+    finally:
+        np.random.set_state(state)

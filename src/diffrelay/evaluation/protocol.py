@@ -163,7 +163,7 @@ def _check_metrics(f: dict, names: list[str]) -> list[tuple[str, str]]:
     inception = [n for n in names if n == "inception" or n not in BUILTIN]  # a path may be an Inception file
     if {"sfid", "is"} & set(wanted) and not inception:
         bad.append((key, "sfid and is come from clean-fid's Inception; add inception to fid.extractors, or drop them"))
-    if "sfid" in wanted and inception and reference_file(f, inception[0]) is None:
+    if "sfid" in wanted and inception and all(reference_file(f, n) is None for n in inception):
         bad.append((key, "sfid needs ADM's spatial statistics: give fid.reference for inception as an ADM reference "
                     "batch with mu_s and sigma_s (e.g. VIRTUAL_imagenet256_labeled.npz), or drop sfid"))
     return bad

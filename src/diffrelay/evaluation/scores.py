@@ -53,15 +53,14 @@ def _image_side(path) -> tuple[int, int]:
         return im.height, im.width
 
 
-def adm_reference(path, files, wanted: set) -> dict:
-    """An ADM batch checked against the samples and the metrics asked for, before any network runs."""
+def check_adm_file(path, wanted: set, side: tuple[int, int], what: str = "the samples") -> dict:
+    """read_reference's checks, arr_0's image size against `side` (H, W), and what the metrics need."""
     path = Path(path)
     r = adm.read_reference(path)
     shape = r["images_shape"]
-    if shape is not None and tuple(shape[1:3]) != _image_side(files[0]):
-        h, w = _image_side(files[0])
-        raise UserError(f"{path}: arr_0 holds {shape[1]}x{shape[2]} images and the samples are {h}x{w} "
-                        f"({files[0].name}); use the reference batch of the samples' resolution")
+    if shape is not None and tuple(shape[1:3]) != tuple(side):
+        raise UserError(f"{path}: arr_0 holds {shape[1]}x{shape[2]} images and {what} are {side[0]}x{side[1]}; "
+                        "use the reference batch of the samples' resolution")
     asked = sorted(wanted & NEED_REFERENCE_FEATURES)
     if asked:
         adm.require(r, ["arr_0"], path, f"{', '.join(asked)} need its images; use a batch that has them or drop "
@@ -69,6 +68,14 @@ def adm_reference(path, files, wanted: set) -> dict:
     if "sfid" in wanted and "mu_s" not in r and ("mu" in r or shape is None):
         adm.require(r, ["mu_s", "sigma_s"], path, "sfid needs them: use a reference that has them "
                     "(VIRTUAL_imagenet256_labeled.npz does) or drop sfid from fid.metrics")
+    return r
+
+
+def adm_reference(path, files, wanted: set) -> dict:
+    """An ADM batch checked against the samples and the metrics asked for, before any network runs."""
+    path = Path(path)
+    r = check_adm_file(path, wanted, _image_side(files[0]), f"the samples ({files[0].name})")
+    shape, asked = r["images_shape"], sorted(wanted & NEED_REFERENCE_FEATURES)
     settings = {"adm": True, "foreign": True, "num_images": None if shape is None else int(shape[0]),
                 "source": path.name}
     return {**{k: r.get(k) for k in adm.STAT_KEYS}, "features": None, "images_shape": shape, "settings": settings,
@@ -84,6 +91,9 @@ def check(ext, ref: dict, ref_path, wanted: set) -> None:
         raise UserError(f"--metrics={','.join(sorted(wanted))}: no {key} for the extractor {ext.path.name}; add "
                         f"{key} to fid.metrics or drop the extractor from fid.extractors")
     if ref["settings"].get("adm"):
+        if ext.kind != "inception":  # its statistics are of Inception features: another extractor's would not fit
+            raise UserError(f"{ref_path}: an ADM reference batch holds Inception statistics, but its extractor "
+                            f"{ext.path.name} is not clean-fid's Inception; give it only for inception")
         if ref["need_spatial"] and ext.heads is None:
             raise UserError(f"{ref_path}: sfid from arr_0 needs clean-fid's Inception as this reference's extractor")
         return
@@ -159,8 +169,6 @@ def reference_features(ref: dict, ref_path, ext, mode: str, batch_size: int, dev
 def record(ext, label: str, feats, ref: dict, ref_path, wanted: set) -> dict:
     """The result entry of one extractor: its distance and every other asked-for metric it carries, each
     with its name and image count in "labels"."""
-    from diffrelay.evaluation import fid
-
     pool = feats["pool"] if isinstance(feats, dict) else feats
     n, on_adm = len(pool), bool(ref["settings"].get("adm"))
     if n <= pool.shape[1]:
@@ -173,13 +181,13 @@ def record(ext, label: str, feats, ref: dict, ref_path, wanted: set) -> dict:
         if on_adm:  # evaluator.py's arithmetic, as the papers' tables
             values["fid"] = adm.frechet_distance(*adm.statistics(pool), ref["mu"], ref["sigma"])
         else:
-            values["fid"] = fid.frechet(*fid.statistics(pool), ref)
+            values["fid"] = metrics.frechet(*metrics.statistics(pool), ref)
         if ext.heads is not None and "sfid" in wanted:
             values["sfid"] = adm.frechet_distance(*adm.statistics(feats["spatial"]), ref["mu_s"], ref["sigma_s"])
     if ext.heads is not None and "is" in wanted:
         values["is"] = adm.inception_score(feats["probs"])
     if "kid" in wanted:
-        values["kid"] = fid.kernel_distance(pool, ref)
+        values["kid"] = metrics.kernel_distance(pool, ref)
     if wanted & {"precision", "recall"}:
         pr = adm.precision_recall if on_adm else metrics.precision_recall
         values["precision"], values["recall"] = pr(ref["features"], pool)

@@ -43,12 +43,17 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
         label = metrics.count_label(int(count)) if count else "?"
         primary = part[part.primary].sort_values(["step", "phema", "ema_decay", "guidance"], kind="stable")
         others = list(dict.fromkeys(part[~part.primary].metric))
+        # sFID and IS belong to the Inception row, which need not be the primary (an edm2-style [dinov2, inception])
+        anywhere = {"sfid", "is"}
         heads = [(col, f"{name}-{label}" if name else primary.metric.iloc[0], better) for col, name, better in PRIMARY
-                 if col == "fid" or primary[col].notna().any()]
+                 if col == "fid" or (part if col in anywhere else primary)[col].notna().any()]
         header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *(f"{m} ↓" for m in others)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
         for r in primary.to_dict("records"):
-            cells = [_snapshot(r), f"{r['guidance']:g}", *(_cell(r[col]) for col, _, _ in heads)]
+            same = part[_same(part, r)]
+            cells = [_snapshot(r), f"{r['guidance']:g}",
+                     *(_cell(same[col].dropna().iloc[0] if col in anywhere and same[col].notna().any() else r[col])
+                       for col, _, _ in heads)]
             for m in others:
                 match = part[_same(part, r) & (part.metric == m)]
                 cells.append(_cell(match.fid.iloc[0]) if len(match) else "–")
