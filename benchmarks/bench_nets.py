@@ -20,7 +20,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RECIPES = ["config/examples/cifar10-unet.yaml", "config/examples/dit-s2.yaml", "config/config.yaml"]
+RECIPES = ["config/examples/unet-cifar10.yaml", "config/examples/pixel-dit-s2.yaml", "config/config.yaml"]
 
 
 def measure(recipe: str, args) -> dict:

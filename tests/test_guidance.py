@@ -58,6 +58,24 @@ def test_a_guide_of_another_kind_is_one_line_before_any_folder(tmp_path):
     assert not (tmp_path / "out").exists() and not sample.work_dir(tmp_path / "out").exists()
 
 
+
+def test_an_unconditional_guide_of_a_conditional_network_is_edm2s_guidance_and_never_sees_the_labels(tmp_path):
+    """edm2's guided ImageNet numbers guide the conditional network with a separately trained unconditional one
+    (generate_images.py:48): guide(x) + scale (net(x, y) - guide(x)). The guide is called without labels."""
+    snap = make_snapshot(tmp_path / "s.safetensors", num_classes=3)
+    uncond = make_snapshot(tmp_path / "u.safetensors", conditional=False, seed=1)
+    from diffrelay.training import checkpoint
+
+    _, meta = checkpoint.read_snapshot(snap)
+    guide = guidance.load_guide(uncond, meta, "ema", "cpu")
+    raw, _ = checkpoint.load_snapshot(uncond, "ema", "cpu", dict(checkpoint.read_snapshot(uncond)[1]["model"]))
+    g = torch.Generator().manual_seed(0)
+    x, sigma = torch.randn(2, 3, 16, 16, generator=g), torch.tensor([0.5, 2.0])
+    with torch.no_grad():
+        torch.testing.assert_close(guide(x, sigma, torch.tensor([0, 2])), raw(x, sigma, None), rtol=0, atol=0)
+    a = sample.run(snap, tmp_path / "a", settings(num_images=6, guidance=1.4, guide=str(uncond)))
+    assert "guide_sha256" in a and len(list((tmp_path / "a").glob("*.png"))) >= 6
+
 @pytest.mark.slow
 def test_the_guide_is_an_input_of_guided_sampling_jobs_only_and_checked_at_parse_time(tmp_path, write_config):
     """A tiny run with guidance [1, 2] and an own guide: only the guided jobs get --guide and the file as an

@@ -91,8 +91,8 @@ def test_changed_segment_steps_keeps_trained_segments_and_retrains_nothing(tmp_p
 
 @pytest.mark.parametrize("name", ["config/config.yaml", "config/examples/real-data.yaml",
                                   "config/examples/own-images-cpu.yaml",
-                                  "config/examples/slurm-multinode.yaml", "config/examples/cifar10-unet.yaml",
-                                  "config/examples/dit-s2.yaml", "config/examples/flow-cpu.yaml"])
+                                  "config/examples/slurm-multinode.yaml", "config/examples/unet-cifar10.yaml",
+                                  "config/examples/pixel-dit-s2.yaml", "config/examples/flow-cpu.yaml"])
 def test_shipped_configs_plan_their_segments(tmp_path, name):
     files = [REPO / "config/config.yaml", REPO / name]
     cfg = drconfig.load(files)

@@ -1,6 +1,9 @@
-"""`diffrelay validate`: check a config, build its network once without training, print both."""
+"""`diffrelay validate`: check a config, build its network once without training, print both, and the
+network's size and cost (parameters, FLOPs of a forward pass) as a YAML comment."""
 
+import contextlib
 import json
+import sys
 
 import yaml
 
@@ -19,6 +22,50 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
     return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"]), classes
 
 
+def classes_assumed(cfg: config.Config) -> bool:
+    """True when preflight.num_classes counted data.path's subfolders: prepare's count may differ (a folder
+    without images), so until the dataset is prepared the class count is an assumption."""
+    d = cfg.data
+    return (cfg.model.class_conditional and d.labels != "none" and d.kind != "shapes"
+            and not (config.run_dir(cfg) / "dataset" / "dataset.json").is_file())
+
+
+def forward_cost(cfg: config.Config, params: int, classes: int) -> str:
+    """'<G> GFLOPs per forward (...)' of the run's network as training builds it (objectives.build, on the meta
+    device; on the CPU when that fails and the network is small), or 'FLOPs not available: <reason>'."""
+    from diffrelay import objectives
+    from diffrelay.nets import cost
+
+    channels, side = preflight.net_geometry(cfg)
+    model = cfg.to_dict()["model"]
+    too_big = f"{params / 1e6:.0f} M parameters" if params > cost.CPU_MAX_PARAMS else None
+    # check_network imported a user's module already, outside any device context (nets.registry's note).
+    build = lambda: objectives.build(model, side, classes, channels)  # noqa: E731
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
+            flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big)["forward"]
+    except UserError as e:
+        return f"FLOPs not available: {e}"
+    # FlopCounterMode counts 2 per multiply-add; DiT's "Gflops" (Table 4) and edm2's count_flops.py count
+    # multiply-adds, so both are shown. Elementwise ops are not counted.
+    return f"{flops / 1e9:.4g} GFLOPs per forward ({cost.macs(flops) / 1e9:.4g} G multiply-adds, the papers' Gflops)"
+
+
+def network_line(cfg: config.Config, params: int, classes: int) -> str:
+    """The comment line naming the network, its exact parameter count and its forward cost. Parameters as
+    DiT's train.py and edm2's count_flops.py count them: every parameter, trainable or not (DiT's frozen
+    position table too: nets.registry.num_params); of the network only (EDM's Denoiser adds none)."""
+    from diffrelay import nets
+
+    arch, kwargs = nets.arch_kwargs(cfg.to_dict()["model"])
+    shown = ", ".join(f"{k} {v if isinstance(v, str) else json.dumps(v)}" for k, v in kwargs.items())
+    channels, side = preflight.net_geometry(cfg)
+    what = f"{classes} classes" + (" assumed (data.path's subfolders; prepare counts them)"
+                                   if classes_assumed(cfg) else "")
+    return (f"# network: {arch}{f' ({shown})' if shown else ''}, {params:,} parameters ({params / 1e6:.2f} M), "
+            f"{forward_cost(cfg, params, classes)} at {side}x{side}x{channels}, {what}")
+
+
 def main(args) -> int:
     cfg = config.load(args.config)
     preflight.check(cfg, ", ".join(args.config))
@@ -28,8 +75,5 @@ def main(args) -> int:
         raise UserError(f"{', '.join(map(str, args.config))}: {e}") from e
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    m, (channels, side) = cfg.model, preflight.net_geometry(cfg)
-    # A YAML comment, so stdout stays a valid config.
-    print(f"# network: {m.arch} {json.dumps(dict(m.to_dict()['kwargs']))} at {side}x{side}x{channels}, {classes} classes: "
-          f"{params:,} parameters ({params / 1e6:.1f} M)")
+    print(network_line(cfg, params, classes))  # a YAML comment, so stdout stays a valid config
     return 0

@@ -77,12 +77,25 @@ def load_guide(path, meta: dict, weights: str, device):
               ("classes", meta.get("num_classes", 0) if ours.get("class_conditional") else 0,
                guide_meta.get("num_classes", 0) if theirs.get("class_conditional") else 0)]
     for what, want, got in checks:
-        if want != got:
+        # An unconditional guide of a conditional network is edm2's classifier-free guidance with a separately
+        # trained unconditional network (edm2 generate_images.py:48, edm2-img512-xs-guid-fid).
+        if want != got and not (what == "classes" and got == 0):
             raise UserError(f"sample.guide={path} (--guide): {what} is {got!r} there and {want!r} in the sampled "
                             f"network; a guide must be the same kind of network (it may be smaller or trained "
                             f"less), e.g. an earlier snapshot of this run")
     net, _ = checkpoint.load_snapshot(path, weights, device, dict(theirs))  # its arch is the run's (checked)
-    return net
+    return net if theirs.get("class_conditional") and guide_meta.get("num_classes", 0) else Unconditional(net)
+
+
+class Unconditional(torch.nn.Module):
+    """An unconditional guide called as the sampled network is: the image's labels are not its to see."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, sigma, labels=None, **kwargs):
+        return self.net(x, sigma, None, **kwargs)
 
 
 def _encoder(meta: dict) -> tuple | None:

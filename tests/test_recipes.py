@@ -1,0 +1,144 @@
+"""The papers' recipes (config/examples/<paper>-*.yaml, docs/recipes.md): each validates with the paper's
+parameter count, and each runs here through the whole workflow, shrunk. The shrinking overrides sizes only: the
+network's width and depth, the image side, step and image counts, the machine (CPU, one process, one thread) and
+the tests' small VAE and extractors in place of the real ones. Every other value is the recipe's own, and the test
+checks that it reached the run, so a recipe that cannot run fails here and not on a user's cluster."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import deep_merge, run_cli, small_inception
+from test_adm_scores import adm_batch, own_heads, pictures, save_folder
+from test_dinov2 import TINY as TINY_VIT
+from test_dinov2 import official_state
+from test_latents import tiny_vae
+
+from diffrelay import config
+from diffrelay.evaluation import dinov2
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "config" / "examples"
+PAPERS = ("edm-", "edm2-", "dit-", "sit-")  # a recipe named after a paper is one of these
+RECIPES = ["edm-cifar10-ddpmpp-cond", "dit-xl2-imagenet256", "sit-xl2-imagenet256", "edm2-xs-imagenet512"]
+# The papers' parameter counts, in millions, rounded as they print them: EDM's DDPM++ (conditional CIFAR-10,
+# 9 augmentation labels), DiT-XL/2 and SiT-XL/2 (DiT's Table 4 / SiT's Table 1), edm2-XS (edm2's Table 2).
+PAPER_MPARAMS = {"edm-cifar10-ddpmpp-cond": 55.7, "dit-xl2-imagenet256": 675, "sit-xl2-imagenet256": 675,
+                 "edm2-xs-imagenet512": 125}
+# Width and depth only, per network (model.kwargs keys; everything else in model.kwargs stays the recipe's).
+SIZES = {
+    "ddpmpp": {"model_channels": 16, "channel_mult": [1, 2], "num_blocks": 1, "attn_resolutions": [16]},
+    "edm2": {"model_channels": 16, "channel_mult": [1, 2], "num_blocks": 1, "attn_resolutions": [8],
+             "channels_per_head": 8},
+    "dit": {"depth": 2, "hidden_size": 32, "num_heads": 2},
+    "sit": {"depth": 2, "hidden_size": 32, "num_heads": 2},
+}
+
+
+def recipe(name: str) -> dict:
+    return config.load([REPO / "config" / "config.yaml", EXAMPLES / f"{name}.yaml"]).to_dict()
+
+
+def test_every_recipe_named_after_a_paper_is_checked_here():
+    named = sorted(p.stem for p in EXAMPLES.glob("*.yaml") if p.stem.startswith(PAPERS))
+    assert named == sorted(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_validate_prints_the_papers_parameter_count(name):
+    p = run_cli("validate", "--config", REPO / "config" / "config.yaml", EXAMPLES / f"{name}.yaml")
+    line = next(ln for ln in p.stdout.splitlines() if "M parameters" in ln)
+    count = float(re.search(r"([\d.]+) M parameters", line).group(1))
+    paper = PAPER_MPARAMS[name]
+    assert round(count, 1 if paper < 100 else 0) == paper, line
+
+
+def shrink(d: dict, tmp: Path) -> dict:
+    """The overrides that make recipe `d` run here: sizes, machine and local files only."""
+    arch, latent = d["model"]["arch"], d["data"]["encoder"] != "none"
+    side = 32  # latents of 16 x 16 from the tests' VAE (which halves); CIFAR-10's own side
+    over = {"run": {"name": "shrunk", "device": "cpu", "gpus": None, "eval_gpus": None,
+                    "results": str(tmp / "results"), "resources": str(tmp / "resources")},
+            "data": {"resolution": side, "workers": 1},
+            "model": {"kwargs": SIZES[arch]},
+            "train": {"total_steps": 2, "segment_steps": 2, "batch_size": 4, "nproc_per_node": 1, "nnodes": 1,
+                      "threads": 1},
+            "sample": {"num_images": 6, "batch_size": 6, "nproc": 1, "threads": 1},
+            "fid": {"batch_size": 6, "threads": 1, "final": {"num_images": 6}}}
+    if latent:
+        over["data"]["encoder_path"] = str(tiny_vae(tmp / "vae"))
+    if d["train"]["phema"]["every"]:
+        over["train"]["phema"] = {"every": 1}
+    if d["fid"]["ref_images"]:
+        over["fid"]["ref_images"] = 16
+    return over
+
+
+def changed_keys(a, b, prefix="") -> set:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set().union(*(changed_keys(a.get(k), b.get(k), f"{prefix}{k}.") for k in set(a) | set(b)))
+    return set() if a == b else {prefix.rstrip(".")}
+
+
+def local_files(d: dict, tmp: Path, inception: Path) -> None:
+    """The extractors and reference files the recipe names, made small: the tests' Inception and DINOv2, an
+    ADM-format batch or a mu/sigma file of the Inception features of other pictures, at the recipe's path."""
+    extractors = tmp / "resources" / "extractors"
+    extractors.mkdir(parents=True)
+    shutil.copy(inception, extractors / "inception-2015-12-05.pt")
+    names = d["fid"]["extractors"] or [d["fid"]["extractor"]]
+    if "dinov2" in names:
+        mp = pytest.MonkeyPatch()
+        mp.setitem(dinov2.MODELS, "tiny", TINY_VIT)
+        torch.save(official_state(TINY_VIT), tmp / "tiny.pth")
+        dinov2.fetch("tiny", extractors / "dinov2-vitl14.pt", weights=tmp / "tiny.pth")
+        mp.undo()
+    ref = d["fid"]["reference"]
+    if isinstance(ref, str):
+        path = tmp / ref
+        path.parent.mkdir(parents=True, exist_ok=True)
+        others = pictures(40, side=32, seed=3)
+        if d["fid"]["metrics"] and set(d["fid"]["metrics"]) - {"fid"}:
+            adm_batch(inception, path, others, d["fid"]["mode"])
+        else:
+            pool = own_heads(inception, others, d["fid"]["mode"])["pool"]
+            np.savez(path, mu=pool.mean(0), sigma=np.cov(pool, rowvar=False))
+
+
+@pytest.fixture(scope="module")
+def inception(tmp_path_factory) -> Path:
+    return small_inception(tmp_path_factory.mktemp("inception") / "inception-2015-12-05.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_recipe_runs_through_the_workflow_shrunk(name, tmp_path, inception):
+    from test_workflow import snakemake
+
+    d = recipe(name)
+    over = shrink(d, tmp_path)
+    (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
+    if d["data"]["kind"] == "folder":  # two classes of pictures where the recipe expects its images
+        for k in range(2):
+            save_folder(pictures(8, side=32, seed=k), tmp_path / d["data"]["path"] / f"class{k}")
+    local_files(d, tmp_path, inception)
+    snakemake(tmp_path, "--configfile", REPO / "config" / "config.yaml", EXAMPLES / f"{name}.yaml",
+              tmp_path / "shrink.yaml")
+
+    run = tmp_path / "results" / "shrunk"
+    made = json.loads((run / "checkpoints" / "step_0000002" / "meta.json").read_text())["config"]
+    wanted = deep_merge(d, over)
+    # Only the shrinking keys differ from the recipe, and the run used exactly the merged values.
+    assert changed_keys(d, made) <= changed_keys(d, wanted) | {"run.name"}
+    assert changed_keys(wanted, made) == set()
+    scores = sorted((run / "metrics" / "fid").glob("*.json"))
+    assert scores, f"no scores in {run}"
+    result = json.loads(scores[-1].read_text())
+    if d["fid"]["metrics"]:
+        assert set(result["scores"][0]["labels"]) == set(d["fid"]["metrics"]) - {"fd_dinov2"}
+    assert (run / "report" / "scores.md").is_file()
