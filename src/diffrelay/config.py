@@ -13,6 +13,7 @@ import yaml
 
 from diffrelay import nets
 from diffrelay.nets import checks
+from diffrelay.training import settings  # torch-free
 from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
 from diffrelay.errors import UserError
 
@@ -132,7 +133,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
     from diffrelay.training.profiles import check_config as check_phema  # numpy only
 
-    bad += check_phema(t, s)
+    bad += check_phema(t, s) + settings.check_config(d)
     if data["encoder"] == "none":  # a latent run's network sees the latents: preflight.check_latent checks it
         bad += checks.check_model(m, data["resolution"])
     bad += _check_latent(d)
@@ -167,10 +168,9 @@ def _check_latent(d: dict) -> list[tuple[str, str]]:
     if spec not in known and ":" not in spec:
         return [(f"data.encoder={spec}", f"use one of {', '.join(known)}, or \"package.module:Name\" for your own")]
     if spec == "none":
-        bad = [(f"data.{k}={data[k]}", "applies to latent runs only; set data.encoder, or drop it")
-               for k, default in (("encoder_path", None), ("latent_norm", "dit"), ("keep_images", True))
-               if data[k] != default]
-        return bad
+        return [(f"data.{k}={data[k]}", "applies to latent runs only; set data.encoder, or drop it")
+                for k, default in (("encoder_path", None), ("latent_norm", "dit"), ("keep_images", True))
+                if data[k] != default]
     bad = []
     if ":" in spec and data["latent_norm"] != "dit":
         bad.append((f"data.latent_norm={data['latent_norm']}", "is the SD-VAE's; your own encoder brings its scale "
@@ -332,7 +332,7 @@ def applicable_model(model: dict) -> dict:
 
 def _trajectory_of(d: dict) -> dict:
     """Everything that changes the weights, by section, every key as given (what diffrelay < 0.4 hashed)."""
-    train = {k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY}
+    train = settings.trajectory({k: v for k, v in d["train"].items() if k not in _NOT_TRAJECTORY})
     # Off, post-hoc EMA drops out, so runs from before it keep their hash; on, its profiles are part of
     # the checkpoints' state (every only says how often they are stored).
     phema = train.pop("phema", None) or {}

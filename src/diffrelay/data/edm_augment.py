@@ -137,9 +137,16 @@ def _affine(a, b, c, d, e, f) -> torch.Tensor:
     return torch.stack(items, dim=-1).reshape(*ref.shape, 3, 3)
 
 
+def _constant(values, device, dtype=torch.float32) -> torch.Tensor:
+    """A small tensor of plain numbers on `device`. On a GPU it goes through pinned memory: a copy from pageable
+    memory would wait for the device, eight times an accumulation round of the training loop (train.augment)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 def _fixed(a, b, c, d, e, f, device) -> torch.Tensor:
     """The same for plain numbers: one float32 (3, 3) matrix."""
-    return torch.tensor([[a, b, c], [d, e, f], [0, 0, 1]], dtype=torch.float32, device=device)
+    return _constant([[a, b, c], [d, e, f], [0, 0, 1]], device)
 
 
 def _rotation(phi: torch.Tensor) -> torch.Tensor:
@@ -237,7 +244,7 @@ def resample(images: torch.Tensor, matrix: torch.Tensor, pad: tuple[int, int, in
     left, right, top, bottom = pad
     x = F.pad(images, [left, right, top, bottom], mode="reflect")
     g = _fixed(1, 0, (left - right) / 2, 0, 1, (top - bottom) / 2, images.device) @ matrix  # aug.py:248
-    taps = torch.tensor(SYM6, dtype=images.dtype, device=images.device)
+    taps = _constant(SYM6, images.device, images.dtype)
     kernel = taps.flip(0).repeat(c, 1, 1, 1)  # (C, 1, 1, 12): the filter reversed, a true convolution
     across = kernel.transpose(2, 3).contiguous()  # (C, 1, 12, 1)
     half = (len(SYM6) + 1) // 2

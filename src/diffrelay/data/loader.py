@@ -12,6 +12,7 @@ read, one conversion and two random draws, mostly inside numpy/torch calls that 
 and a thread cannot outlive its process, so no worker is ever left behind.
 """
 
+import dataclasses
 import os
 import queue
 import threading
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffrelay.data import augment
+from diffrelay.data import augment, edm_augment
 from diffrelay.objectives import edm
 from diffrelay.errors import UserError
 from diffrelay.data.order import DataOrder, noise_seed
@@ -37,6 +38,12 @@ class Batch:
     indices: np.ndarray  # this rank's dataset indices, in training order (the --trace record)
     rounds: list  # one (images, labels, rnd_normal, noise) per accumulation round, on the device
     masks: list = field(default_factory=list)  # one (drop, flip) augment.Rows per round, on the device
+    augments: list = field(default_factory=list)  # one edm_augment.Draws per round (rows on the device); [] = off
+    pipe: edm_augment.Pipe | None = None  # EDM's augmentation pipe at train.augment; None = off
+
+    def augmented(self, k: int, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(images, augmentation labels) of round k: EDM's pipe applied to its clean images, or (images, None)."""
+        return edm_augment.apply(images, self.augments[k], self.pipe) if self.augments else (images, None)
 
 
 def check_draws(path, meta: dict) -> None:
@@ -96,9 +103,11 @@ class BatchMaker:
     """Makes the batch of one step for one rank; holds the step's noise generator."""
 
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
-                 label_dropout: float = 0.0, xflip: float = 0.0):
+                 label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0):
         self.data, self.seed, self.global_batch = data, seed, global_batch
         self.label_dropout, self.xflip = label_dropout, xflip
+        # train.augment: EDM's CIFAR-10 pipe (EDM train.py:143-146) at that probability.
+        self.pipe = dataclasses.replace(edm_augment.EDM_CIFAR10, p=augment) if augment else None
         self.rank, self.world, self.grad_accum, self.device = rank, world, grad_accum, torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.shape = data.shape
@@ -134,7 +143,18 @@ class BatchMaker:
         # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
                  for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
-        return Batch(step, mine, list(zip(*parts)), masks)
+        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda), self.pipe)
+
+    def _augments(self, step: int, cuda: bool) -> list:
+        """This rank's rows of the step's augmentation draws, split like the images, each round's on the device;
+        the padding comes from the whole global batch (edm_augment.draw), so it is the same for any split."""
+        if self.pipe is None:
+            return []
+        draws = edm_augment.draw(self.seed, step, self.global_batch, self.rank, self.world, self.pipe,
+                                 *self.shape[1:])
+        rows = torch.from_numpy(draws.rows)
+        return [edm_augment.Draws((r.pin_memory() if cuda else r).to(self.device, non_blocking=True), draws.pad)
+                for r in rows.tensor_split(self.grad_accum)]
 
 
 class _Failed:

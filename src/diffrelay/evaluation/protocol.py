@@ -68,10 +68,11 @@ def variant_decay(suffix: str) -> float | None:
 
 def ema_decays(d: dict) -> list[float | None]:
     """The EMAs the evaluation samples (sample.ema_decay, one or a list), each as its variant names it: None for
-    the first of train.ema_decays (so runs that never set it keep their names), else the decay."""
+    the first of train.ema_decays (so runs that never set it keep their names), else the decay. A run with
+    train.ema_halflife_kimg has one EMA (ema_decays []), and it is the first."""
     want = d["sample"].get("ema_decay")
     want = want if isinstance(want, list) else [want]
-    first = float(d["train"]["ema_decays"][0])
+    first = float(d["train"]["ema_decays"][0]) if d["train"]["ema_decays"] else None
     return [None if x is None or float(x) == first else float(x) for x in want]
 
 

@@ -43,6 +43,8 @@ _EDM = ("model_channels", "channel_mult", "channel_mult_emb", "num_blocks", "att
 _SONG = ("embedding_type", "channel_mult_noise", "encoder_type", "decoder_type", "resample_filter")
 # Levels of the UNets of the papers when model.kwargs.channel_mult does not say (each halves the resolution).
 DEFAULT_LEVELS = {"ddpmpp": 3, "ncsnpp": 3, "adm": 4, "edm2": 4}
+# augment_dim of EDM's presets (nets/edm.py PRESETS): how many augmentation labels each takes (train.augment).
+EDM_AUGMENT_DIM = {"ddpmpp": 9, "ncsnpp": 9, "adm": 0}
 
 
 # The keyword arguments each built-in builder takes besides the contract's three (tests/test_nets.py checks

@@ -12,7 +12,7 @@ filters and NCSN++'s random Fourier frequencies are persistent buffers there and
 F(x, c_noise, labels) is the network inside EDMPrecond: diffrelay's Denoiser applies c_in, c_out, c_skip and
 c_noise = ln(sigma)/4. Labels are integers; K (= num_classes) is "no class", EDM's label dropout's all-zero one-hot
 row (diffrelay drops labels in its data pipeline). `augment_labels` (B, augment_dim): EDM's augmentation
-parameters; None skips them when sampling, as EDM does (zeros in training: diffrelay has no augment pipe yet).
+parameters (train.augment); None skips them when sampling, as EDM does (zeros in training without augment).
 
 Presets follow EDM's README commands: CIFAR-10 (--arch=ddpmpp / ncsnpp with train.py's defaults: dropout 0.13,
 augment 0.12 so augment_dim 9) and ImageNet-64 (--arch=adm --dropout=0.10 --augment=0, so no augment embedding).

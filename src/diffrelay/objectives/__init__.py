@@ -42,16 +42,21 @@ def sample(model_cfg: dict, net, latents, labels, num_steps: int, solver: str, e
     return flow.sample(net, latents, labels, num_steps, solver, flow_settings, noise, unguided, interval)
 
 
-def loss(cfg, net, images, labels, rnd_normal, noise):
+def loss(cfg, net, images, labels, rnd_normal, noise, augment_labels=None):
     """The training loss of cfg's objective (a Config) at the caller's standard normal draws: one per sample
-    (EDM's ln sigma, flow's time) and the noise images. The training loop calls this and nothing else."""
+    (EDM's ln sigma, flow's time) and the noise images; augment_labels those of EDM's augmentation pipe (edm only).
+    The training loop calls this and nothing else."""
     from diffrelay.objectives import ddpm, edm, flow
 
     t = cfg.train
     if cfg.model.objective == "ddpm":
-        return ddpm.loss(net, images, labels, rnd_normal, noise)
-    if cfg.model.objective == "flow":
-        return flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
-    # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).
-    return edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data,
-                    uncertainty=cfg.model.arch == "edm2")
+        out = ddpm.loss(net, images, labels, rnd_normal, noise)
+    elif cfg.model.objective == "flow":
+        out = flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
+    else:  # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).
+        out = edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data,
+                       uncertainty=cfg.model.arch == "edm2", augment_labels=augment_labels)
+    # Each objective returns the mean over every element. train.loss_reduction sum is EDM's and edm2's: a sample's
+    # loss summed over its C x H x W elements, averaged over the batch (NVlabs/edm training/training_loop.py:132,
+    # loss.sum() / batch_gpu_total, then DDP's average over ranks): the mean times the elements of a sample.
+    return out * images[0].numel() if t.loss_reduction == "sum" else out

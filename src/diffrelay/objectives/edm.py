@@ -46,16 +46,18 @@ class Denoiser(nn.Module):
         self.net = net  # the raw network F of the diffrelay.nets contract
         self.sigma_data = sigma_data
 
-    def forward(self, x, sigma, labels=None, return_logvar: bool = False):
+    def forward(self, x, sigma, labels=None, return_logvar: bool = False, augment_labels=None):
         """D(x; sigma); with return_logvar also the network's uncertainty u(sigma) (edm2's Precond does the same,
-        inside the forward, so DDP sees every parameter the loss uses)."""
+        inside the forward, so DDP sees every parameter the loss uses). augment_labels (train.augment) go to the
+        network as its fourth argument, and only when given: a network of one's own need not take them."""
         sigma = sigma.reshape(-1, 1, 1, 1).to(x.dtype)
         sd2 = self.sigma_data**2
         c_skip = sd2 / (sigma**2 + sd2)
         c_out = sigma * self.sigma_data / (sigma**2 + sd2).sqrt()
         c_in = 1 / (sd2 + sigma**2).sqrt()
         c_noise = sigma.log().flatten() / 4
-        f = self.net(c_in * x, c_noise, labels)
+        f = self.net(c_in * x, c_noise, labels) if augment_labels is None else \
+            self.net(c_in * x, c_noise, labels, augment_labels)
         denoised = c_skip * x + c_out * f.to(x.dtype)
         return (denoised, self.net.logvar(c_noise).to(x.dtype)) if return_logvar else denoised
 
@@ -73,20 +75,22 @@ def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int =
 
 
 def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float,
-         uncertainty: bool = False):
+         uncertainty: bool = False, augment_labels=None):
     """Weighted denoising loss at log-normal noise levels.
 
     rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller (see
     draw_noise), so they resume exactly and do not depend on how the batch is split. With `uncertainty`
     (edm2's network) each level's loss is divided by exp(u(sigma)) and u(sigma) added, u learned by the network:
-    edm2's EDM2Loss (paper Eq. 21), per element here as EDM's is.
+    edm2's EDM2Loss (paper Eq. 21), per element here as EDM's is. augment_labels: those of EDM's augmentation pipe,
+    which the caller has applied to `images` (EDM's loss too takes the clean images augmented).
     """
     sigma = (rnd_normal.reshape(-1, 1, 1, 1) * p_std + p_mean).exp()
     weight = (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+    aug = {} if augment_labels is None else {"augment_labels": augment_labels}
     if not uncertainty:
-        denoised = net(images + noise * sigma, sigma, labels)
+        denoised = net(images + noise * sigma, sigma, labels, **aug)
         return (weight * (denoised - images) ** 2).mean()
-    denoised, logvar = net(images + noise * sigma, sigma, labels, return_logvar=True)
+    denoised, logvar = net(images + noise * sigma, sigma, labels, return_logvar=True, **aug)
     return ((weight / logvar.exp()) * (denoised - images) ** 2 + logvar).mean()
 
 

@@ -181,6 +181,10 @@ def ema_index(path, meta: dict, decay: float | None) -> int:
         raise UserError(f"{path}: a post-hoc EMA reconstruction holds one EMA (sigma_rel "
                         f"{meta['phema'].get('sigma_rel')}); sample it without sample.ema_decay (--ema-decay)")
     decays = ema_decays(meta)
+    halflife = ((meta.get("config") or {}).get("train") or {}).get("ema_halflife_kimg")
+    if halflife is not None:
+        raise UserError(f"sample.ema_decay={decay:g} (--ema-decay): {path} was trained with one EMA "
+                        f"(train.ema_halflife_kimg={halflife}); sample it without sample.ema_decay (--ema-decay)")
     if float(decay) not in decays:
         raise UserError(f"sample.ema_decay={decay:g} (--ema-decay): {path} was trained with train.ema_decays="
                         f"{decays}; choose one of those")

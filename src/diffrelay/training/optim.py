@@ -40,19 +40,31 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
                     s[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the base LR for the update at `step` (0-based): linear warm-up, then hold or cosine."""
+def lr_factor(step: int, warmup: int, total: int, schedule: str, batch_size: int = 1, warmup_kimg=None,
+              ref_batches=None) -> float:
+    """Multiplier of the base LR for the update at `step` (0-based): linear warm-up over `warmup` steps, then
+    hold, cosine, or inv_sqrt; times EDM's ramp over `warmup_kimg` thousand images when that is set."""
     if warmup and step < warmup:
         return (step + 1) / warmup
+    nimg = step * batch_size  # images trained before this update, EDM's and edm2's cur_nimg
     if schedule == "cosine":
         progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
+        factor = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    elif schedule == "inv_sqrt":
+        # edm2 training/training_loop.py:49-50: 1 / sqrt(max(cur_nimg / (ref_batches * batch_size), 1)).
+        factor = 1 / math.sqrt(max(nimg / (ref_batches * batch_size), 1))
+    else:
+        factor = 1.0
+    if warmup_kimg is not None:
+        # EDM training/training_loop.py:136, edm2 training_loop.py:51-52: min(cur_nimg / rampup_nimg, 1).
+        factor *= min(nimg / (warmup_kimg * 1000), 1)
+    return factor
 
 
 def build_schedule(opt, t) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.lr_schedule))
+        opt, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.lr_schedule, t.batch_size, t.warmup_kimg,
+                                 t.lr_ref_batches))
 
 
 @torch.no_grad()
@@ -67,14 +79,29 @@ def lerp_towards(avg: torch.nn.Module, net: torch.nn.Module, weight: float) -> N
 
 
 class EMA:
-    """One exponential moving average of the weights per decay rate."""
+    """One exponential moving average of the weights per decay rate; or, with a half-life (train.ema_halflife_kimg,
+    decays empty), EDM's one EMA whose decay follows the images trained."""
 
-    def __init__(self, net: torch.nn.Module, decays):
+    def __init__(self, net: torch.nn.Module, decays, halflife_kimg=None, rampup_ratio=None, batch_size: int = 1):
         self.decays = list(decays)
-        self.nets = [copy.deepcopy(net).eval().requires_grad_(False) for _ in self.decays]
+        self.halflife_kimg, self.rampup_ratio, self.batch_size = halflife_kimg, rampup_ratio, batch_size
+        count = 1 if halflife_kimg is not None else len(self.decays)
+        self.nets = [copy.deepcopy(net).eval().requires_grad_(False) for _ in range(count)]
+
+    def beta(self, step: int) -> float:
+        """EDM's decay for the update at `step` (NVlabs/edm training/training_loop.py:143-146): the half-life in
+        images, capped by rampup_ratio x the images trained before this update (None: no cap), gives
+        beta = 0.5 ** (batch_size / half-life); at step 0 the cap is 0, so beta is 0 and the EMA copies the net."""
+        halflife = self.halflife_kimg * 1000
+        if self.rampup_ratio is not None:
+            halflife = min(halflife, step * self.batch_size * self.rampup_ratio)
+        return 0.5 ** (self.batch_size / max(halflife, 1e-8))
 
     @torch.no_grad()
     def update(self, net: torch.nn.Module, step: int) -> None:
+        if self.halflife_kimg is not None:
+            lerp_towards(self.nets[0], net, 1 - self.beta(step))
+            return
         for decay, ema in zip(self.decays, self.nets):
             # Ramp the decay up early so the average is not dominated by the random initial weights.
             d = min(decay, (1 + step) / (10 + step))

@@ -35,7 +35,7 @@ class TrainState:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
         opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
-        return cls(net=net, ema=optim.EMA(net, t.ema_decays),
+        return cls(net=net, ema=optim.EMA(net, t.ema_decays, t.ema_halflife_kimg, t.ema_rampup_ratio, t.batch_size),
                    pema=phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None,
                    opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, enabled=t.precision == "fp16"),

@@ -174,7 +174,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
-                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip)
+                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment)
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
@@ -296,10 +296,12 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
     loss_sum = torch.zeros((), device=device)
     for k, ((images, labels, rnd, noise), (drop, flip)) in enumerate(zip(batch.rounds, batch.masks, strict=True)):
         images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
+        images, augment_labels = batch.augmented(k, images)  # EDM: the pipe on the clean images, before the noise
         sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
         with sync, distributed.peers("gradient all-reduce"), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = objectives.loss(cfg, model, images, labels if data.num_classes else None, rnd, noise)
+            loss = objectives.loss(cfg, model, images, labels if data.num_classes else None, rnd, noise,
+                                   augment_labels)
             with speed.backward_errors(model):
                 st.scaler.scale(loss / t.grad_accum).backward()
         loss_sum += loss.detach() / t.grad_accum

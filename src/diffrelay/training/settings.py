@@ -1,0 +1,72 @@
+"""EDM's training as published, checked without torch: train.loss_reduction, train.ema_halflife_kimg and
+ema_rampup_ratio, train.lr_schedule inv_sqrt with lr_ref_batches, train.warmup_kimg and train.augment. Which
+combinations are refused (check_config, called when a config is read) and how they enter a run's trajectory
+(trajectory: each drops out at its default, so runs that never set them keep their hash).
+
+Imports the base modules and nets only.
+"""
+
+import json
+
+from diffrelay import nets
+
+# The values that train as before these keys existed.
+DEFAULTS = {"loss_reduction": "mean", "ema_halflife_kimg": None, "warmup_kimg": None, "lr_ref_batches": None,
+            "augment": 0.0}
+AUGMENT_LABELS = 9  # EDM's CIFAR-10 pipe (data/edm_augment.py EDM_CIFAR10.label_dim; EDM train.py:146)
+
+
+def trajectory(train: dict) -> dict:
+    """A trajectory's train section without these keys at their defaults, and without ema_rampup_ratio
+    when no half-life reads it."""
+    out = {k: v for k, v in train.items() if k not in DEFAULTS or v != DEFAULTS[k]}
+    if out.get("ema_halflife_kimg") is None:
+        out.pop("ema_rampup_ratio", None)
+    return out
+
+
+def check_config(d: dict) -> list[tuple[str, str]]:
+    """(key, message) pairs for combinations of these keys that cannot work; empty when all is well."""
+    t, s, bad = d["train"], d["sample"], []
+    half, decays = t["ema_halflife_kimg"], t["ema_decays"]
+    if half is not None and decays:
+        bad.append((f"train.ema_halflife_kimg={half}", f"EDM's one EMA replaces those of train.ema_decays={decays}; "
+                    "set train.ema_decays: [] (or drop the half-life)"))
+    if half is None and not decays:
+        bad.append(("train.ema_decays=[]", "no EMA to sample; give at least one decay (e.g. [0.999]), or set "
+                    "train.ema_halflife_kimg for EDM's EMA"))
+    if half is not None and s["ema_decay"] is not None:
+        bad.append((f"sample.ema_decay={json.dumps(s['ema_decay'])}", f"train.ema_halflife_kimg={half} trains one "
+                    "EMA, which is sampled by default; set sample.ema_decay: null"))
+    if t["warmup_kimg"] is not None and t["warmup_steps"]:
+        bad.append((f"train.warmup_kimg={t['warmup_kimg']}", f"and train.warmup_steps={t['warmup_steps']} are two "
+                    "warm-ups; set train.warmup_steps: 0 (EDM's and edm2's warm-up is warmup_kimg), or drop warmup_kimg"))
+    ref = t["lr_ref_batches"]
+    if t["lr_schedule"] == "inv_sqrt" and ref is None:
+        bad.append(("train.lr_schedule=inv_sqrt", "needs train.lr_ref_batches, the step from which the LR falls as "
+                    "1/sqrt(step) (edm2: 70000); set it"))
+    if t["lr_schedule"] != "inv_sqrt" and ref is not None:
+        bad.append((f"train.lr_ref_batches={ref}", f"applies to train.lr_schedule: inv_sqrt only (this run's is "
+                    f"{t['lr_schedule']}); set that schedule, or drop lr_ref_batches"))
+    if t["augment"] > 0:
+        bad += _check_augment(f"train.augment={t['augment']}", d["model"], d["data"])
+    return bad
+
+
+def _check_augment(key: str, m: dict, data: dict) -> list[tuple[str, str]]:
+    """EDM's pipe gives pixels to a network that takes its 9 augmentation labels."""
+    if data["encoder"] != "none":
+        return [(key, f"EDM's augmentation pipe transforms pixels, and data.encoder={data['encoder']} trains on "
+                 "latents; set train.augment: 0 (data.xflip flips a latent run's images)")]
+    if m["objective"] != "edm":
+        return [(key, f"EDM's augmentation labels condition EDM's networks, and model.objective is {m['objective']}; "
+                 "set model.objective: edm, or train.augment: 0")]
+    arch = m["arch"]
+    if arch not in nets.EDM_AUGMENT_DIM:
+        return [(key, f"model.arch={arch} takes no augmentation labels; use ddpmpp or ncsnpp (or adm with "
+                 "model.kwargs.augment_dim: 9), or set train.augment: 0")]
+    dim = m["kwargs"].get("augment_dim", nets.EDM_AUGMENT_DIM[arch])
+    if dim != AUGMENT_LABELS:
+        return [(key, f"gives {AUGMENT_LABELS} augmentation labels to model.arch={arch} with augment_dim {dim}; set "
+                 f"model.kwargs.augment_dim: {AUGMENT_LABELS}, or train.augment: 0")]
+    return []
