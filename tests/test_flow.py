@@ -265,3 +265,23 @@ def test_flow_training_in_two_segments_matches_one_run_bitwise(tmp_path):
     }
     losses = assert_two_segments_equal_one_run(tmp_path, base)
     assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
+
+
+def test_guidance_extrapolates_only_the_first_guided_channels_as_sits_forward_with_cfg(tmp_path, monkeypatch):
+    """SiT guides 3 of its 4 latent channels (models.py:261); sample.flow.guided_channels does the same, the other
+    channels coming from the conditional pass. Here 2 of 3: the images change, and more channels than the
+    snapshot has is one line."""
+    from diffrelay.sampling import guidance
+
+    snap = flow_snapshot(tmp_path / "f.safetensors")
+    seen, real = [], guidance.guided
+    monkeypatch.setattr(guidance, "guided", lambda f, scale, null, ch=None: seen.append(ch) or real(f, scale, null, ch))
+    runs = {ch: sample.run(snap, tmp_path / f"ch{ch}", settings(num_images=4, steps=3, solver="euler", guidance=2.0,
+                                                                 flow=flow.SamplerSettings(guided_channels=ch)))
+            for ch in (None, 2)}
+    assert seen == [None, 2]
+    a, b = folder_bytes(tmp_path / "chNone"), folder_bytes(tmp_path / "ch2")
+    assert all(a[k] != b[k] for k in a if k.endswith(".png") and k != "grid.png")
+    assert runs[2]["flow"] == {"guided_channels": 2} and "flow" not in runs[None]  # part of the folder's identity
+    with pytest.raises(UserError, match=r"sample.flow.guided_channels=4: .* has 3 image channels"):
+        sample.run(snap, tmp_path / "ch4", settings(guidance=2.0, flow=flow.SamplerSettings(guided_channels=4)))

@@ -57,6 +57,7 @@ class SamplerSettings:
 
     shift: float = 1.0
     last_step: float = 0.04
+    guided_channels: int | None = None  # read by the guidance around the sampler (sampling/sample.py)
 
     def changed(self) -> dict:
         default = SamplerSettings()

@@ -98,7 +98,9 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
             return net(x, sigma, labels)
 
     # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
-    channels = (s.ddpm.guided_channels or shape[0]) if objectives.objective(meta["model"]) == "ddpm" else None
+    kind = objectives.objective(meta["model"])
+    channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
+        else None
     denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels)  # the contract's null class
     if guide is not None and s.guidance != 1:
 
@@ -153,8 +155,9 @@ def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
     if kind == "ddpm" and s.steps > 1000:
         raise UserError(f"--steps {s.steps}: {snapshot} is a model.objective ddpm network with 1000 timesteps; use "
                         "at most 1000 (DiT samples with 250)")
-    if kind == "ddpm" and (s.ddpm.guided_channels or 0) > shape[0]:
-        raise UserError(f"sample.ddpm.guided_channels={s.ddpm.guided_channels}: {snapshot} has {shape[0]} image "
+    wide = {"ddpm": s.ddpm.guided_channels, "flow": s.flow.guided_channels}.get(kind) or 0
+    if wide > shape[0]:
+        raise UserError(f"sample.{kind}.guided_channels={wide}: {snapshot} has {shape[0]} image "
                         f"channels; use at most {shape[0]} (or null for all)")
     if kind == "ddpm" and (s.edm.changed() or s.flow.changed()):
         raise UserError(f"sample.edm/sample.flow {s.edm.changed() | s.flow.changed()}: {snapshot} is a model.objective "
