@@ -380,3 +380,14 @@ def test_what_does_fit_validates():
                          "loss_reduction": "sum"}}):
         config.validate(d)
     assert protocol.ema_decays(config.validate({"train": {"ema_halflife_kimg": 500, "ema_decays": []}})) == [None]
+
+
+def test_fp16_with_the_sum_starts_its_loss_scale_lower_by_the_elements_per_sample():
+    """The sum makes gradients C x H x W times the mean's; fp16's first scale is lowered by that (to a power of two),
+    so edm2's recipe does not spend its first steps halving torch's 2^16 (14 skipped steps on an H200)."""
+    from diffrelay.training.state import _first_scale
+
+    mean, total = cfg_of(DDPMPP).train, cfg_of(DDPMPP, loss_reduction="sum").train
+    assert _first_scale(mean, (4, 64, 64)) == torch.amp.GradScaler("cpu").get_scale() == 2.0**16
+    assert _first_scale(total, (4, 64, 64)) == 2.0**16 / 4 / 64 / 64  # 16,384 elements: a power of two
+    assert _first_scale(total, (3, 32, 32)) == 2.0**16 / 4096  # 3,072 rounds up to 4,096

@@ -227,6 +227,11 @@ def test_sampler_settings_of_the_other_objective_are_one_line(tmp_path):
       "sample": {"guidance": 2, "guidance_interval": [0.7, 0.2]}}, ["sample.guidance_interval", "lo < hi"]),
     ({"train": {"flow": {"shift": 0}}}, ["train.flow.shift"]),
     ({"sample": {"flow": {"last_step": 1.5}}}, ["sample.flow.last_step"]),
+    ({"sample": {"flow": {"guided_channels": 3}}}, ["sample.flow", "model.objective: edm", "remove"]),
+    ({"model": {"objective": "flow"}, "sample": {"flow": {"guided_channels": 4}}},
+     ["sample.flow.guided_channels=4", "sees 3 channels", "at most 3"]),
+    ({"model": {"objective": "ddpm"}, "sample": {"solver": "ddpm", "ddpm": {"guided_channels": 5}},
+      "data": {"encoder": "sd-vae"}}, ["sample.ddpm.guided_channels=5", "sees 4 channels"]),
 ])
 def test_objective_and_solver_mistakes_are_one_line_at_parse_time(raw, words):
     with pytest.raises(UserError) as err:

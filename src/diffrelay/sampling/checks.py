@@ -38,8 +38,14 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
                     "(DiT samples with 250)"))
     if not ddpm and s["ddpm"] != ddpm_defaults:
         bad.append(("sample.ddpm", f"the ddpm samplers' settings do not apply to model.objective: {kind}; remove them"))
-    if ddpm and s["flow"] != flow_defaults:
-        bad.append(("sample.flow", "flow's sampler settings do not apply to model.objective: ddpm; remove them"))
+    if not flow and s["flow"] != flow_defaults:
+        bad.append(("sample.flow", f"flow's sampler settings do not apply to model.objective: {kind}; remove them"))
+    # The image channels the sampler sees: 3 for pixels, 4 for the SD-VAE's latents (your own encoder: at sampling).
+    wide = s["ddpm"]["guided_channels"] if ddpm else s["flow"]["guided_channels"] if flow else None
+    have = {"none": 3}.get(d["data"]["encoder"], None if ":" in d["data"]["encoder"] else 4)
+    if wide and have and wide > have:
+        bad.append((f"sample.{kind}.guided_channels={wide}", f"the network sees {have} channels; use at most {have} "
+                    "(or null for all)"))
     if ddpm and s["solver"] == "ddpm" and s["ddpm"]["eta"]:
         bad.append((f"sample.ddpm.eta={s['ddpm']['eta']}", "eta is DDIM's; set sample.solver: ddim or remove it"))
     if e["sigma_min"] >= e["sigma_max"]:
