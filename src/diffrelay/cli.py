@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + key.lower().replace("_", "-"), type=float, help=f"sample.edm.{key}")
     p.add_argument("--flow-shift", type=float, help="sample.flow.shift")
     p.add_argument("--flow-last-step", type=float, help="sample.flow.last_step")
+    p.add_argument("--flow-guided-channels", type=int, help="sample.flow.guided_channels (SiT's forward_with_cfg: 3)")
     p.add_argument("--ddpm-eta", type=float, help="sample.ddpm.eta (solver ddim)")
     p.add_argument("--ddpm-guided-channels", type=int, help="sample.ddpm.guided_channels (DiT's sample.py: 3)")
     p.add_argument("--ddpm-clip-denoised", type=_true_false, help="sample.ddpm.clip_denoised: true or false")

@@ -88,7 +88,7 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     if "guidance" in over:
         cfg["sample"]["guidance"] = over["guidance"]
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
-    flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step")
+    flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step", "guided_channels")
                   if getattr(args, f"flow_{k}", None) is not None}
     if flow_flags:
         cfg["sample"]["flow"] = {**cfg["sample"]["flow"], **flow_flags}
