@@ -312,3 +312,55 @@ def test_a_workflow_run_reports_the_five_numbers_against_an_adm_batch(net, tmp_p
     assert f"| step 3 | 1 | {result['fid']:.2f} | {result['sfid']:.2f} | {result['is']:.2f} |" in table
     assert "against VIRTUAL_tiny16.npz (ADM evaluator, legacy_tensorflow mode)" in table
     assert list((resources / "fid-ref").glob("adm-*.npz"))  # arr_0's features, cached for the next checkpoint
+
+
+def test_the_cache_key_follows_the_arrays_and_an_unwritable_cache_keeps_the_scores(net, scored, tmp_path, caplog):
+    tmp, _, ref_images, ref, result = scored
+    copy = tmp_path / "copy.npz"
+    copy.write_bytes(ref.read_bytes())
+    assert adm.fingerprint(copy) == adm.fingerprint(ref)  # a copy elsewhere reuses the cached features
+    with np.load(ref) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["arr_0"] = arrays["arr_0"].copy()
+    arrays["arr_0"][3, 5, 7, 1] ^= 1  # one bit of one pixel: same sizes, another CRC-32
+    np.savez(copy, **arrays)
+    assert copy.stat().st_size == ref.stat().st_size and adm.fingerprint(copy) != adm.fingerprint(ref)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    caplog.set_level("WARNING")
+    again = fid.score_all(tmp / "samples", [(net, ref)], "legacy_tensorflow", 16, device="cpu", metrics=ALL,
+                          cache_dir=blocker / "cache")
+    assert {k: again["scores"][0][k] for k in ALL} == {k: result["scores"][0][k] for k in ALL}
+    assert "arr_0's features not cached" in caplog.text and blocker.read_text().startswith("a file")
+
+
+def test_an_arr_0_header_larger_than_its_data_is_one_line(tmp_path):
+    images = pictures(4, side=8)
+    path = tmp_path / "ref.npz"
+    np.savez(path, arr_0=images)
+    raw = path.read_bytes()
+    assert raw.count(b"(4, 8, 8, 3)") == 1
+    path.write_bytes(raw.replace(b"(4, 8, 8, 3)", b"(9, 8, 8, 3)"))
+    with pytest.raises(UserError, match=r"ref\.npz: arr_0's header declares \(9, 8, 8, 3\) \(1728 bytes\) but the "
+                                        r"archive holds 768 bytes"):
+        adm.images(path)
+    np.savez(path, arr_0=images)
+    assert np.array_equal(adm.images(path), images)
+
+
+def test_scores_table_puts_the_training_ema_before_post_hoc_rows_and_prints_kid_per_mille():
+    import pandas as pd
+
+    from diffrelay.evaluation import tables
+
+    nan = float("nan")
+    common = dict(step=200, ema_decay=nan, guidance=1.0, metric="FID-2k", num_images=2000, seed_sets=1, sfid=nan,
+                  **{"is": nan}, precision=nan, recall=nan, primary=True, reference="ref.npz", protocol="clean-fid",
+                  mode="clean")
+    rows = [dict(common, phema=0.10, fid=9.0, kid=0.0031), dict(common, phema=0.05, fid=8.5, kid=0.0029),
+            dict(common, phema=nan, fid=10.25, kid=0.004567), dict(common, step=100, phema=0.05, fid=20.0, kid=None)]
+    lines = tables.scores_table(pd.DataFrame(rows), "edm2").splitlines()
+    assert "| Snapshot | Guidance | FID-2k ↓ | KID-2k ×10³ ↓ |" in lines
+    body = [line for line in lines if line.startswith("| step")]
+    assert body == ["| step 100, post-hoc EMA 0.05 | 1 | 20.00 | – |", "| step 200 | 1 | 10.25 | 4.57 |",
+                    "| step 200, post-hoc EMA 0.05 | 1 | 8.50 | 2.90 |", "| step 200, post-hoc EMA 0.1 | 1 | 9.00 | 3.10 |"]

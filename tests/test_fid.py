@@ -313,3 +313,14 @@ def test_fid_passes_the_device_to_its_clean_child(data, tmp_path, monkeypatch):
     code = cli.main(["fid", "--images", str(data["half"]), "--ref", str(data["ref"]), "--extractor", str(data["ext"]),
                      "--device", "cpu", "--out", str(tmp_path / "r.json")])
     assert code == 3 and "--device" in seen[0] and seen[0][seen[0].index("--device") + 1] == "cpu"
+
+
+def test_an_unwritable_cache_folder_keeps_the_written_statistics(data, tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    caplog.set_level("WARNING")
+    out = fid.make_ref(data["dataset"], data["ext"], num=20, cache_dir=blocker / "cache", out=tmp_path / "a.npz",
+                       device="cpu")
+    plain = fid.make_ref(data["dataset"], data["ext"], num=20, out=tmp_path / "b.npz", device="cpu")
+    assert "statistics not cached" in caplog.text and blocker.read_text().startswith("a file")
+    assert np.array_equal(fid.load_ref(out)["mu"], fid.load_ref(plain)["mu"])

@@ -185,7 +185,10 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
                 "num_images": len(index), "num_features": len(feats), "feature_dim": int(feats.shape[1])}
     save_ref(out, mu, sigma, feats, settings)
     if cached:
-        _copy(out, cached)
+        try:
+            _copy(out, cached)
+        except (OSError, UserError) as e:  # the cache only saves time: the statistics are written, so keep them
+            log.warning(f"statistics not cached ({e}); {out} is written")
     log.info(f"{out}: statistics of {len(index)} images ({feats.shape[1]} features, {ext.label}) "
              f"in {time.time() - t0:.1f}s")
     return out

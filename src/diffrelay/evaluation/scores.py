@@ -142,7 +142,7 @@ def reference_features(ref: dict, ref_path, ext, mode: str, batch_size: int, dev
     spatial = ref["need_spatial"]
     cached = None
     if cache_dir:
-        name = f"adm-{io.sha256_file(ref_path)[:16]}-{ext.sha256[:16]}-{mode}-{device.type}{'-spatial' * spatial}.npz"
+        name = f"adm-{adm.fingerprint(ref_path)[:16]}-{ext.sha256[:16]}-{mode}-{device.type}{'-spatial' * spatial}.npz"
         cached = Path(cache_dir) / name
     feats = _read_cache(cached) if cached is not None and cached.is_file() else None
     if feats is None:
@@ -153,8 +153,11 @@ def reference_features(ref: dict, ref_path, ext, mode: str, batch_size: int, dev
             else {"pool": out}
         log.info(f"{ref_path}: features of its {len(images)} images in {time.time() - t0:.1f}s")
         if cached is not None:
-            with io.atomic_write(cached) as f:
-                np.savez(f, digest=np.array(_digest(feats)), **feats)
+            try:
+                with io.atomic_write(cached) as f:
+                    np.savez(f, digest=np.array(_digest(feats)), **feats)
+            except (OSError, UserError) as e:  # the cache only saves time; the features in hand still score this job
+                log.warning(f"arr_0's features not cached ({e}); the next job computes them again")
     else:
         log.info(f"{ref_path}: reused the cached features of its images ({cached})")
     ref["features"] = feats["pool"]

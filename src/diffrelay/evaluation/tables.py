@@ -1,9 +1,9 @@
 """scores.md: the scores of each evaluated snapshot as the papers' tables print them.
 
 Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
-edm2's FD_DINOv2 and any other extractor's distance; two decimals, as those tables round; every header
-carries its image count (FID-50k), and each table names the reference file, the protocol (ADM's evaluator
-arithmetic or clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of
+KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance; two decimals, as those
+tables round; every header carries its image count (FID-50k), and each table names the reference file,
+the protocol (ADM's evaluator arithmetic or clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of
 the first pass and FID-50k of the second are different metrics.
 """
 
@@ -41,19 +41,24 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
     out = [f"# {run_name}: scores of each evaluated snapshot", ""]
     for count, part in table.groupby(table.num_images.fillna(0), sort=True):
         label = metrics.count_label(int(count)) if count else "?"
-        primary = part[part.primary].sort_values(["step", "phema", "ema_decay", "guidance"], kind="stable")
+        # NaN first: a step's training-EMA row (no post-hoc width) before its post-hoc reconstructions
+        primary = part[part.primary].sort_values(["step", "phema", "ema_decay", "guidance"], kind="stable",
+                                                 na_position="first")
         others = list(dict.fromkeys(part[~part.primary].metric))
         # sFID and IS belong to the Inception row, which need not be the primary (an edm2-style [dinov2, inception])
         anywhere = {"sfid", "is"}
         heads = [(col, f"{name}-{label}" if name else primary.metric.iloc[0], better) for col, name, better in PRIMARY
                  if col == "fid" or (part if col in anywhere else primary)[col].notna().any()]
-        header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *(f"{m} ↓" for m in others)]
+        # KID in units of 1e-3, as StyleGAN2-ADA's tables print it: two decimals of the raw value are all zero
+        kid = bool("kid" in primary and primary.kid.notna().any())
+        header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *([f"KID-{label} ×10³ ↓"] * kid),
+                  *(f"{m} ↓" for m in others)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
         for r in primary.to_dict("records"):
             same = part[_same(part, r)]
             cells = [_snapshot(r), f"{r['guidance']:g}",
                      *(_cell(same[col].dropna().iloc[0] if col in anywhere and same[col].notna().any() else r[col])
-                       for col, _, _ in heads)]
+                       for col, _, _ in heads), *([_cell(None if r["kid"] is None else r["kid"] * 1e3)] if kid else [])]
             for m in others:
                 match = part[_same(part, r) & (part.metric == m)]
                 cells.append(_cell(match.fid.iloc[0]) if len(match) else "–")
