@@ -3,8 +3,8 @@
 Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
 KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance; two decimals, as those
 tables round; every header carries its image count (FID-50k), and each table names the reference file,
-the protocol (ADM's evaluator arithmetic or clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of
-the first pass and FID-50k of the second are different metrics.
+the protocol (ADM's evaluator arithmetic or clean-fid's) and the resize mode it was scored with. One table
+per image count: FID-2k of the first pass and FID-50k of the second are different metrics.
 """
 
 import math
