@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs written to a temp folder, the venv's executables on PATH."""
 
+import json
 import os
 import subprocess
 import sys
@@ -117,3 +118,42 @@ def small_inception(path: Path, seed: int = 0) -> Path:
         warnings.simplefilter("ignore", FutureWarning)
         torch.jit.save(torch.jit.script(net), str(path))
     return path
+
+
+DURATIONS = json.loads((REPO / "tests" / "durations.json").read_text())  # tools/test_durations.py writes it
+SLOW_SECONDS = 4  # a test that took this long (in make test's 2-worker run) is `slow`: not in make test-fast
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
+def pytest_collection_modifyitems(config, items):
+    """Scheduling for `make test`'s two pytest-xdist workers (--dist loadgroup), and `slow` for test-fast.
+
+    - The longest tests (tests/durations.json) are handed out first, so that no long one is left to run alone
+      at the end while the other worker idles; the SLURM tests go before all of them.
+    - The tests of a module that share one of its module-scoped fixtures (a trained run, a scored folder) run on
+      one worker, which builds the fixture once, as a serial run does.
+    - The fault tests that time a stalled or signalled job run one at a time: their deadlines assume the other
+      worker's load, not a second 2-process job of their own. So do the SLURM tests (one cluster)."""
+    sharing = {}  # a module's own module-scoped fixture -> the tests that use it
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        for fixturedefs in defs.values():
+            for d in fixturedefs:
+                if d.scope in ("module", "session") and d.baseid.endswith(".py"):
+                    sharing.setdefault((d.baseid, d.argname), []).append(item)
+    slow = {item for item in items if DURATIONS.get(item.nodeid, 0) >= SLOW_SECONDS}
+    for users in sharing.values():  # the first user pays the fixture's set-up: the others would, without it
+        if slow.intersection(users):
+            slow.update(users)
+    for item in slow:
+        if not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+    shared = {item for users in sharing.values() for item in users}
+    # Stable: tests of equal rank keep their order.
+    items.sort(key=lambda item: (item.get_closest_marker("slurm") is None, -DURATIONS.get(item.nodeid, 0)))
+    for item in items:
+        module = item.module.__name__ if item.module else ""
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif module == "test_faults" or item in shared:
+            item.add_marker(pytest.mark.xdist_group(module))

@@ -405,7 +405,8 @@ print(json.dumps(seen))
 
 def test_deterministic_training_on_the_cpu_is_the_same_run_and_ddp_has_no_extra_copies(write_config, tmp_path):
     """train.deterministic is not part of the run's identity and changes no bit on a CPU; the segment log
-    names torch and the device; DDP keeps gradients in its buckets and broadcasts no buffers."""
+    names torch and the device; DDP keeps gradients in its buckets and broadcasts no buffers; one process
+    without train.compile builds no DDP wrapper (nothing to all-reduce; its constructor imports torch._dynamo)."""
     base = {"train": {"total_steps": 3, "segment_steps": 3}}
     a = write_config(base, name="a.yaml")
     run_cli("prepare", "--config", a)
@@ -415,9 +416,16 @@ def test_deterministic_training_on_the_cpu_is_the_same_run_and_ddp_has_no_extra_
                      name="b.yaml")
     run_cli("prepare", "--config", b)
     out = run_cli(sys.executable, "-c", DDP_OPTIONS, b)
-    options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+    assert_tensors_equal(load_state(tmp_path / "results/tiny/checkpoints/step_0000003"),
+                         load_state(tmp_path / "results/det/checkpoints/step_0000003"))
+    c = write_config({**base, "run": {"name": "two"}}, name="c.yaml")
+    run_cli("prepare", "--config", c)
+    (tmp_path / "ddp_options.py").write_text(DDP_OPTIONS)
+    out = run_cli("torchrun", "--standalone", "--nproc-per-node", 2, tmp_path / "ddp_options.py", c)
+    ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2 and ranks[0] == ranks[1], out.stdout
+    options = ranks[0]
     assert options.pop("gradient_as_bucket_view") is True
     assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})  # torch 2.14 renamed it
     assert "Warning" not in out.stderr
-    assert_tensors_equal(load_state(tmp_path / "results/tiny/checkpoints/step_0000003"),
-                         load_state(tmp_path / "results/det/checkpoints/step_0000003"))

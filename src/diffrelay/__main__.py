@@ -1,5 +1,5 @@
 """`python -m diffrelay` is the same as the `diffrelay` console script."""
 
-from diffrelay.cli import main
+from diffrelay.cli import entry
 
-raise SystemExit(main())
+entry()

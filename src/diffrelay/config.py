@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -21,8 +22,10 @@ SCHEMA_FILE = "config.schema.yaml"
 MAX_WIDTH = 16384  # channels at a UNet's widest level; more is a typo, not a model
 
 
+@functools.cache  # parsed once a process, by libyaml where PyYAML has it (5 ms, not 55); callers only read it
 def load_schema() -> dict:
-    return yaml.safe_load(resources.files("diffrelay").joinpath(SCHEMA_FILE).read_text())
+    text = resources.files("diffrelay").joinpath(SCHEMA_FILE).read_text()
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 class Config:
@@ -58,6 +61,7 @@ def _is_strict_integer(checker, instance) -> bool:
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
+@functools.cache
 def _filling_validator():
     # Same idea as snakemake.utils.validate(set_default=True): fill each property's default, then descend.
     base = jsonschema.Draft202012Validator
@@ -264,8 +268,6 @@ def snapshot_steps(cfg: Config, start: int, end: int) -> list[int]:
 
 def section_hash(cfg: Config, *sections: str) -> str:
     """A short stable hash of some sections: a Snakemake param that reruns a stage when they change."""
-    import hashlib
-
     blob = json.dumps({s: cfg.to_dict()[s] for s in sections}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -273,8 +275,6 @@ def section_hash(cfg: Config, *sections: str) -> str:
 def data_hash(cfg: Config) -> str:
     """section_hash of `data` without the keys that do not change the dataset's bytes (data.workers):
     a Snakemake param that rebuilds the dataset only when its content would change."""
-    import hashlib
-
     data = trajectory(cfg)["data"]
     if _latent(data):  # the files differ (pixels kept or not) and may come from other weights
         data = data | {k: cfg.to_dict()["data"][k] for k in ("encoder_path", "keep_images")}
@@ -375,8 +375,6 @@ def trajectory(cfg) -> dict:
 
 
 def _hash(t: dict) -> str:
-    import hashlib
-
     blob = {"seed": t["run"]["seed"], "data": t["data"], "model": t["model"], "train": t["train"]}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 

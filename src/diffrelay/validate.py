@@ -38,12 +38,15 @@ def forward_cost(cfg: config.Config, params: int, classes: int) -> str:
 
     channels, side = preflight.net_geometry(cfg)
     model = cfg.to_dict()["model"]
+    from diffrelay.nets.registry import CPU_CHECK_MAX_PARAM_PIXELS
+
     too_big = f"{params / 1e6:.0f} M parameters" if params > cost.CPU_MAX_PARAMS else None
+    small = params * side ** 2 <= CPU_CHECK_MAX_PARAM_PIXELS
     # check_network imported a user's module already, outside any device context (nets.registry's note).
     build = lambda: objectives.build(model, side, classes, channels)  # noqa: E731
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
-            flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big)["forward"]
+            flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big, cpu_first=small)["forward"]
     except UserError as e:
         return f"FLOPs not available: {e}"
     # FlopCounterMode counts 2 per multiply-add; DiT's "Gflops" (Table 4) and edm2's count_flops.py count

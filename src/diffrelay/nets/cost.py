@@ -16,10 +16,12 @@ Imports the base modules only (errors).
 
 import contextlib
 import itertools
+import sys
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from diffrelay.errors import UserError
@@ -41,10 +43,29 @@ def macs(flops: float) -> float:
 
 
 @contextlib.contextmanager
+def _dispatch_without_dynamo():
+    """torch wraps a dispatch mode's __torch_dispatch__ in torch._disable_dynamo, whose first call imports
+    torch._dynamo (about 1 s here, most of `diffrelay validate`'s start-up) only to keep torch.compile out of
+    the mode. Nothing is compiled while FLOPs are counted, so for that time the wrapper finds its cached
+    result already set (the function itself) and calls it directly; torch's own wrapper returns afterwards.
+    Where torch lays this out otherwise, nothing is changed and the import simply happens."""
+    raw = getattr(getattr(flop_counter, "_FlopCounterMode", None), "__torch_dispatch__", None)
+    raw = getattr(raw, "__wrapped__", None)
+    if raw is None or "torch._dynamo" in sys.modules or hasattr(raw, "__dynamo_disable"):
+        yield
+        return
+    setattr(raw, "__dynamo_disable", raw)
+    try:
+        yield
+    finally:
+        delattr(raw, "__dynamo_disable")
+
+
+@contextlib.contextmanager
 def _counting():
     # Attention through the math backend, two counted matmuls: FlopCounterMode has no formula for the CPU's fused
     # kernel (_scaled_dot_product_flash_attention_for_cpu), which it would count as 0.
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    with _dispatch_without_dynamo(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         yield counter
 
 
@@ -80,14 +101,18 @@ def training_flops_per_image(net: nn.Module, x_shape: tuple, num_classes: int = 
     return forward, counter.get_total_flops()
 
 
-def measure(build, x_shape: tuple, num_classes: int = 0, train: bool = False, cpu: str | None = None) -> dict:
+def measure(build, x_shape: tuple, num_classes: int = 0, train: bool = False, cpu: str | None = None,
+            cpu_first: bool = False) -> dict:
     """Build the network with build() on the meta device and count it (forward_flops, or with train also
     training_flops_per_image); when that fails, on the CPU unless `cpu` says why not (a large network).
+    `cpu_first`: a small network, counted on the CPU first (the same count; no meta references to import).
     Returns {"forward", "train" (None unless train), "device"}; raises UserError with one line."""
+    from diffrelay.nets.registry import on_device
+
     errors = []
-    for device in ("meta",) if cpu else ("meta", "cpu"):
+    for device in ("meta",) if cpu else ("cpu", "meta") if cpu_first else ("meta", "cpu"):
         try:
-            with torch.device(device):
+            with on_device(device):
                 net = build()
             if train:
                 forward, total = training_flops_per_image(net, x_shape, num_classes)

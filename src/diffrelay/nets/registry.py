@@ -17,6 +17,7 @@ import traceback
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import diffrelay
 from diffrelay.errors import UserError
@@ -27,6 +28,40 @@ BUILDERS = {"ddpmpp": edm.build_ddpmpp, "ncsnpp": edm.build_ncsnpp, "adm": edm.b
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
 LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
                       *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+# Random fills of a tensor. On the meta device they have no kernel: torch runs its Python reference, whose
+# first call imports torch._dynamo (about 1 s here), for values a meta tensor does not hold.
+_RANDOM_FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
+                 torch.Tensor.bernoulli_, torch.Tensor.cauchy_, torch.Tensor.geometric_, torch.Tensor.log_normal_}
+
+# A built-in network of at most this many parameters x pixels of one image (a bound on a convolutional
+# network's multiply-adds per image) is checked on the CPU with real tensors: its forward pass there costs
+# less than the import of torch._dynamo that meta's Python references need, and it bounds-checks indices.
+CPU_CHECK_MAX_PARAM_PIXELS = 1_000_000_000
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Initialisation (torch.nn.init, Tensor.normal_ and the other fills) of a meta tensor does nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if isinstance(target, torch.Tensor) and target.is_meta and (
+                func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"):
+            return target
+        return func(*args, **kwargs)
+
+
+def on_device(device: str | None):
+    """torch's default device set to `device` (nothing when None); on meta, initialisation skipped."""
+    if not device:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device(device))
+    if torch.device(device).type == "meta":
+        stack.enter_context(_SkipInitOnMeta())
+    return stack
 
 
 class CodeError(UserError):
@@ -160,7 +195,7 @@ def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, nu
     contract = {"resolution": resolution, "in_channels": in_channels, "num_classes": num_classes}
     # Imported outside the device context: a module-level tensor made on the meta device would stay there.
     fn, root = (BUILDERS[arch], None) if is_builtin(arch) else _import(arch)
-    with torch.device(device) if device else contextlib.nullcontext():
+    with on_device(device):
         if is_builtin(arch):
             try:
                 net = fn(**contract, **kwargs)
@@ -202,9 +237,10 @@ def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None
                         "it must return a tensor shaped like its input")
 
 
-def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device) -> int:
-    """Build on `device` and run one forward pass on a batch of 2: class 0 and the null class K."""
-    net = build_network(arch, kwargs, resolution, in_channels, num_classes, device)
+def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, net=None) -> int:
+    """Build on `device` (unless `net` is built there already) and run one forward pass on a batch of 2: class
+    0 and the null class K."""
+    net = net or build_network(arch, kwargs, resolution, in_channels, num_classes, device)
     root = None if is_builtin(arch) else _package_root(arch.partition(":")[0])
     shape, k = (2, in_channels, resolution, resolution), num_classes
     with torch.device(device):
@@ -239,13 +275,16 @@ def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, 
     The meta device costs no memory and no weights, but it does not bounds-check indices (an embedding of K
     rows takes label K there) and cannot run data-dependent Python or ops without a meta kernel. So a
     user's conditional network, and any user network the meta pass fails on, is built and run on the CPU
-    with real tensors. The built-in networks' null class is covered by tests, so they stay on meta."""
+    with real tensors. The built-in networks' null class is covered by tests, so they stay on meta, unless
+    they are small enough (CPU_CHECK_MAX_PARAM_PIXELS) that a real pass is the cheaper one."""
     arch, kwargs = arch_kwargs(model_cfg)
     if checkpointing:
         enable_checkpointing(build_network(arch, kwargs, resolution, in_channels, num_classes, "meta"), arch)
     if is_builtin(arch) or not num_classes:
         try:
-            return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta")
+            net = build_network(arch, kwargs, resolution, in_channels, num_classes, "meta")
+            if num_params(net) * resolution ** 2 > CPU_CHECK_MAX_PARAM_PIXELS:
+                return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta", net)
         except CodeError:
             pass  # a real pass answers the same question, and its error is the one to report
     return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu")

@@ -12,6 +12,8 @@ import contextlib
 import inspect
 import json
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +36,8 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resu
 def _find_start(run_dir: Path, until: int, init, traj: str, log):
     """Checkpoint to resume from: --init, or a newer recovery/segment checkpoint of the same trajectory.
 
-    Returns (step, path, state, meta); (0, None, None, None) to start from scratch. A corrupt
-    checkpoint named by --init is an error; a corrupt one found by search is skipped with a warning,
-    so the previous good checkpoint stays usable.
-    """
+    Returns (step, path, state, meta); (0, None, None, None) to start from scratch. A corrupt checkpoint named
+    by --init is an error; a corrupt one found by search is skipped with a warning (the previous one stays)."""
     floor, found = -1, []
     if init:
         init = Path(init)
@@ -87,8 +87,6 @@ def _check_resume(cfg, path, meta, data, traj: str) -> None:
 
 def _check_writable(run_dir: Path) -> None:
     """Fail at once, on every rank alike, when the run folder cannot take checkpoints."""
-    import tempfile
-
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=run_dir / "checkpoints"):
@@ -107,8 +105,6 @@ def _meta(cfg, step, data, traj) -> dict:
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:
-    import shutil
-
     for _, path in checkpoint.list_checkpoints(folder)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -159,11 +155,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         log.info(f"resumed from {start_path} at step {step}")
     else:
         log.info("starting from scratch")
-    # Gradients live in DDP's buckets (no second copy: 2.7 GB for DiT-XL/2); the buffers are constants, so
-    # nothing is broadcast before each forward.
-    ddp = DDP(st.net, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-              **_NO_BUFFER_SYNC)  # no_sync only
-    model = speed.compile_model(ddp, t.compile, cfg.run.resources, t.threads)  # forward/backward
+    ddp = _wrap(st.net, device, world, t.compile)  # no_sync only; None: one process, nothing to all-reduce
+    model = speed.compile_model(ddp or st.net, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
     def save(path, at_step, **extra_meta):
         checkpoint.save_checkpoint(path, st.state_dict(at_step), _meta(cfg, at_step, data, traj) | extra_meta)
@@ -249,6 +242,14 @@ _NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in 
                    else {"broadcast_buffers": False})
 
 
+def _wrap(net, device, world: int, compiled: bool):
+    """DDP (gradients in its buckets: no second copy; no buffer broadcast: they are constants), or None for one
+    process without train.compile: nothing to all-reduce, and DDP's constructor imports torch._dynamo (1-2 s)."""
+    if world > 1 or compiled:  # compiled: the compile cache holds the wrapper's graph
+        return DDP(net, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+                   **_NO_BUFFER_SYNC)
+
+
 def _set_up(cfg, dataset_dir):
     """(device, logger, dataset): the process group joined, backends set, batch arithmetic checked."""
     t = cfg.train
@@ -297,7 +298,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
     for k, ((images, labels, rnd, noise), (drop, flip)) in enumerate(zip(batch.rounds, batch.masks, strict=True)):
         images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
         images, augment_labels = batch.augmented(k, images)  # EDM: the pipe on the clean images, before the noise
-        sync = contextlib.nullcontext() if k == t.grad_accum - 1 else ddp.no_sync()
+        sync = contextlib.nullcontext() if k == t.grad_accum - 1 or ddp is None else ddp.no_sync()
         with sync, distributed.peers("gradient all-reduce"), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = objectives.loss(cfg, model, images, labels if data.num_classes else None, rnd, noise,
