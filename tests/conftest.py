@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs written to a temp folder, the venv's executables on PATH."""
 
+import collections
 import json
 import os
 import subprocess
@@ -149,11 +150,20 @@ def pytest_collection_modifyitems(config, items):
         if not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
     shared = {item for users in sharing.values() for item in users}
-    # Stable: tests of equal rank keep their order.
-    items.sort(key=lambda item: (item.get_closest_marker("slurm") is None, -DURATIONS.get(item.nodeid, 0)))
+    group = {}
     for item in items:
         module = item.module.__name__ if item.module else ""
         if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            group[item] = "slurm"
         elif module == "test_faults" or item in shared:
-            item.add_marker(pytest.mark.xdist_group(module))
+            group[item] = module
+        if item in group:
+            item.add_marker(pytest.mark.xdist_group(group[item]))
+    # A group's tests stay together, in their own order (its module's fixtures are built once, with or without
+    # xdist); groups and single tests go longest first (a group by its total).
+    total = collections.Counter()
+    for item in items:
+        total[group.get(item, item.nodeid)] += DURATIONS.get(item.nodeid, 0)
+    place = {item: k for k, item in enumerate(items)}
+    items.sort(key=lambda item: (group.get(item) != "slurm", -total[group.get(item, item.nodeid)],
+                                 group.get(item, item.nodeid), place[item]))

@@ -26,8 +26,10 @@ def read_junit(path) -> dict[str, float]:
     """{node id: seconds} of every test case in a pytest --junitxml report (its default "total" durations)."""
     out = {}
     for case in ET.parse(path).iter("testcase"):
-        module = case.get("classname", "").replace(".", "/")
-        out[f"{module}.py::{case.get('name')}"] = round(float(case.get("time") or 0), 1)
+        module, name = case.get("classname", "").replace(".", "/"), case.get("name", "")
+        if name.rfind("@") > name.rfind("]"):  # --dist loadgroup's "@group" suffix
+            name = name[:name.rfind("@")]
+        out[f"{module}.py::{name}"] = round(float(case.get("time") or 0), 1)
     return out
 
 
