@@ -19,14 +19,15 @@ demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES)
 
 # Two pytest-xdist workers, one per core of the project's machine; tests/conftest.py groups the tests that must
-# not share a worker's time slot (docs/development.md). WORKERS=0 runs everything in one process.
+# not share a worker's time slot and hands the longest out first (docs/development.md); xdist keeps that order
+# (--no-loadscope-reorder). WORKERS=0 runs everything in one process.
 WORKERS ?= 2
 
 test: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q -n $(WORKERS) --dist loadgroup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not slurm"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q -n $(WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow and not slurm"
 
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/run_all.py
