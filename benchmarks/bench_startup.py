@@ -42,7 +42,6 @@ Writes benchmarks/results/startup.json and prints markdown tables.
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -259,15 +258,9 @@ def warm_fid_seconds(images, ref, ext, repeats: int = 2) -> float:
 # ---------------------------------------------------------------------------------------------- main
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    from importlib.metadata import version
+    from bench_sample import machine as described  # the same record as the other benchmarks (imports torch)
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": version("torch"),
-            "platform": platform.platform(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    return described()
 
 
 def main():
