@@ -47,8 +47,8 @@ class _SkipInitOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if isinstance(target, torch.Tensor) and target.is_meta and (
-                func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"):
+        in_place_init = getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_")
+        if isinstance(target, torch.Tensor) and target.is_meta and (func in _RANDOM_FILLS or in_place_init):
             return target
         return func(*args, **kwargs)
 
