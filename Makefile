@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CORES  ?= 2
 
-.PHONY: install demo test test-fast bench lint docs clean
+.PHONY: install demo test test-fast bench gpu-bundle lint docs clean
 
 # constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
 $(STAMP): pyproject.toml constraints.txt
@@ -31,6 +31,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/run_all.py
+
+# The Python packages a lent GPU machine lacks, for benchmarks/gpu_smoke.py there (cp312 wheels, installed, stripped,
+# tar.xz; about 46 MiB of the 64 that travel). GPU_TORCHVISION fits that machine's torch (2.11 there).
+GPU_TORCHVISION ?= 0.26.0
+
+gpu-bundle: $(STAMP)
+	$(BIN)/python tools/gpu_bundle.py --out build/gpu-bundle.tar.xz --python-version 3.12 --torchvision $(GPU_TORCHVISION)
 
 # snakefmt and Snakemake's own linter on the workflow, ruff (pyproject's [tool.ruff] rules) on the Python.
 lint: $(STAMP)

@@ -2,11 +2,19 @@
 and the scaling of training from 1 to N GPUs.
 
   python benchmarks/bench_gpu.py [--steps 200] [--batch 256] [--fid-images 10000] [--extractor random]
+      [--cases unet,dit,eval,ditxl,scaling] [--device cuda]
 
 Without a CUDA device it prints one line and exits with status 2, writing nothing (run_all.py does not
-call it). Cases, all at 32x32 on synthetic data (benchmarks/synthetic.py), bf16 autocast:
-  - unet: a CIFAR-sized UNet (128 channels, 3 levels, 2 blocks, attention at 16x16);
-  - dit:  DiT-S/2 (model.arch: dit, kwargs {size: S, patch: 2}).
+call it); --device cpu is a dry run of the same code at whatever sizes are given (no MFU). Imports only
+the standard library and torch at the top: benchmarks/gpu_smoke.py runs it on a bare machine, with its
+bundle on PYTHONPATH, and every stage as `python -m diffrelay`. Cases, bf16 autocast:
+  - unet: a CIFAR-sized UNet (128 channels, 3 levels, 2 blocks, attention at 16x16), 32x32 synthetic data
+    (benchmarks/synthetic.py);
+  - dit:  DiT-S/2 (model.arch: dit, kwargs {size: S, patch: 2}), the same data;
+  - ditxl: DiT-XL/2 as config/examples/dit-xl2-imagenet256.yaml (ddpm objective, learned sigma), on 256 px
+    latents (4 x 32 x 32) that `diffrelay prepare` encodes with a small random AutoencoderKL (factor 8), with
+    --ditxl-batch images a step; then `diffrelay sample` of it with 250 DDPM steps and CFG 1.5, TF32 on and
+    off (sample.tf32).
 For each case: `diffrelay train` (one segment, the train.* speed switches given by --fast) against a bare
 loop with the same network, batch, optimizer, clipping and EMA (no DDP, no logging, no checkpoint);
 model FLOP utilisation = FLOPs of one training step, counted by torch.utils.flop_counter.FlopCounterMode,
@@ -26,12 +34,9 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 HERE = Path(__file__).resolve().parent
-BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
-from synthetic import write_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, no sparsity), matched by name.
 # First match wins, so the more specific names come first.
@@ -40,7 +45,11 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H2
 UNET = {"channels": 128, "channel_mult": [1, 2, 2], "num_blocks": 2, "attn_resolutions": [16], "dropout": 0.0,
         "class_conditional": True}
 DIT = {"arch": "dit", "kwargs": {"size": "S", "patch": 2}, "class_conditional": True}
+# config/examples/dit-xl2-imagenet256.yaml's network and objective.
+DITXL = {"arch": "dit", "kwargs": {"size": "XL", "patch": 2, "out_channels": 8, "time_scale": 1},
+         "class_conditional": True, "objective": "ddpm"}
 FAST = {"tf32": True, "channels_last": True, "fused_optimizer": "auto"}
+DEVICE = "cuda"  # --device
 
 
 def peak_flops(name: str):
@@ -48,86 +57,143 @@ def peak_flops(name: str):
 
 
 def run(*cmd, **kw):
-    p = subprocess.run([str(BIN / "diffrelay"), *map(str, cmd)], capture_output=True, text=True, **kw)
+    # `python -m diffrelay`: the console script exists only in a pip-installed environment.
+    p = subprocess.run([sys.executable, "-m", "diffrelay", *map(str, cmd)], capture_output=True, text=True, **kw)
     if p.returncode:
         sys.exit(f"diffrelay {' '.join(map(str, cmd))} failed:\n{p.stderr[-3000:]}")
     return p
 
 
-def step_flops(net, batch, res, classes) -> int:
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_flops(cfg, net, x, labels) -> int:
     """FLOPs of one training step's forward and backward (the optimizer's are negligible)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrelay.objectives import edm
+    from diffrelay import objectives
 
-    x = torch.randn(batch, 3, res, res, device="cuda")
-    labels = torch.randint(0, classes, (batch,), device="cuda")
-    with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
-        edm.loss(net, x, labels, torch.randn(batch, device="cuda"), torch.randn_like(x), -1.2, 1.2, 0.5).backward()
+    with FlopCounterMode(display=False) as counter, torch.autocast(DEVICE, dtype=torch.bfloat16):
+        objectives.loss(cfg, net, x, labels, torch.randn(len(x), device=DEVICE), torch.randn_like(x)).backward()
     net.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 
 
-def bare_loop(model_cfg, data_dir, args) -> tuple[float, int]:
-    """(steady steps/s, FLOPs per step) of the plainest loop doing the same work on the GPU."""
-    import numpy as np
-
-    from diffrelay import config
-    from diffrelay.data import datasets
-    from diffrelay.objectives import edm
+def bare_loop(cfg_dict, data_dir, args) -> tuple[float, int]:
+    """(steady steps/s, FLOPs per step) of the plainest loop doing the same work on the device: the same
+    network, objective, batch, optimizer, clipping and EMA; its batches are random tensors of the dataset's
+    shape already on the device (no loader, no DDP, no logging, no checkpoint)."""
+    from diffrelay import config, objectives
     from diffrelay.runtime import speed
     from diffrelay.training import optim
 
-    t = config.Config(config.validate({"train": {"batch_size": args.batch, "precision": "bf16", **FAST}})).train
-    speed.set_backends(torch.device("cuda"), t.tf32)
+    cfg = config.Config(config.validate(cfg_dict))
+    t, device = cfg.train, torch.device(DEVICE)
+    speed.set_backends(device, t.tf32)
     torch.set_num_threads(t.threads)  # as `diffrelay train` does: the same host threads on both sides
     torch.manual_seed(0)
-    data = datasets.open_prepared(data_dir)
-    images = (torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1).cuda()
-    labels = torch.from_numpy(np.asarray(data.labels)).cuda()
-    full = config.validate({"model": model_cfg})["model"]
-    net = speed.to_memory_format(edm.build(full, data.resolution, data.num_classes).cuda(), t.channels_last)
-    flops = step_flops(net, args.batch, data.resolution, data.num_classes)
+    info = json.loads((Path(data_dir) / "dataset.json").read_text())
+    latent, res, classes = info.get("latent"), info["resolution"], info["num_classes"]
+    shape = (3, res, res) if latent is None else (latent["channels"], res // latent["factor"], res // latent["factor"])
+    net = objectives.build(cfg.to_dict()["model"], shape[1], classes, shape[0]).to(device)
+    net = speed.to_memory_format(net, t.channels_last)
+    batch = t.batch_size
+    x = torch.randn(batch, *shape, device=device)
+    labels = torch.randint(0, classes, (batch,), device=device) if classes else None
+    flops = step_flops(cfg, net, x, labels)
     ema = optim.EMA(net, t.ema_decays)
-    opt = optim.build_optimizer(net.parameters(), t, fused=True)
+    opt = optim.build_optimizer(net.parameters(), t, fused=DEVICE == "cuda")
     warm = args.steps // 4
     for step in range(args.steps):
         if step == warm:
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
-        idx = torch.randint(0, len(images), (args.batch,), device="cuda")
-        rnd, noise = torch.randn(args.batch, device="cuda"), torch.randn_like(images[idx])
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = edm.loss(net, images[idx], labels[idx], rnd, noise, t.p_mean, t.p_std, 0.5)
+        rnd, noise = torch.randn(batch, device=device), torch.randn_like(x)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = objectives.loss(cfg, net, x, labels, rnd, noise)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         ema.update(net, step)
-    torch.cuda.synchronize()
+    sync()
     return (args.steps - warm) / (time.perf_counter() - t0), flops
 
 
-def train_case(name, model_cfg, tmp: Path, data_dir, args, peak) -> dict:
+def write_config(tmp: Path, name: str, cfg: dict) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(json.dumps(cfg))  # YAML is a superset of JSON: no yaml import on a bare machine
+    return path
+
+
+def run_config(name, model_cfg, tmp: Path, args, data=None, train=None, batch=None) -> dict:
+    sample = {"solver": "ddpm", "steps": args.ditxl_steps} if model_cfg.get("objective") == "ddpm" else {}
+    return {"sample": sample, "run": {"name": name, "results": str(tmp), "resources": str(tmp / "resources"), "device": DEVICE},
+            "data": data or {"kind": "shapes", "resolution": 32, "count": args.images}, "model": model_cfg,
+            "train": {"total_steps": args.steps, "segment_steps": args.steps, "batch_size": batch or args.batch,
+                      "precision": "bf16", "log_every": args.steps // 4, "warmup_steps": 0, **FAST, **(train or {})}}
+
+
+def train_case(name, model_cfg, tmp: Path, data_dir, args, peak, data=None, train=None, batch=None) -> dict:
     from diffrelay import logs
 
-    bare, flops = bare_loop(model_cfg, data_dir, args)
-    cfg = {"run": {"name": name, "results": str(tmp), "resources": str(tmp / "resources"), "device": "cuda"},
-           "data": {"kind": "shapes", "resolution": 32, "count": args.images}, "model": model_cfg,
-           "train": {"total_steps": args.steps, "segment_steps": args.steps, "batch_size": args.batch,
-                     "precision": "bf16", "log_every": args.steps // 4, "warmup_steps": 0, **FAST}}
-    cfg_path = tmp / f"{name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
+    cfg = run_config(name, model_cfg, tmp, args, data, train, batch)
+    bare, flops = bare_loop(cfg, data_dir, args)
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()  # the bare loop's cached blocks would leave `diffrelay train` short (DiT-XL/2)
+    cfg_path = write_config(tmp, name, cfg)
     run("train", "--config", cfg_path, "--until-step", args.steps, "--dataset", data_dir)
     records = [r for r in logs.read_jsonl(tmp / name / "metrics" / "train.jsonl") if "steps_per_s" in r]
     ours = sum(r["steps_per_s"] for r in records[1:]) / len(records[1:])  # the first window holds the warm-up
+    images = cfg["train"]["batch_size"]
     row = {"bare_steps_per_s": round(bare, 3), "diffrelay_steps_per_s": round(ours, 3), "ratio": round(ours / bare, 3),
-           "images_per_s": round(ours * args.batch, 1), "flops_per_step": flops,
+           "batch": images, "images_per_s": round(ours * images, 1), "flops_per_step": flops,
            "mfu_diffrelay": round(flops * ours / peak, 4) if peak else None,
            "mfu_bare": round(flops * bare / peak, 4) if peak else None,
-           "snapshot": str(tmp / name / "snapshots" / f"step_{args.steps:07d}.safetensors")}
+           "snapshot": str(tmp / name / "snapshots" / f"step_{args.steps:07d}.safetensors"), "config": str(cfg_path)}
     print(f"{name}: bare {bare:.2f} step/s | diffrelay {ours:.2f} step/s ({ours / bare:.3f}x) | "
           f"{flops / 1e9:.1f} GFLOP/step | MFU {row['mfu_diffrelay'] if peak else 'n/a (unknown peak)'}", flush=True)
+    return row
+
+
+def tiny_vae(folder: Path) -> Path:
+    """A random diffusers AutoencoderKL with SD's layout at small width: 4 latent channels, factor 8."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32, 32, 32, 32), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=8, sample_size=256).save_pretrained(folder)
+    return folder
+
+
+def ditxl_case(tmp: Path, args, peak) -> dict:
+    """DiT-XL/2 on 256 px latents: training against the bare loop, then 250-step DDPM sampling with CFG, TF32
+    on and off."""
+    data = {"kind": "shapes", "resolution": args.ditxl_res, "count": args.ditxl_images, "encoder": "sd-vae",
+            "encoder_path": str(tiny_vae(tmp / "vae")), "latent_norm": "dit"}
+    prep = write_config(tmp, "ditxl_data", run_config("ditxl_data", DITXL, tmp, args, data))
+    t0 = time.perf_counter()
+    run("prepare", "--config", prep, "--out", tmp / "ditxl_dataset")
+    encode_s = time.perf_counter() - t0
+    model = {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
+    row = train_case("ditxl", model, tmp, tmp / "ditxl_dataset", args, peak, data,
+                     {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False}, args.ditxl_batch)
+    row |= {"model": model, "encode_images": args.ditxl_images, "prepare_seconds": round(encode_s, 2)}
+    for tf32 in (True, False):
+        out = tmp / f"ditxl_samples_tf32_{tf32}"
+        run("sample", "--config", row["config"], "--snapshot", row["snapshot"], "--out", out, "--num-images",
+            args.ditxl_samples, "--batch-size", args.ditxl_samples, "--steps", args.ditxl_steps, "--solver", "ddpm",
+            "--guidance", 1.5, "--ddpm-guided-channels", 3, "--tf32" if tf32 else "--no-tf32")
+        m = json.loads((out / "manifest.json").read_text())
+        row[f"sample_images_per_s_tf32_{'on' if tf32 else 'off'}"] = m["images_per_s"]
+        print(f"ditxl sampling ({args.ditxl_steps} DDPM steps, CFG 1.5, tf32 {tf32}): {m['images_per_s']:.3f} img/s",
+              flush=True)
+    row["sample"] = {"images": args.ditxl_samples, "steps": args.ditxl_steps, "guidance": 1.5, "precision": "fp32"}
+    row.pop("snapshot"), row.pop("config")
     return row
 
 
@@ -135,7 +201,7 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     """`diffrelay sample` of --fid-images images, then `diffrelay fid` on them, each timed."""
     out = tmp / "samples"
     run("sample", "--snapshot", snapshot, "--out", out, "--num-images", args.fid_images, "--batch-size", 500,
-        "--precision", "bf16")
+        "--precision", "bf16", "--tf32")
     sampled = json.loads((out / "manifest.json").read_text())
     # fid-ref reads the prepared images.npy itself: no PNG of the training set is needed.
     extractor, ref = tmp / "extractor.pt", tmp / "ref.npz"
@@ -143,7 +209,7 @@ def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     run("fid-ref", "--dataset", data_dir, "--extractor", extractor, "--num", args.fid_images, "--out", ref)
     t0 = time.perf_counter()
     run("fid", "--images", out, "--ref", ref, "--extractor", extractor, "--batch-size", 500, "--threads", 8,
-        "--out", tmp / "fid.json")
+        "--device", DEVICE, "--out", tmp / "fid.json")
     fid_s = time.perf_counter() - t0
     print(f"sampling {sampled['images_per_s']:.1f} img/s | fid of {args.fid_images} images {fid_s:.1f} s", flush=True)
     return {"sample_images_per_s": sampled["images_per_s"], "sample_steps": sampled["steps"],
@@ -158,13 +224,8 @@ def scaling_case(tmp: Path, data_dir, args) -> dict:
     rows, counts = {}, [n for n in (1, 2, 4, 8, 16) if n <= torch.cuda.device_count()]
     for n in counts:
         name = f"scale{n}"
-        cfg = {"run": {"name": name, "results": str(tmp), "resources": str(tmp / "resources"), "device": "cuda"},
-               "data": {"kind": "shapes", "resolution": 32, "count": args.images}, "model": UNET,
-               "train": {"total_steps": args.steps, "segment_steps": args.steps, "batch_size": per_gpu * n,
-                         "nproc_per_node": n, "precision": "bf16", "log_every": args.steps // 4, "warmup_steps": 0,
-                         **FAST}}
-        path = tmp / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
+        path = write_config(tmp, name, run_config(name, UNET, tmp, args, train={"nproc_per_node": n},
+                                                  batch=per_gpu * n))
         run("launch", "--standalone", "--nproc-per-node", n, "-m", "diffrelay", "train", "--config", path,
             "--until-step", args.steps, "--dataset", data_dir)
         records = [r for r in logs.read_jsonl(tmp / name / "metrics" / "train.jsonl") if "steps_per_s" in r]
@@ -177,35 +238,60 @@ def scaling_case(tmp: Path, data_dir, args) -> dict:
 
 
 def main():
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="training steps per measurement (a multiple of 4)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--images", type=int, default=50000, help="synthetic training images")
     ap.add_argument("--fid-images", type=int, default=10000)
     ap.add_argument("--extractor", default="random", help="random (offline) or inception (downloads once)")
+    ap.add_argument("--cases", default="unet,dit,eval,ditxl,scaling", help="which measurements, comma-separated")
+    ap.add_argument("--ditxl-size", default="XL", help="DiT size of the ditxl case (S for a dry run)")
+    ap.add_argument("--ditxl-batch", type=int, default=128)
+    ap.add_argument("--ditxl-res", type=int, default=256, help="pixels; latents are a factor 8 smaller")
+    ap.add_argument("--ditxl-images", type=int, default=1024, help="images encoded for the ditxl case")
+    ap.add_argument("--ditxl-samples", type=int, default=32, help="images sampled, TF32 on and off")
+    ap.add_argument("--ditxl-steps", type=int, default=250)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the code")
     ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"), help="where the JSON goes")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    DEVICE, cases = args.device, set(args.cases.split(","))
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); nothing measured, "
               "nothing written. Run it on a GPU machine.", file=sys.stderr)
         sys.exit(2)
-    device = torch.cuda.get_device_name(0)
-    peak = peak_flops(device)
+    from synthetic import write_dataset
+
+    device = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+    peak = peak_flops(device) if DEVICE == "cuda" else None
     result = {"command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:]), "device": device,
-              "peak_bf16_flops": peak, "torch": torch.__version__, "batch": args.batch, "resolution": 32,
-              "switches": FAST | {"precision": "bf16"}}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        data_dir = write_dataset(tmp / "data", args.images, 32)
-        result["unet"] = train_case("unet", UNET, tmp, data_dir, args, peak) | {"model": UNET}
-        result["dit"] = train_case("dit", DIT, tmp, data_dir, args, peak) | {"model": DIT}
-        result["dit"].pop("snapshot")
-        result["eval"] = eval_case(result["unet"].pop("snapshot"), data_dir, tmp, args)
-        result["scaling"] = (scaling_case(tmp, data_dir, args) if torch.cuda.device_count() > 1
-                             else "not measured: one GPU")
+              "peak_bf16_flops": peak, "torch": torch.__version__, "cuda": torch.version.cuda, "batch": args.batch,
+              "resolution": 32, "switches": FAST | {"precision": "bf16"}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def save():  # after every case: a run cut short keeps what it measured
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data_dir = write_dataset(tmp / "data", args.images, 32) if cases & {"unet", "dit", "eval"} else None
+        snapshot = None
+        for case in args.cases.split(","):  # in the order given: the first ones are measured even if cut short
+            if case in ("unet", "dit"):
+                model = UNET if case == "unet" else DIT
+                result[case] = train_case(case, model, tmp, data_dir, args, peak) | {"model": model}
+                snapshot = result[case].pop("snapshot") if case == "unet" else snapshot
+                result[case].pop("config"), result[case].pop("snapshot", None)
+            elif case == "eval" and snapshot:
+                result["eval"] = eval_case(snapshot, data_dir, tmp, args)
+            elif case == "ditxl":
+                result["ditxl"] = ditxl_case(tmp, args, peak)
+            save()
+        if "scaling" in cases:
+            result["scaling"] = (scaling_case(tmp, data_dir, args) if DEVICE == "cuda" and
+                                 torch.cuda.device_count() > 1 else "not measured: one GPU")
+    save()
     print(f"wrote {out}")
 
 

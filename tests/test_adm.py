@@ -213,6 +213,74 @@ def test_float16_distances_are_coarser_and_fall_back_when_they_overflow():
         big, fake * 100, row_batch_size=64, distances="float32")
 
 
+def numpy_path(real, fake, k, mode, rows, cols):
+    """Radii, memberships and precision/recall from adm.pairwise_distances (NumPy) in the evaluator's blocks."""
+    def radii(x):
+        d = np.concatenate([np.concatenate([adm.pairwise_distances(x[r:r + rows], x[c:c + cols], mode)
+                                            for c in range(0, len(x), cols)], 1) for r in range(0, len(x), rows)])
+        return np.partition(d, k, axis=1)[:, k]
+    r_real, r_fake = radii(real), radii(fake)
+    d = adm.pairwise_distances(real, fake, mode)
+    fake_in, real_in = np.any(d <= r_real[:, None], axis=0), np.any(d <= r_fake[None, :], axis=1)
+    return r_real, r_fake, fake_in, real_in
+
+
+@pytest.mark.parametrize("mode", ["float16", "float32"])
+def test_torch_blocks_equal_the_numpy_path_where_ties_decide(mode):
+    """Small integer features: every operation is exact in float16 and float32, whatever the summation order,
+    so the torch blocks must give the NumPy path's values bit for bit. Duplicate points and equal distances
+    make k-th neighbour ties and points exactly on a radius, split across blocks by the odd batch sizes."""
+    rng = np.random.default_rng(11)
+    real = rng.integers(0, 4, (90, 5)).astype(np.float32)
+    fake = rng.integers(0, 4, (70, 5)).astype(np.float32) + np.float32(1)
+    real[10:14] = real[3]  # four copies: radii of 0 at k = 3
+    for rows, cols in ((10000, 10000), (7, 13)):
+        r_real, r_fake, fake_in, real_in = numpy_path(real, fake, 3, mode, rows, cols)
+        torch_radii = adm.manifold_radii(real, 3, rows, cols, mode, device="cpu")
+        np.testing.assert_array_equal(torch_radii, r_real)
+        assert torch_radii[3] == 0 and r_real.dtype == torch_radii.dtype == np.float32
+        np.testing.assert_array_equal(adm.manifold_radii(fake, 3, rows, cols, mode, device="cpu"), r_fake)
+        ins = adm.in_manifolds(real, r_real, fake, r_fake, rows, cols, mode, device="cpu")
+        np.testing.assert_array_equal(ins[0], fake_in)
+        np.testing.assert_array_equal(ins[1], real_in)
+        d = adm.pairwise_distances(real, fake, mode)
+        assert np.any(d == r_real[:, None]) and 0 < fake_in.mean() < 1 and 0 < real_in.mean() < 1  # ties decide
+        assert adm.precision_recall(real, fake, 3, rows, cols, mode, device="cpu") == (fake_in.mean(), real_in.mean())
+
+
+def test_torch_blocks_match_the_numpy_blocks_within_a_rounding_step():
+    """Pool-sized features: the torch and NumPy (OpenBLAS) matmuls and row sums add in different orders. In
+    float32 a distance moves by float32 rounding (1e-6 of the largest squared norm, as above); in float16 only
+    where that crosses a float16 rounding boundary (under 0.1 % of the distances), by at most two float16 steps
+    at the largest |u|^2 + |v|^2 (u.v one step apart moves 2 u.v by a step at that scale, and the sum after it may
+    round the other way once); seen: one step."""
+    import torch
+
+    real, fake = clouds(12, n_real=300, n_fake=260, d=2048, latent=16)
+    top = float((real.astype(np.float64) ** 2).sum(1).max() + (fake.astype(np.float64) ** 2).sum(1).max())
+    for mode in ("float16", "float32"):
+        ours = adm._block(torch.from_numpy(real), torch.from_numpy(fake), mode).numpy()
+        ref = adm.pairwise_distances(real, fake, mode)
+        assert ours.dtype == np.float32 and ours.shape == ref.shape
+        tol = 2 * float(np.spacing(np.float16(top))) if mode == "float16" else 1e-6 * top
+        assert np.abs(ours - ref).max() <= tol, mode
+        if mode == "float16":
+            assert np.mean(ours != ref) < 1e-3  # rare: the float32 difference must straddle a float16 boundary
+        r_real, r_fake, fake_in, real_in = numpy_path(real, fake, 3, mode, 10000, 10000)
+        assert adm.precision_recall(real, fake, distances=mode, device="cpu") == (fake_in.mean(), real_in.mean())
+
+
+def test_a_block_with_a_float16_overflow_is_computed_again_in_float32_in_torch():
+    import torch
+
+    real, fake = clouds(13, n_real=40, n_fake=30)
+    big = torch.from_numpy(real * 100)  # |u|^2 far beyond 65504
+    np.testing.assert_array_equal(adm._block(big, torch.from_numpy(fake), "float16").numpy(),
+                                  adm._block(big, torch.from_numpy(fake), "float32").numpy())
+    assert not np.array_equal(adm._block(torch.from_numpy(real), torch.from_numpy(fake), "float16").numpy(),
+                              adm._block(torch.from_numpy(real), torch.from_numpy(fake), "float32").numpy())
+
+
 def test_precision_recall_refuses_bad_features():
     real, fake = clouds(7, n_real=20, n_fake=20)
     with pytest.raises(UserError) as e:

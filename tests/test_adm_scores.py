@@ -188,6 +188,18 @@ def test_the_reference_images_features_are_cached_and_a_damaged_cache_is_remade(
     assert third["scores"][0]["precision"] == result["scores"][0]["precision"]
 
 
+def test_adm_precision_and_recall_run_on_the_scoring_device(net, scored, monkeypatch):
+    """The distance blocks go to the device the job scores on (a GPU in a real job), not to host NumPy."""
+    tmp, _, _, ref, result = scored
+    devices, real = [], adm.precision_recall
+    monkeypatch.setattr(adm, "precision_recall", lambda *a, **k: devices.append(k.get("device")) or real(*a, **k))
+    again = fid.score_all(tmp / "samples", [(net, ref)], "legacy_tensorflow", 16, device="cpu",
+                          metrics=["fid", "precision", "recall"], cache_dir=tmp / "cache")
+    assert devices == [torch.device("cpu")]
+    assert [again["scores"][0][k] for k in ("precision", "recall")] == [result["scores"][0][k]
+                                                                      for k in ("precision", "recall")]
+
+
 def test_without_metrics_the_result_is_what_it_was(net, scored):
     """fid.metrics unset: today's record (clean-fid's FID from mu/sigma, no sFID/IS), the ADM file read as
     mu/sigma statistics."""

@@ -58,3 +58,16 @@ def test_ranks_that_disagree_on_where_they_resume_stop_with_one_line(tmp_path):
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1) if (tmp_path / f"rank{r}.txt").exists()]
     assert len(lines) == 2 and all("ranks disagree on the step to resume from: 20 on some, 40 on others" in line
                                    and "\n" not in line for line in lines), (lines, p.stdout, p.stderr)
+
+
+def test_launch_passes_only_the_torchrun_options_this_torch_has(monkeypatch, capsys):
+    """torch 2.11's torchrun has no --shutdown-timeout (seen on the first GPU machine: every `diffrelay launch`
+    stopped at torchrun's usage line); launch then leaves it out and says what that costs."""
+    assert {"--signals-to-handle", "--standalone"} <= distributed.torchrun_options()
+    monkeypatch.setattr(distributed, "torchrun_options", lambda: {"--standalone", "--signals-to-handle"})
+    args = distributed.torchrun_args(["--standalone", "-m", "diffrelay", "train"])
+    assert "--shutdown-timeout" not in args and args[:2] == ["--signals-to-handle", distributed.SIGNALS]
+    assert "no --shutdown-timeout" in capsys.readouterr().err
+    monkeypatch.setattr(distributed, "torchrun_options", lambda: {"--shutdown-timeout", "--signals-to-handle"})
+    assert distributed.torchrun_args(["-m", "x"])[2:4] == ["--shutdown-timeout", str(distributed.SHUTDOWN_SECONDS)]
+    assert distributed.torchrun_args(["--shutdown-timeout=5", "-m", "x"]).count("--shutdown-timeout") == 0

@@ -171,6 +171,28 @@ def test_the_dataset_is_the_same_for_any_number_of_decoding_workers_and_without_
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
+def test_latent_prepare_spawns_its_decoding_processes(tmp_path, monkeypatch):
+    """The encoder is loaded (CUDA's threads on a GPU) and NCCL's threads run before the decoding processes
+    start: a fork would copy those threads' locks mid-use. The processes are spawned, and give the bytes of a
+    prepare without any. In process, so the start method can be watched."""
+    import multiprocessing
+
+    from diffrelay import cli, logs
+    from diffrelay.data import prepare
+
+    methods, real = [], multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: methods.append(method) or real(method))
+    monkeypatch.setattr(logs, "setup", lambda *a, **k: logs.get())  # leave the test process's logging alone
+    cfg = write(tmp_path, latent_config(tmp_path))
+    for workers, out in ((2, "two"), (1, "one")):  # 1: decoded in this process, no pool
+        args = cli.build_parser().parse_args(["prepare", "--config", str(cfg), "--workers", str(workers),
+                                              "--out", str(tmp_path / out)])
+        assert prepare.main(args) == 0
+    assert methods == ["spawn"]
+    for name in ("images.npy", "latents.npy", "latents_xflip.npy", "labels.npy"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
 # ---------------------------------------------------------------------------------------------
 # Training: a new draw of each latent every step, by global position
 

@@ -4,6 +4,8 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -65,6 +67,60 @@ def test_stopping_early_leaves_no_worker_process():
         assert next(results) == 0
         assert len(multiprocessing.active_children()) == 2
     assert multiprocessing.active_children() == []
+
+
+def pid_of(_):
+    return os.getpid()
+
+
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_spawned_processes_give_the_same_results_and_stop():
+    """start="spawn", for a caller with CUDA or NCCL threads (latent prepare)."""
+    out = list(parallel.ordered_map(slow_square, range(50), 3, chunk=4, processes=True, start="spawn"))
+    assert out == [x * x for x in range(50)]
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="'forkserver'; use 'fork' or 'spawn'"):
+        next(parallel.ordered_map(pid_of, range(4), 2, processes=True, start="forkserver"))
+
+
+KILLED = """
+import os, sys, time
+from diffrelay.runtime import parallel
+
+def pid_of(_):
+    time.sleep(0.01)
+    return os.getpid()
+
+if __name__ == "__main__":
+    results = parallel.ordered_map(pid_of, range(10000), 2, processes=True, start=sys.argv[1])
+    print(*{next(results) for _ in range(20)}, flush=True)
+    os._exit(137)  # killed mid-map, as prepare is by SIGKILL
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_killed_caller_leaves_no_worker_behind(tmp_path, start):
+    """The workers die with their parent. (A fork server's workers would not: they hold the server's lifeline
+    open, the server keeps them, and whoever reads the caller's output waits forever.)"""
+    (tmp_path / "killed.py").write_text(KILLED)
+    p = subprocess.run([sys.executable, str(tmp_path / "killed.py"), start], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 137, p.stderr
+    pids = set(map(int, p.stdout.split()))
+    assert len(pids) == 2 and os.getpid() not in pids
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if running(p)}
+        time.sleep(0.05)
+    assert not pids
 
 
 def test_cores_is_the_affinity_mask():

@@ -377,3 +377,25 @@ def test_a_first_seed_past_the_largest_is_one_line_and_leaves_no_folder(snap, tm
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert "--first-seed=18446744073709551616" in p.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sample_tf32_sets_the_backends_and_is_recorded(snap, tmp_path, monkeypatch):
+    """sample.tf32 (--tf32): fp32 matmuls and convolutions on TF32 or strict (PyTorch's default leaves cuDNN
+    convolutions on TF32), as train.tf32; the manifest records it, and on a CPU it changes no pixel."""
+    seen = []
+    real = sample.speed.set_backends
+    monkeypatch.setattr(sample.speed, "set_backends", lambda d, tf32, key: (seen.append((tf32, key)),
+                                                                             real(d, tf32, key)))
+    assert cli.main(sample_args(snap, tmp_path / "on", "--num-images", 4, "--steps", 2, "--tf32")) == 0
+    assert seen == [(True, "sample.tf32")]
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert cli.main(sample_args(snap, tmp_path / "off", "--num-images", 4, "--steps", 2)) == 0
+    assert seen[-1] == (False, "sample.tf32")  # the schema's default: strict, as train.tf32
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    on, off = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("on", "off"))
+    assert (on["tf32"], off["tf32"]) == (True, False)
+    # On a CPU the key is the one a folder had before sample.tf32: the folder is up to date either way.
+    assert sample.run(snap, tmp_path / "on", settings(num_images=4, steps=2))["tf32"] is True
+    assert folder_bytes(tmp_path / "on") == folder_bytes(tmp_path / "off")
+    with pytest.raises(SystemExit):
+        cli.main(sample_args(snap, tmp_path / "x", "--tf32", "maybe"))

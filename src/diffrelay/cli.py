@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs (sample.ema_decay); default the first")
     p.add_argument("--class-labels", help="balanced or a class index")
     p.add_argument("--precision", choices=["fp32", "bf16"])
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, help="sample.tf32: TF32 matmuls on CUDA")
     p.add_argument("--threads", type=int)
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.add_argument("--guide", metavar="SNAPSHOT", help="autoguidance: this snapshot guides instead of the null class "

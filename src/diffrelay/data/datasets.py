@@ -202,9 +202,10 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tup
         return None
 
 
-def source_rows(p: Plan, workers: int, indices=None):
+def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
     """(image or None when skipped, label, rel) of every source image in order (or of those at `indices`),
-    decoded by `workers` processes.
+    decoded by `workers` processes, started by `start` (parallel.ordered_map: "spawn" when this process
+    may run other threads).
 
     Each worker gets a chunk of about 4 MB of output at a time and at most 2 chunks per worker are in
     flight, so memory stays bounded however large the dataset is."""
@@ -216,7 +217,7 @@ def source_rows(p: Plan, workers: int, indices=None):
         fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop), p.files
     if indices is not None:
         items = [items[i] for i in indices]
-    with contextlib.closing(parallel.ordered_map(fn, items, workers, chunk, processes=True)) as results:
+    with contextlib.closing(parallel.ordered_map(fn, items, workers, chunk, processes=True, start=start)) as results:
         for result, item in zip(results, items):
             if p.kind == "shapes":
                 yield (*result, None)

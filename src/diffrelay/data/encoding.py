@@ -135,7 +135,10 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
                         f"chunks are already encoded in {work}")
     spans = [chunk_span(p, c) for c in todo]
     progress = datasets.Progress(sum(map(len, spans)), f"prepare: rank {rank} of {world} encoded", "encoded")
-    with contextlib.closing(datasets.source_rows(p, workers, list(itertools.chain.from_iterable(spans)))) as results:
+    # The encoder is loaded (CUDA's threads), and under torchrun NCCL's or gloo's threads run: a fork would copy
+    # their locks mid-use into the decoding processes (runtime/parallel.py).
+    rows_of = datasets.source_rows(p, workers, list(itertools.chain.from_iterable(spans)), start="spawn")
+    with contextlib.closing(rows_of) as results:
         for c, span in zip(todo, spans):
             got = [(img, label) for img, label, _ in itertools.islice(results, len(span))]
             images = [img for img, _ in got if img is not None]

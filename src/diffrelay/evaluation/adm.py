@@ -1,11 +1,12 @@
-"""The arithmetic of OpenAI's ADM evaluator (guided-diffusion evaluations/evaluator.py) in NumPy, without TensorFlow.
+"""The arithmetic of OpenAI's ADM evaluator (guided-diffusion evaluations/evaluator.py) without TensorFlow.
 
 The evaluator scores a sample batch against a reference batch (e.g. VIRTUAL_imagenet256_labeled.npz) with
 Inception-V3 features: FID on the 2048 pool_3 features, sFID on the first 7 channels of mixed_6/conv
 (17 x 17 x 7 = 2023 values), the Inception Score on the softmax of the pool features, and precision/recall
 with a k-nearest-neighbour manifold estimate on the pool features. This module is everything after the
 network: statistics, the Frechet distance with the evaluator's sqrtm fallback, the split Inception Score,
-the manifold radii and precision/recall with the evaluator's batching, and the reference `.npz` reader.
+the manifold radii and precision/recall with the evaluator's batching, and the reference `.npz` reader. All of it
+is NumPy except precision/recall's distance blocks, which run in torch on the scoring device.
 Formulas follow the evaluator; the code is our own. Every problem with an input is one line of UserError.
 """
 
@@ -135,7 +136,8 @@ def _squared_distances(u: np.ndarray, v: np.ndarray, half: bool) -> np.ndarray:
 def pairwise_distances(u, v, distances: str = "float16") -> np.ndarray:
     """Squared distances of one block as DistanceBlock.pairwise_distances gives them (float32): the evaluator
     casts the features to float16, computes there, and only when some value is not finite computes the whole
-    block again in float32. distances="float32" skips the float16 attempt."""
+    block again in float32. distances="float32" skips the float16 attempt. This is the NumPy statement of a block;
+    precision/recall run the same arithmetic in torch (_block), and the tests hold one to the other."""
     # v is copied: numpy computes x @ x.T (a diagonal block) with syrk, rounding unlike every other block's gemm
     u, v = np.asarray(u, np.float32), np.array(v, np.float32)
     if distances not in ("float16", "float32"):
@@ -147,6 +149,58 @@ def pairwise_distances(u, v, distances: str = "float16") -> np.ndarray:
     return _squared_distances(u, v, half=False)
 
 
+def _torch_distances(u, v, half: bool):
+    """_squared_distances on torch tensors, op for op (the same roundings, the same order of operations)."""
+    import torch
+
+    def r(a):  # in place where it can be: a 10k x 10k block is 400 MB, and a GPU holds Inception beside it
+        return a.copy_(a.half()) if half else a
+
+    if half:
+        u, v = u.half().float(), v.half().float()
+    norm_u = r(r(u * u).sum(1))[:, None]
+    norm_v = r(r(v * v).sum(1))[None, :]
+    d = r(torch.mm(u, v.T)).mul_(2)
+    d = r(r(r(d).neg_().add_(norm_u)).add_(norm_v))  # -(2 u.v) + |u|^2 is |u|^2 - 2 u.v exactly
+    return d.clamp_(min=0)  # NaN (inf - inf) stays NaN, as in np.maximum: the caller falls back to float32
+
+
+def _block(u, v, distances: str):
+    """pairwise_distances of one block in torch, on u's device: DistanceBlock's float16 attempt and its float32
+    retry for a block with any non-finite value (one host read per block)."""
+    import torch
+
+    if distances == "float16":
+        d = _torch_distances(u, v, half=True)
+        # Values are float16's (<= 65504), +inf or NaN, so their sum is finite exactly when all are: one
+        # reduction instead of a boolean block.
+        if bool(torch.isfinite(d.sum())):
+            return d
+    return _torch_distances(u, v, half=False)
+
+
+class _StrictFloat32:
+    """fp32 matmuls in IEEE float32 on CUDA while the blocks run: TF32 (train.tf32) keeps 10 mantissa bits, as
+    coarse as the float16 mode, and would make the float32 mode a different metric."""
+
+    def __enter__(self):
+        import torch
+
+        self.saved = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.backends.cuda.matmul.fp32_precision = self.saved
+
+
+def _on(device, a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.device(device))
+
+
 def _features(x, name: str, k: int) -> np.ndarray:
     a = np.asarray(x, np.float32)  # the evaluator feeds float32 placeholders
     if a.ndim != 2 or len(a) < k + 1 or not np.isfinite(a).all():
@@ -155,14 +209,22 @@ def _features(x, name: str, k: int) -> np.ndarray:
     return a
 
 
-def _check_batches(k: int, row_batch_size: int, col_batch_size: int) -> None:
+def _check_batches(k: int, row_batch_size: int, col_batch_size: int, distances: str = "float16") -> None:
     if k < 1 or row_batch_size < 1 or col_batch_size < 1:
         raise UserError(f"precision/recall: k={k}, row_batch_size={row_batch_size}, col_batch_size="
                         f"{col_batch_size}; all must be positive")
+    if distances not in ("float16", "float32"):
+        raise UserError(f"distances={distances!r}; use 'float16' (the evaluator's) or 'float32'")
 
+
+# The blocks below run in torch on `device` (the scoring job's; default CPU): 31 blocks of 10k x 10k x 2048 for
+# 50k samples were minutes of single-threaded NumPy. Each block's arithmetic is pairwise_distances', op for op;
+# only the float32 sums inside the matmul and the row norms may be ordered differently from NumPy's BLAS, so a
+# distance can differ by a float32 rounding step (a float16 one in the float16 mode, where such a step crosses a
+# float16 rounding boundary), as two BLAS libraries differ. test_adm.py holds the bounds.
 
 def manifold_radii(features, k: int = 3, row_batch_size: int = 10000, col_batch_size: int = 10000,
-                   distances: str = "float16") -> np.ndarray:
+                   distances: str = "float16", device="cpu") -> np.ndarray:
     """Squared distance of each row to its k-th nearest other row (float32, N), as ManifoldEstimator.manifold_radii
     with nhood_sizes=(k,) and no clamp_to_percentile (the evaluator's defaults: k=3, None).
 
@@ -170,53 +232,62 @@ def manifold_radii(features, k: int = 3, row_batch_size: int = 10000, col_batch_
     k is the k-th neighbour) with distances computed in (row_batch_size x col_batch_size) blocks. Here the same
     blocks are computed, and only the k+1 smallest values of each row are carried from block to block, so memory
     is row_batch_size x (col_batch_size + k + 1) instead of the evaluator's row_batch_size x N."""
-    _check_batches(k, row_batch_size, col_batch_size)
-    x = _features(features, "the", k)
+    import torch
+
+    _check_batches(k, row_batch_size, col_batch_size, distances)
+    x = _on(device, _features(features, "the", k))
     n = len(x)
-    radii = np.empty(n, np.float32)
-    for r0 in range(0, n, row_batch_size):
-        rows = x[r0:r0 + row_batch_size]
-        best = np.empty((len(rows), 0), np.float32)
-        for c0 in range(0, n, col_batch_size):
-            merged = np.concatenate([best, pairwise_distances(rows, x[c0:c0 + col_batch_size], distances)], axis=1)
-            best = np.partition(merged, k, axis=1)[:, :k + 1] if merged.shape[1] > k + 1 else merged
-        radii[r0:r0 + len(rows)] = np.partition(best, k, axis=1)[:, k]
-    return radii
+    radii = torch.empty(n, dtype=torch.float32, device=x.device)
+    with _StrictFloat32():
+        for r0 in range(0, n, row_batch_size):
+            rows, best = x[r0:r0 + row_batch_size], None
+            for c0 in range(0, n, col_batch_size):
+                d = _block(rows, x[c0:c0 + col_batch_size], distances)
+                merged = d if best is None else torch.cat([best, d], 1)
+                # the k+1 smallest as a multiset, like np.partition's first k+1 columns: ties are kept
+                best = merged.topk(k + 1, 1, largest=False).values if merged.shape[1] > k + 1 else merged
+            radii[r0:r0 + len(rows)] = best.kthvalue(k + 1, 1).values  # 1-based: index k of the sorted row
+    return radii.cpu().numpy()
 
 
 def in_manifolds(real, real_radii, fake, fake_radii, row_batch_size: int = 10000, col_batch_size: int = 10000,
-                 distances: str = "float16") -> tuple[np.ndarray, np.ndarray]:
+                 distances: str = "float16", device="cpu") -> tuple[np.ndarray, np.ndarray]:
     """(fake_in_real, real_in_fake) booleans, as ManifoldEstimator.evaluate_pr: blocks of real rows (row_batch_size)
     against fake rows (col_batch_size); a point lies in the other set's manifold when its squared distance to some
     point there is <= that point's radius (ties count as inside)."""
-    _check_batches(1, row_batch_size, col_batch_size)
+    import torch
+
+    _check_batches(1, row_batch_size, col_batch_size, distances)
     real, fake = _features(real, "real", 0), _features(fake, "fake", 0)
     real_radii, fake_radii = np.asarray(real_radii, np.float32), np.asarray(fake_radii, np.float32)
     if real_radii.shape != (len(real),) or fake_radii.shape != (len(fake),):
         raise UserError(f"precision/recall: radii of shapes {real_radii.shape} and {fake_radii.shape} for "
                         f"{len(real)} real and {len(fake)} fake rows; give one radius per row (manifold_radii)")
-    real_in, fake_in = np.zeros(len(real), bool), np.zeros(len(fake), bool)
-    for r0 in range(0, len(real), row_batch_size):
-        for c0 in range(0, len(fake), col_batch_size):
-            d = pairwise_distances(real[r0:r0 + row_batch_size], fake[c0:c0 + col_batch_size], distances)
-            real_in[r0:r0 + len(d)] |= np.any(d <= fake_radii[None, c0:c0 + d.shape[1]], axis=1)
-            fake_in[c0:c0 + d.shape[1]] |= np.any(d <= real_radii[r0:r0 + len(d), None], axis=0)
-    return fake_in, real_in
+    real, fake, real_radii, fake_radii = (_on(device, a) for a in (real, fake, real_radii, fake_radii))
+    real_in = torch.zeros(len(real), dtype=torch.bool, device=real.device)
+    fake_in = torch.zeros(len(fake), dtype=torch.bool, device=real.device)
+    with _StrictFloat32():
+        for r0 in range(0, len(real), row_batch_size):
+            for c0 in range(0, len(fake), col_batch_size):
+                d = _block(real[r0:r0 + row_batch_size], fake[c0:c0 + col_batch_size], distances)
+                real_in[r0:r0 + len(d)] |= (d <= fake_radii[None, c0:c0 + d.shape[1]]).any(1)
+                fake_in[c0:c0 + d.shape[1]] |= (d <= real_radii[r0:r0 + len(d), None]).any(0)
+    return fake_in.cpu().numpy(), real_in.cpu().numpy()
 
 
 def precision_recall(real, fake, k: int = 3, row_batch_size: int = 10000, col_batch_size: int = 10000,
-                     distances: str = "float16") -> tuple[float, float]:
+                     distances: str = "float16", device="cpu") -> tuple[float, float]:
     """(precision, recall) as Evaluator.compute_prec_recall(real, fake): precision is the fraction of fake rows
     inside the real manifold, recall the fraction of real rows inside the fake manifold (k-NN radii of each set).
     The evaluator's distances are float16 on the GPU (float32 for a block that overflows); `distances`="float16"
-    models that, "float32" computes every block in float32."""
-    _check_batches(k, row_batch_size, col_batch_size)
+    models that, "float32" computes every block in float32. The blocks run in torch on `device`."""
+    _check_batches(k, row_batch_size, col_batch_size, distances)
     r, f = _features(real, "real", k), _features(fake, "fake", k)
     if r.shape[1] != f.shape[1]:
         raise UserError(f"precision/recall: real features have {r.shape[1]} values and fake {f.shape[1]}; "
                         "use the same extractor for both")
-    radii = [manifold_radii(x, k, row_batch_size, col_batch_size, distances) for x in (r, f)]
-    fake_in, real_in = in_manifolds(r, radii[0], f, radii[1], row_batch_size, col_batch_size, distances)
+    radii = [manifold_radii(x, k, row_batch_size, col_batch_size, distances, device) for x in (r, f)]
+    fake_in, real_in = in_manifolds(r, radii[0], f, radii[1], row_batch_size, col_batch_size, distances, device)
     return float(np.mean(fake_in)), float(np.mean(real_in))
 
 

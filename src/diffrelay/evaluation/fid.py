@@ -302,8 +302,8 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1, device="aut
         records = [_distances_record(images, ext, label, f, ref, ref_path) for ext, label, f, (_, ref_path, ref, _)
                    in zip(exts, labels, feats, checked)]
     else:
-        records = [scores.record(ext, label, f, ref, ref_path, wanted) for ext, label, f, (_, ref_path, ref, _)
-                   in zip(exts, labels, feats, checked)]
+        records = [scores.record(ext, label, f, ref, ref_path, wanted, device)
+                   for ext, label, f, (_, ref_path, ref, _) in zip(exts, labels, feats, checked)]
     finished = time.time()
     return {**records[0], "num_images": len(files), "mode": mode, "seconds": round(finished - started, 3),
             "images": str(images), "started": started, "finished": finished, "scores": records,

@@ -169,9 +169,9 @@ def reference_features(ref: dict, ref_path, ext, mode: str, batch_size: int, dev
 
 # ---------------------------------------------------------------------------- one extractor's scores
 
-def record(ext, label: str, feats, ref: dict, ref_path, wanted: set) -> dict:
+def record(ext, label: str, feats, ref: dict, ref_path, wanted: set, device="cpu") -> dict:
     """The result entry of one extractor: its distance and every other asked-for metric it carries, each
-    with its name and image count in "labels"."""
+    with its name and image count in "labels". ADM's precision/recall run on `device`, the scoring job's."""
     pool = feats["pool"] if isinstance(feats, dict) else feats
     n, on_adm = len(pool), bool(ref["settings"].get("adm"))
     if n <= pool.shape[1]:
@@ -192,8 +192,10 @@ def record(ext, label: str, feats, ref: dict, ref_path, wanted: set) -> dict:
     if "kid" in wanted:
         values["kid"] = metrics.kernel_distance(pool, ref)
     if wanted & {"precision", "recall"}:
-        pr = adm.precision_recall if on_adm else metrics.precision_recall
-        values["precision"], values["recall"] = pr(ref["features"], pool)
+        if on_adm:  # the distance blocks on the job's device (10k x 10k x 2048 each), not in host NumPy
+            values["precision"], values["recall"] = adm.precision_recall(ref["features"], pool, device=device)
+        else:
+            values["precision"], values["recall"] = metrics.precision_recall(ref["features"], pool)
         for key in {"precision", "recall"} - wanted:
             values.pop(key)
     labels = {k: metrics.metric_name(label if k == "fid" else LABELS[k], n) for k in values}

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffrelay.nets import memory
+from diffrelay.nets import memory, precision
 
 _SONG = {"model_channels": 128, "channel_mult": (2, 2, 2), "channel_mult_emb": 4, "num_blocks": 4,
          "attn_resolutions": (16,), "dropout": 0.13, "augment_dim": 9}
@@ -114,7 +114,7 @@ class Block(nn.Module):
     """EDM's UNetBlock, the union of DDPM++, NCSN++ and ADM blocks: GN-SiLU-conv, the embedding added (or, with
     adaptive_scale, as scale and shift after the second GN), SiLU, dropout, conv, plus the skip path (a 1x1 conv
     when channels change or resample_proj, the bare resampling otherwise), times skip_scale; then optional
-    self-attention (softmax computed in float32) added the same way."""
+    self-attention (logits and softmax in float32, under autocast too) added the same way."""
 
     def __init__(self, cin: int, cout: int, *, emb: int, init: dict, init_zero: dict, init_attn=None, up=False,
                  down=False, attention=False, num_heads=None, channels_per_head=64, dropout=0.0, skip_scale=1.0,
@@ -153,8 +153,8 @@ class Block(nn.Module):
             b, c = h.shape[:2]
             # qkv channels are laid out head by head, then channel, then (q, k, v): EDM's weight format.
             q, k, v = self.qkv(self.norm2(h)).reshape(b * self.num_heads, c // self.num_heads, 3, -1).unbind(2)
-            k = k / math.sqrt(k.shape[1])  # logits and softmax in float32 whatever the dtype, as in EDM
-            w = torch.einsum("ncq,nck->nqk", q.float(), k.float()).softmax(dim=2).to(q.dtype)
+            with precision.autocast_off(h.device):  # float32 logits, softmax under autocast too (EDM's AttentionOp)
+                w = torch.einsum("ncq,nck->nqk", q.float(), (k / math.sqrt(k.shape[1])).float()).softmax(2).to(q.dtype)
             a = torch.einsum("nqk,nck->ncq", w, v)
             h = (self.proj(a.reshape(h.shape)) + h) * self.skip_scale
         return h

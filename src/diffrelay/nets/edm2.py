@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffrelay.nets import memory
+from diffrelay.nets import memory, precision
 
 # train_edm2.py config_presets: the same channels and dropout for edm2-img512-* and edm2-img64-* (xs, s: 0).
 PRESETS = {
@@ -298,8 +298,12 @@ class EDM2UNet(nn.Module):
         return self.out_conv(x, gain=self.out_gain)
 
     def logvar(self, c_noise):
-        """edm2's u(sigma) from c_noise = ln(sigma)/4: (B,) -> (B, 1, 1, 1)."""
-        return self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
+        """edm2's u(sigma) from c_noise = ln(sigma)/4: (B,) -> (B, 1, 1, 1), in at least float32, autocast or not."""
+        # edm2's Precond (networks_edm2.py) runs the head in float32 beside its fp16 UNet; under autocast its linear
+        # would be fp16, and with train.loss_reduction sum its gradient (a sum over C x H x W) overflowed there.
+        with precision.autocast_off(c_noise.device):
+            c_noise = c_noise.to(wide(c_noise.dtype))
+            return self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
 
 
 def build(resolution: int, in_channels: int, num_classes: int, preset: str | None = None, **kwargs) -> EDM2UNet:

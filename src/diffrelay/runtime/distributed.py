@@ -241,14 +241,26 @@ SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_SECONDS = 600  # how long the agent waits for workers to save after a signal; > the longest save
 
 
+def torchrun_options() -> set[str]:
+    """The options this torch's torchrun takes (--shutdown-timeout is newer than torch 2.11, for one)."""
+    from torch.distributed.run import get_args_parser
+
+    return {o for action in get_args_parser()._actions for o in action.option_strings}
+
+
 def torchrun_args(argv: list[str]) -> list[str]:
-    """torchrun's arguments with our defaults for the options the caller did not set."""
+    """torchrun's arguments with our defaults for the options the caller did not set and this torch has."""
     given = {a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")}
-    extra = []
-    if "--signals-to-handle" not in given:
+    known, extra = torchrun_options(), []
+    if "--signals-to-handle" not in given and "--signals-to-handle" in known:
         extra += ["--signals-to-handle", SIGNALS]
     if "--shutdown-timeout" not in given:
-        extra += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
+        if "--shutdown-timeout" in known:
+            extra += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
+        else:  # seen on torch 2.11: the agent then gives workers its own default time to save after a signal
+            print("diffrelay launch: this torch's torchrun has no --shutdown-timeout; after a stop signal, workers get "
+                  f"its default time to write their recovery checkpoint (newer torch: {SHUTDOWN_SECONDS} s)",
+                  file=sys.stderr)
     return extra + argv
 
 

@@ -41,22 +41,31 @@ def _run_chunk(fn, chunk) -> list:
     return [fn(x) for x in chunk]
 
 
-def ordered_map(fn, items, workers: int, chunk: int = 1, window: int | None = None, processes: bool = False):
+def ordered_map(fn, items, workers: int, chunk: int = 1, window: int | None = None, processes: bool = False,
+                start: str = "fork"):
     """Yield fn(item) for each item of the sequence `items`, in order, computed by `workers` threads or processes.
 
     Work is handed out in chunks of `chunk` items, at most `window` chunks ahead of the caller (default
     2 per worker). workers <= 1 runs everything in this thread, with no pool at all. With processes=True,
     `fn` and the items must pickle (a module-level function, or functools.partial of one); an exception
     raised by `fn` is raised here, in order, when its item's turn comes.
+
+    `start` (Linux; elsewhere always "spawn"): "fork" starts the processes in milliseconds, but a fork copies
+    only the calling thread, with every lock the others held at that instant: only for a caller that runs no
+    other threads. A caller with CUDA, NCCL, gloo or OpenMP threads gives "spawn" (Python's multiprocessing
+    docs; 3.12 warns on fork in a threaded process): fresh interpreters, about 0.2 s more. Not "forkserver":
+    its workers are the server's children and hold its lifeline open, so a killed caller would leave the
+    server and the workers waiting on each other, where a spawned worker dies with its parent (die_with_parent).
     """
+    if start not in ("fork", "spawn"):
+        raise ValueError(f"start={start!r}; use 'fork' or 'spawn'")
     chunks = (items[i:i + chunk] for i in range(0, len(items), chunk))
     if workers <= 1:
         for c in chunks:
             yield from _run_chunk(fn, c)
         return
     if processes:
-        # The caller (prepare) runs no threads of its own, so fork is safe, and it starts workers in milliseconds.
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        context = multiprocessing.get_context(start if sys.platform == "linux" else "spawn")
         pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init)
     else:
         pool = ThreadPoolExecutor(workers)

@@ -112,14 +112,14 @@ def backward_errors(model):
     return compile_errors(model.cache) if isinstance(model, CompileErrors) else contextlib.nullcontext()
 
 
-def set_backends(device: torch.device, tf32: bool) -> None:
+def set_backends(device: torch.device, tf32: bool, key: str = "train.tf32") -> None:
     """TF32 for fp32 matmuls and convolutions on CUDA, or strict fp32 (PyTorch's own default turns it on
     for cuDNN convolutions, so "off" is set explicitly)."""
     mode = "tf32" if tf32 else "ieee"
     torch.backends.cuda.matmul.fp32_precision = mode
     torch.backends.cudnn.conv.fp32_precision = mode
     if tf32 and device.type != "cuda":
-        logs.get().info("train.tf32=true has no effect on %s (TF32 is a CUDA tensor-core format)", device.type)
+        logs.get().info("%s=true has no effect on %s (TF32 is a CUDA tensor-core format)", key, device.type)
 
 
 def set_determinism(device: torch.device, deterministic: bool) -> None:

@@ -285,6 +285,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     log = logs.get()
     check_out(out)
     torch.set_num_threads(s.threads)
+    speed.set_backends(device, s.tf32, "sample.tf32")  # strict fp32 unless sample.tf32, as training's train.tf32
 
     # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
     net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
@@ -318,6 +319,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["ema_decay"] = s.ema_decay  # first EMA keep the key they had
     if guide is not None:  # only then: CFG folders keep the key they had
         key["guide_sha256"] = io.sha256_file(s.guide)
+    if s.tf32 and device.type == "cuda":  # only then: it changes no pixel elsewhere, and older folders stay valid
+        key["tf32"] = True
     done = up_to_date(out, key)
     damaged, changed = export.check(out, done, s.npz) if done else ([], [])  # changed: samples.npz to add/remove
     if done and not damaged and not changed:
@@ -377,6 +380,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             return None
         manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
                     "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
+                    "tf32": s.tf32,
                     "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started,
                     "phema": meta.get("phema")}  # a post-hoc EMA reconstruction's width and error (training/phema.py)
         result = finalize(work, out, meta, s, manifest, world)

@@ -33,6 +33,7 @@ class Settings:
     class_labels: str | int  # "balanced" or one class index
     precision: str  # fp32 | bf16
     threads: int
+    tf32: bool = False  # CUDA: fp32 matmuls/convolutions on TF32 tensor cores (speed.set_backends)
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
     edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
     flow: FlowSamplerSettings = FlowSamplerSettings()  # sample.flow: grid shift and the sde's last step
@@ -66,11 +67,11 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     """`cfg` (the run's config, or the schema defaults) overridden by the flags given; cheap checks name the flag.
     validate: config.validate, to check the flags like the config file's values."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision", "guidance", "guide", "ema_decay")
+                                          "weights", "precision", "guidance", "guide", "ema_decay", "tf32")
             if getattr(args, k, None) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
-        if name in ("guide", "ema_decay"):
+        if name in ("guide", "ema_decay", "tf32"):
             continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
