@@ -26,6 +26,11 @@ Cases:
   cfg:        DiT's sample.py guidance (models.py forward_with_cfg on the first 3 channels, cfg_scale 4) against
               sampling.guidance.guided(..., channels=3); run only where guided takes `channels`, and needs
               timm importable for DiT's models.py (pip install --no-deps timm)
+Bounds (the dicts below, also written to the JSON): respacing, betas, alphas_cumprod, loss and gradients 0 (bit for
+bit, as seen); the other float64 schedule arrays 1e-14 (2.2e-16 seen: last-bit rounding); each sampler about 10x
+its own float32 rounding seen (3.6e-7 to 5.8e-6); cfg 4e-6 (3.6e-7 seen), and guiding every channel instead must
+differ by at least 1e-3 (0.028 seen), or the case could not tell. A cfg case that could not run fails too. Exit
+status 1, one line per figure outside its bound.
 Writes benchmarks/results/ddpm_equivalence.json. Not a test: CI cannot fetch the official sources.
 """
 
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import write_results
+from official import Gate, write_results
 from torch import nn
 
 from diffrelay.nets import dit
@@ -49,6 +54,16 @@ from diffrelay.sampling import guidance
 HERE = Path(__file__).resolve().parent
 RES, C, CLASSES = 8, 4, 10  # 8x8x4 latents, 10 classes (row 10: the null class)
 DATA_STD = 0.5
+SCHEDULE_BOUND = 1e-14  # float64 arrays computed in another order: last-bit rounding (2.2e-16 seen)
+LOSS_BOUNDS = {"loss_abs_diff": 0.0, "max_abs_grad_diff": 0.0}  # bit for bit, as seen
+# Ours samples in float64, DiT in float32: each case about 10x its float32 rounding seen.
+SAMPLER_BOUNDS = {"ddpm-learned-sigma-250": 1e-5, "ddpm-learned-sigma-25": 4e-6,  # 9.5e-7, 3.6e-7 seen
+                  "ddim-eta0-learned-sigma-250": 6e-5, "ddim-eta0-learned-sigma-25": 2e-5,  # 5.8e-6, 1.3e-6
+                  "ddim-eta1-learned-sigma-25": 3e-5,  # 2.7e-6
+                  "ddpm-fixed-large-250": 1e-5, "ddpm-fixed-large-25": 4e-6,  # 9.5e-7, 3.6e-7
+                  "ddim-eta0-fixed-large-25": 2e-5}  # 1.3e-6
+CFG_BOUND = 4e-6  # 3.6e-7 seen
+CFG_ALL_CHANNELS_AT_LEAST = 1e-3  # guiding all 4 channels must differ (0.028 seen), or the case cannot tell
 
 
 def official_diffusion(src: Path):
@@ -265,6 +280,29 @@ def compare_cfg(diff, src: Path, steps: int = 25, scale: float = 4.0) -> dict:
             "max_abs_diff_all_channels_guided": float((got[None] - want).abs().max())}
 
 
+def gate(respacing: dict, schedules: dict, loss: dict, samplers: dict, cfg: dict) -> Gate:
+    g = Gate()
+    g.equal("respacing/mismatches", respacing["mismatches"], [])
+    for name, r in schedules.items():
+        if name.startswith("chain"):
+            for key, value in r.items():
+                g.at_most(f"schedule/{name}/{key}", value, SCHEDULE_BOUND)
+        else:
+            g.at_most(f"schedule/{name}", r, 0.0)
+    for name, r in loss.items():
+        for key, bound in LOSS_BOUNDS.items():
+            g.at_most(f"loss/{name}/{key}", r[key], bound)
+    for name, r in samplers.items():
+        g.at_most(f"sample/{name}", r["max_abs_diff"], SAMPLER_BOUNDS[name])
+    if "skipped" in cfg:  # not compared is not passed
+        g.equal("cfg/compared", f"skipped: {cfg['skipped']}", "compared")
+    else:
+        g.at_most("cfg/max_abs_diff", cfg["max_abs_diff"], CFG_BOUND)
+        g.at_least("cfg/max_abs_diff_all_channels_guided", cfg["max_abs_diff_all_channels_guided"],
+                   CFG_ALL_CHANNELS_AT_LEAST)
+    return g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dit-src", type=Path, required=True)
@@ -306,9 +344,11 @@ def main() -> None:
               f"{cfg['max_abs_diff_all_channels_guided']:.3g})")
     seconds = time.perf_counter() - start
     print(f"{seconds:.1f} s")
+    g = gate(respacing, schedules, loss, samplers, cfg)
     write_results(args.out, "diffrelay objectives.ddpm vs facebookresearch/DiT diffusion/ (create_diffusion), "
                   "same network, inputs and draws, float32 on the CPU", respacing=respacing, schedules=schedules,
-                  loss=loss, samplers=samplers, cfg=cfg, seconds=round(seconds, 1))
+                  loss=loss, samplers=samplers, cfg=cfg, seconds=round(seconds, 1), gate=g.to_json())
+    g.finish("check_ddpm_equivalence")
 
 
 if __name__ == "__main__":

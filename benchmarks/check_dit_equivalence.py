@@ -19,6 +19,9 @@ Cases (max abs difference of the outputs, eval mode):
   parameter counts:    S/2, B/2, L/2, XL/2 at 32x32x4 with 1000 classes, both counted the same way
   sit-tiny-learned-sigma (with --sit-src, willisma/SiT models.py): our arch sit at time t against SiT's network
                        at its time s = 1 - t, negated (SiT's velocity is data minus noise), and SiT-XL/2's count
+Bounds (BOUNDS below, also written to the JSON): 0 for every output (the same operations in the same order: bit
+for bit) and the position table (float64 on both sides, then float32), parameter counts equal. Exit status 1, one line per figure outside its bound.
+--cases runs some of the cases only (tests/test_check_scripts.py runs position-table against a stand-in models.py).
 Writes benchmarks/results/dit_equivalence.json. Not a test: CI cannot fetch the official sources.
 """
 
@@ -27,11 +30,15 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from official import write_results
+from official import Gate, write_results
 
 from diffrelay.nets import dit, registry
 
 HERE = Path(__file__).resolve().parent
+CASE_NAMES = ("tiny-learned-sigma", "tiny-patch4-fixed", "position-table", "parameter-counts", "sit-tiny-learned-sigma")
+# Each figure's bound: 0, as seen. Both networks run the same operations in the same order; both tables are
+# computed in float64 and rounded to float32, where a last-bit difference of sin or cos does not survive.
+BOUNDS = {"max_abs_diff": 0.0, "max_abs_diff_full_output": 0.0}
 
 
 def official(src: Path, name: str):
@@ -97,29 +104,53 @@ def compare_sit(sit_models) -> dict:
             "max_abs_diff": float((got - want).abs().max()), "parameter_counts_SiT-XL/2": counts}
 
 
+def gate(cases: dict) -> Gate:
+    g = Gate()
+    for name, r in cases.items():
+        for key, bound in BOUNDS.items():
+            if key in r:
+                g.at_most(f"{name}/{key}", r[key], bound)
+    counts = dict(cases.get("parameter-counts", {}))
+    if "sit-tiny-learned-sigma" in cases:
+        counts["SiT-XL/2"] = cases["sit-tiny-learned-sigma"]["parameter_counts_SiT-XL/2"]
+    for name, c in counts.items():
+        g.equal(f"parameter-counts/{name}", c["ours"], c["official"])
+    return g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dit-src", type=Path, required=True)
     ap.add_argument("--sit-src", type=Path, help="a checkout of github.com/willisma/SiT: adds the SiT case")
+    ap.add_argument("--cases", default=",".join(CASE_NAMES),
+                    help=f"comma-separated, of {', '.join(CASE_NAMES)} (default: all; the SiT one needs --sit-src)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "dit_equivalence.json")
     args = ap.parse_args()
+    wanted = args.cases.split(",")
+    if unknown := set(wanted) - set(CASE_NAMES):
+        ap.error(f"unknown --cases {sorted(unknown)}; known: {', '.join(CASE_NAMES)}")
     models = official(args.dit_src, "dit_models")
     tiny = dict(input_size=8, in_channels=4, patch=2, depth=2, hidden=64, heads=4, classes=10, learn_sigma=True)
-    cases = {"tiny-learned-sigma": compare(models, **tiny),
-             "tiny-patch4-fixed": compare(models, **(tiny | dict(input_size=16, in_channels=3, patch=4,
-                                                                 learn_sigma=False)))}
-    want = torch.from_numpy(models.get_2d_sincos_pos_embed(1152, 16)).float()
-    cases["position-table"] = {"grid": 16, "width": 1152,
-                               "max_abs_diff": float((dit._sincos_2d(16, 1152) - want).abs().max())}
+    cases = {}
+    if "tiny-learned-sigma" in wanted:
+        cases["tiny-learned-sigma"] = compare(models, **tiny)
+    if "tiny-patch4-fixed" in wanted:
+        cases["tiny-patch4-fixed"] = compare(models, **(tiny | dict(input_size=16, in_channels=3, patch=4,
+                                                                   learn_sigma=False)))
+    if "position-table" in wanted:
+        want = torch.from_numpy(models.get_2d_sincos_pos_embed(1152, 16)).float()
+        cases["position-table"] = {"grid": 16, "width": 1152,
+                                   "max_abs_diff": float((dit._sincos_2d(16, 1152) - want).abs().max())}
     counts = {}
-    for size in ("S", "B", "L", "XL"):
-        with torch.device("meta"):
-            theirs = models.DiT_models[f"DiT-{size}/2"](input_size=32, num_classes=1000)
-            ours = dit.build(32, 4, 1000, size=size, patch=2, out_channels=8)
-        counts[f"DiT-{size}/2"] = {"official": sum(p.numel() for p in theirs.parameters()),
-                                   "ours": registry.num_params(ours)}
-    cases["parameter-counts"] = counts
-    if args.sit_src:
+    if "parameter-counts" in wanted:
+        for size in ("S", "B", "L", "XL"):
+            with torch.device("meta"):
+                theirs = models.DiT_models[f"DiT-{size}/2"](input_size=32, num_classes=1000)
+                ours = dit.build(32, 4, 1000, size=size, patch=2, out_channels=8)
+            counts[f"DiT-{size}/2"] = {"official": sum(p.numel() for p in theirs.parameters()),
+                                       "ours": registry.num_params(ours)}
+        cases["parameter-counts"] = counts
+    if args.sit_src and "sit-tiny-learned-sigma" in wanted:
         cases["sit-tiny-learned-sigma"] = compare_sit(official(args.sit_src, "sit_models"))
         print(f"SiT-XL/2 parameters: {cases['sit-tiny-learned-sigma']['parameter_counts_SiT-XL/2']}")
     for name, r in cases.items():
@@ -127,8 +158,10 @@ def main() -> None:
             print(f"{name:20s} max |ours - official| = {r['max_abs_diff']:.3g}")
     for name, c in counts.items():
         print(f"{name:20s} parameters: official {c['official']:,}, ours {c['ours']:,}")
+    g = gate(cases)
     write_results(args.out, "diffrelay nets.dit vs facebookresearch/DiT models.py (and SiT's), same weights and inputs",
-                  cases=cases)
+                  cases=cases, gate=g.to_json())
+    g.finish("check_dit_equivalence")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,15 @@ diffrelay's Denoiser around F and F.logvar), and in train mode
 with the same dropout seed: outputs, logvar, gradients of a squared-sum loss, the weights after the forced weight
 normalisation, a second training step, and ours with activation checkpointing on. idempotence: how many weight
 elements a further normalisation of already normalised weights moves.
-  loss:             edm2's EDM2Loss (P_mean -0.4, P_std 1.0, sigma_data 0.5, train mode) against
-                    (weight / exp(logvar)) (D - y)^2 + logvar with our network and the same draws
+  loss:             edm2's EDM2Loss (P_mean -0.4, P_std 1.0, sigma_data 0.5, train mode), averaged, against
+                    diffrelay's own training loss (objectives.edm.loss with uncertainty, as objectives.loss calls
+                    it for edm2) on our network with the same draws
   parameter counts: XS..XXL at 64x64x4 with 1000 classes (edm2's ImageNet-512 latents), meta device, Precond
                     (UNet + logvar head) and UNet alone; state-dict names and shapes compared too
+Bounds (BOUNDS below, also written to the JSON): 0 for every float32 figure and the loss (the same operations in
+the same order: bit for bit); the float64 figures, ours in float64 against edm2's float32, about 10x the float32
+rounding seen (outputs 4.0e-6, logvar 1.1e-6, gradients 1.4e-3 of gradients up to 1.5e4, weights 6.8e-7);
+parameter counts, state-dict names and shapes equal. Exit status 1, one line per figure outside its bound.
 Writes benchmarks/results/edm2_equivalence.json. Not a test: CI cannot fetch the official sources.
 """
 
@@ -32,10 +37,11 @@ import sys
 from pathlib import Path
 
 import torch
-from official import write_results
+from official import Gate, write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm2, memory
+from diffrelay.objectives import edm as edm_objective
 from diffrelay.objectives.edm import Denoiser
 
 HERE = Path(__file__).resolve().parent
@@ -167,22 +173,21 @@ def idempotence(net_mod, case: dict) -> dict:
 
 
 def loss_case(net_mod, loop_mod, case: dict) -> dict:
+    """edm2's EDM2Loss against diffrelay's own loss function (not a restatement of it) on the same draws."""
     theirs, ours = pair(net_mod, case)
     theirs.train(), ours.train()
     x, _, labels, onehot, _, _ = inputs(case)
     p_mean, p_std, sd = -0.4, 1.0, 0.5
     torch.manual_seed(5)
-    want = loop_mod.EDM2Loss(P_mean=p_mean, P_std=p_std, sigma_data=sd)(theirs, x, onehot)
+    want = loop_mod.EDM2Loss(P_mean=p_mean, P_std=p_std, sigma_data=sd)(theirs, x, onehot).detach()
     torch.manual_seed(5)  # the same draws in the same order: ln sigma, the noise, then dropout
     rnd, noise = torch.randn([x.shape[0], 1, 1, 1]), torch.randn_like(x)
-    sigma = (rnd * p_std + p_mean).exp()
-    weight = (sigma**2 + sd**2) / (sigma * sd) ** 2
-    denoised = Denoiser(ours, sd)(x + noise * sigma, sigma, labels)
-    logvar = ours.logvar(sigma.log().flatten() / 4)
-    got = ((weight / logvar.exp()) * (denoised - x) ** 2 + logvar).detach()
-    want = want.detach()
-    return {"loss_mean": float(want.mean()), "max_abs_diff": diff(got, want),
-            "mean_abs_diff": float((got.double() - want.double()).mean().abs())}
+    # objectives.loss calls this for model.arch edm2: uncertainty on. It returns the mean over every element;
+    # edm2's training loop sums EDM2Loss's elements, which objectives.loss matches with loss_reduction sum.
+    got = edm_objective.loss(Denoiser(ours, sd), x, labels, rnd.flatten(), noise, p_mean, p_std, sd,
+                             uncertainty=True).detach()
+    return {"loss_official_mean": float(want.mean()), "loss_ours": float(got),
+            "abs_diff": abs(float(got.double() - want.mean().double()))}
 
 
 def counts(net_mod) -> dict:
@@ -200,6 +205,38 @@ def counts(net_mod) -> dict:
             "state_dict_same_names_and_shapes": theirs_state.keys() == ours_state.keys()
             and all(theirs_state[k].shape == ours_state[k].shape for k in ours_state)}
     return out
+
+
+# Bounds per figure. float32: the same operations in the same order, bit for bit. float64: ours in float64 against
+# edm2's float32 (its normalize refuses float64), so float32 rounding; about 10x what was seen.
+BOUNDS = {"eval_float32": {"unet_max_abs_diff": 0.0, "precond_D_max_abs_diff": 0.0, "logvar_max_abs_diff": 0.0},
+          "eval_float64": {"unet_max_abs_diff": 3e-5, "precond_D_max_abs_diff": 2e-5,  # 2.7e-6, 1.5e-6 seen
+                           "logvar_max_abs_diff": 2e-5},  # 1.1e-6 seen
+          "train_float32": {"output_max_abs_diff": 0.0, "logvar_max_abs_diff": 0.0, "grad_max_abs_diff": 0.0,
+                            "weights_after_max_abs_diff": 0.0},
+          "train_float64": {"output_max_abs_diff": 4e-5, "logvar_max_abs_diff": 1e-5,  # 4.0e-6, 9.2e-7 seen
+                            "grad_max_abs_diff": 1.5e-2,  # 1.4e-3 seen, of gradients up to 1.5e4
+                            "weights_after_max_abs_diff": 7e-6},  # 6.8e-7 seen
+          "train_float32_checkpointing": {"output_max_abs_diff": 0.0, "logvar_max_abs_diff": 0.0,
+                                          "grad_max_abs_diff": 0.0, "weights_after_max_abs_diff": 0.0}}
+LOSS_BOUND = 0.0  # the same elements averaged the same way
+
+
+def gate(cases: dict) -> Gate:
+    g = Gate()
+    for name in CASES:
+        for mode, bounds in BOUNDS.items():
+            r = cases[name][mode]
+            for step, d in (r.items() if "step1" in r else [("", r)]):
+                for key, bound in bounds.items():
+                    g.at_most("/".join(filter(None, (name, mode, step, key))), d[key], bound)
+    g.at_most("loss/abs_diff", cases["loss"]["abs_diff"], LOSS_BOUND)
+    for preset, c in cases["parameter-counts"].items():
+        g.equal(f"parameter-counts/{preset}", c["ours"], c["official"])
+        g.equal(f"parameter-counts/{preset}/unet", c["ours_unet"], c["official_unet"])
+        g.equal(f"parameter-counts/{preset}/state_dict_same_names_and_shapes", c["state_dict_same_names_and_shapes"],
+                True)
+    return g
 
 
 def main() -> None:
@@ -227,12 +264,15 @@ def main() -> None:
             if diffs:
                 print(f"{name:12s} {mode:28s} max diff {max(diffs):.3g}")
         print(f"{name:12s} idempotence: {cases[name]['idempotence']}")
-    print(f"loss: max |ours - EDM2Loss| = {cases['loss']['max_abs_diff']:.3g}")
+    print(f"loss: |objectives.edm.loss - mean EDM2Loss| = {cases['loss']['abs_diff']:.3g} "
+          f"(EDM2Loss mean {cases['loss']['loss_official_mean']:.6g})")
     for name, c in cases["parameter-counts"].items():
         print(f"{name:4s} parameters: official {c['official']:,}, ours {c['ours']:,} (UNet {c['official_unet']:,} "
               f"/ {c['ours_unet']:,}), same state-dict names and shapes: {c['state_dict_same_names_and_shapes']}")
+    g = gate(cases)
     write_results(args.out, "diffrelay nets.edm2 vs NVlabs/edm2 training/networks_edm2.py, same weights and inputs",
-                  cases=cases)
+                  cases=cases, gate=g.to_json())
+    g.finish("check_edm2_equivalence")
 
 
 if __name__ == "__main__":

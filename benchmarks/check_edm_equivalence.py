@@ -23,6 +23,10 @@ difference relative to the parameter's largest gradient). The load is strict (no
 Parameter counts of the full presets, both built on the meta device: DDPM++ and NCSN++ at 32x32x3 (CIFAR-10,
 augment_dim 9, unconditional and 10 classes), ADM at 64x64x3 with 1000 classes (augment_dim 0 as in EDM's
 ImageNet-64 command, and 9).
+Bounds (BOUNDS below, also written to the JSON): the outputs 0 (the same operations in the same order: bit for bit);
+the relative gradient differences 2e-5 in float32 and 5e-7 in float64 (EDM's attention backward runs float32
+einsums in another order: 1.4e-6 and 3.1e-8 seen, so about 10x that); dropout must change the output (at least
+0.1; 0.74-1.61 seen); parameter counts equal. Exit status 1, one line per figure outside its bound, when any is.
 Writes benchmarks/results/edm_equivalence.json. Not a test: CI cannot fetch the official sources.
 """
 
@@ -32,7 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
-from official import write_results
+from official import Gate, write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm
@@ -43,6 +47,12 @@ SONG = {"ddpmpp": dict(embedding_type="positional", channel_mult_noise=1, encode
         "ncsnpp": dict(embedding_type="fourier", channel_mult_noise=2, encoder_type="residual",
                        decoder_type="standard", resample_filter=[1, 3, 3, 1])}
 SIGMAS = [0.002, 0.01, 0.1, 0.5, 1.0, 5.0, 20.0, 80.0]
+# Each figure of every tiny case against its bound. 0 where both sides run the same operations in the same order.
+BOUNDS = {"max_abs_diff_float32": 0.0, "max_abs_diff_float32_no_augment": 0.0, "max_abs_diff_train_float32": 0.0,
+          "max_abs_diff_float64": 0.0, "max_abs_diff_float64_no_augment": 0.0,
+          "max_rel_grad_diff_float32": 2e-5,  # EDM's own attention backward: float32 rounding, 1.4e-6 seen
+          "max_rel_grad_diff_float64": 5e-7}  # the same einsums in float32 inside a float64 network: 3.1e-8 seen
+MASKS_MATTER = 0.1  # another dropout seed must move the output (0.74-1.61 seen), or the train case compared nothing
 
 
 def official(src: Path):
@@ -143,6 +153,19 @@ def counts(networks) -> dict:
     return out
 
 
+def gate(cases: dict) -> Gate:
+    g = Gate()
+    for name, r in cases.items():
+        if name == "parameter-counts":
+            for preset, c in r.items():
+                g.equal(f"{name}/{preset}", c["ours"], c["official"])
+            continue
+        for key, bound in BOUNDS.items():
+            g.at_most(f"{name}/{key}", r[key], bound)
+        g.at_least(f"{name}/train_masks_matter", r["train_masks_matter"], MASKS_MATTER)
+    return g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--edm-src", type=Path, required=True)
@@ -167,8 +190,10 @@ def main() -> None:
     cases["parameter-counts"] = counts(networks)
     for name, c in cases["parameter-counts"].items():
         print(f"{name:30s} parameters: official {c['official']:,}, ours {c['ours']:,}")
+    g = gate(cases)
     write_results(args.out, "diffrelay nets.edm vs NVlabs/edm training/networks.py, same weights and inputs",
-                  sigmas=SIGMAS, c_noise=[math.log(s) / 4 for s in SIGMAS], cases=cases)
+                  sigmas=SIGMAS, c_noise=[math.log(s) / 4 for s in SIGMAS], cases=cases, gate=g.to_json())
+    g.finish("check_edm_equivalence")
 
 
 if __name__ == "__main__":

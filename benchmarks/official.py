@@ -1,7 +1,10 @@
-"""What the check_*.py scripts share: writing their figures beside the versions they were measured with."""
+"""What the check_*.py scripts share: writing their figures beside the versions they were measured with, and the
+gate that makes each figure fail its script when it leaves its bound."""
 
 import json
+import math
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -14,3 +17,49 @@ def write_results(path: Path, what: str, **fields) -> None:
            "time": time.strftime("%Y-%m-%d"), **fields}
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+class Gate:
+    """Each compared figure against its bound, stated by the script per case.
+
+    A check script prints figures and writes them to JSON; without a gate a wrong reference or a wrong diffrelay
+    would still exit 0 (issue 38: one-line changes to the official code went unnoticed). Every figure goes
+    through at_most / at_least / equal; finish() prints one line per figure outside its bound and exits 1.
+    NaN is never within a bound."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def at_most(self, case: str, value: float, bound: float) -> None:
+        value = float(value)
+        self.rows.append({"case": case, "value": value, "rule": "<=", "bound": bound,
+                          "ok": not math.isnan(value) and value <= bound})
+
+    def at_least(self, case: str, value: float, bound: float) -> None:
+        """A figure that must be large: a sanity check that a comparison can tell things apart at all."""
+        value = float(value)
+        self.rows.append({"case": case, "value": value, "rule": ">=", "bound": bound,
+                          "ok": not math.isnan(value) and value >= bound})
+
+    def equal(self, case: str, value, expected) -> None:
+        """Counts, names and flags: exactly equal."""
+        self.rows.append({"case": case, "value": value, "rule": "==", "bound": expected, "ok": value == expected})
+
+    def failures(self) -> list[str]:
+        return [f"FAIL {r['case']}: {r['value']!r} not {r['rule']} {r['bound']!r}" for r in self.rows if not r["ok"]]
+
+    def to_json(self) -> dict:
+        """What the results JSON records: every figure with its bound, and how many failed."""
+        return {"failed": len(self.failures()), "checked": len(self.rows), "bounds": self.rows}
+
+    def finish(self, script: str) -> None:
+        """One line per failing figure and exit status 1, or one line saying every figure is within its bound.
+        A run that compared nothing (every case left out or skipped) fails too: it showed nothing."""
+        bad = self.failures()
+        for line in bad:
+            print(line)
+        if bad or not self.rows:
+            print(f"{script}: {len(bad)} of {len(self.rows)} figures outside their bounds" if self.rows
+                  else f"{script}: nothing was compared")
+            sys.exit(1)
+        print(f"{script}: all {len(self.rows)} figures within their bounds")

@@ -246,3 +246,23 @@ def test_the_packages_own_anchored_patterns_end_at_the_very_end():
 
     assert checkpoint.STEP_DIR.match("step_0000040") and not checkpoint.STEP_DIR.match("step_0000040\n")
     assert not gpus.UUID.match("GPU-abc\n")
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"run": {"results": "-rf"}}, "run.results"), ({"run": {"resources": "-x"}}, "run.resources"),
+    ({"data": {"kind": "folder", "path": "-imgs"}}, "data.path"),
+    ({"data": {"encoder": "sd-vae", "encoder_path": "-vae"}}, "data.encoder_path"),
+    ({"sample": {"snapshot": "-s.safetensors"}}, "sample.snapshot"), ({"sample": {"guide": "-g"}}, "sample.guide"),
+    ({"fid": {"extractor": "-e.pt"}}, "fid.extractor"), ({"fid": {"extractors": ["random", "-e.pt"]}}, "fid.extractors"),
+    ({"fid": {"reference": "-r.npz"}}, "fid.reference"), ({"fid": {"reference": {"random": "-r.npz"}}}, "fid.reference.random"),
+    ({"run": {"results": "res\nults"}}, "run.results"), ({"run": {"resources": "a\tb"}}, "run.resources"),
+    ({"data": {"kind": "folder", "path": "imgs\r"}}, "data.path"), ({"fid": {"reference": "r\x7f.npz"}}, "fid.reference"),
+])
+def test_a_path_starting_with_a_dash_or_holding_a_control_character_is_one_line(over, key):
+    """'-rf' passed validation and failed inside Snakemake as an argparse error; a newline made folder names."""
+    with pytest.raises(UserError) as e:
+        config.validate(over)
+    line = str(e.value)
+    assert "\n" not in line and f"config: {key}=" in line, line
+    assert ("reads as an option" in line and "./-" in line) or "control character" in line, line
+    assert config.validate({"run": {"results": "./-rf", "resources": "out/re-sources"}})

@@ -265,3 +265,15 @@ def test_gpu_scripts_without_cuda_exit_2_with_one_line_and_write_nothing(cmd, tm
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no CUDA device here" in p.stderr, p.stderr
     assert set((REPO / "benchmarks" / "results").iterdir()) == before
+
+
+@pytest.mark.parametrize("env", ["0,0", "GPU-8f3c2a10-aaaa,1,GPU-8f3c2a10-aaaa"], ids=["ordinal-twice", "uuid-twice"])
+def test_auto_pool_of_a_gpu_named_twice_is_one_line_not_a_wait_forever(tmp_path, monkeypatch, env):
+    # A second lock on an id this job holds already never comes: it waited past 10 minutes.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    with pytest.raises(UserError, match=r"--pool auto: CUDA_VISIBLE_DEVICES=.* names GPU .* twice"):
+        gpus.parse_pool("auto")
+    p = run_cli("with-gpus", "--pool", "auto", "--count", 2, "--lock-dir", tmp_path, "--", "true", check=False,
+                timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert "twice" in p.stderr and "CUDA_VISIBLE_DEVICES" in p.stderr

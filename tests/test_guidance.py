@@ -160,3 +160,30 @@ def test_an_ema_decay_the_run_does_not_train_or_a_guide_step_past_the_end_is_one
     with pytest.raises(UserError, match="sample.guide=99999999: a step past train.total_steps"):
         config.validate({"sample": {"guide": 99999999}})
     assert config.validate({"train": {"ema_decays": [0.9, 0.99]}, "sample": {"ema_decay": 0.99}})
+
+
+def test_validate_refuses_a_guide_step_the_run_writes_no_snapshot_at_as_the_workflow_plans_them(write_config):
+    """sample.guide: 4 passed validate and was refused only by Snakemake. The steps are planned as the workflow
+    plans them: segment ends already trained stay ends when train.segment_steps changes."""
+    from diffrelay import config, preflight
+
+    def check(guide, **train):
+        cfg = config.load(write_config({"train": train, "sample": {"guide": guide}}))
+        preflight.check(cfg, "config.yaml")
+        return cfg
+
+    with pytest.raises(UserError, match=r"^config.yaml: sample.guide=4: this run writes no snapshot at that step; "
+                       r"use one of \[3, 6\] \(segment ends and train.snapshot_every\), or a snapshot file$"):
+        check(4)
+    check(3), check(4, snapshot_every=1)
+    with pytest.raises(UserError, match=r"sample.guide=2: .*\[3, 6\]"):
+        check(2)
+    cfg = check(3)  # a segment of 2 steps trained before segment_steps became 3: ends 2, 5, 6
+    done = config.run_dir(cfg) / "checkpoints" / "step_0000002"
+    done.mkdir(parents=True)
+    (done / "manifest.json").write_text("{}")
+    (done / "meta.json").write_text(json.dumps({"trajectory": config.trajectory_hash(cfg)}))
+    assert preflight.run_snapshot_steps(cfg) == [2, 5, 6]
+    check(2), check(5)
+    with pytest.raises(UserError, match=r"sample.guide=3: .*\[2, 5, 6\]"):
+        check(3)

@@ -222,3 +222,23 @@ def test_train_refuses_a_run_that_evaluates_a_snapshot(setup, tmp_path):
     p = run_cli("train", "--config", cfg, "--until-step", 3, check=False)
     assert p.returncode == 2 and "trains nothing" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "results" / "tiny" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("cut", ["empty", "truncated"])
+def test_an_empty_or_truncated_checkpoint_is_named_as_such_not_a_pickle(setup, tmp_path, cut):
+    ckpt, _ = setup(official_state())
+    whole = ckpt.read_bytes()
+    line = bad(setup, tmp_path, raw=b"" if cut == "empty" else whole[:len(whole) // 2])
+    assert "pickle" not in line and ("is empty" if cut == "empty" else "truncated") in line, line
+    assert "download it again" in line or "save it again" in line, line
+
+
+def test_a_step_past_the_largest_a_run_can_have_is_one_line(setup, tmp_path):
+    ckpt, cfg = setup(official_state())
+    out = tmp_path / "o.safetensors"
+    p = run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out, "--step", 99999999, check=False)
+    line = p.stderr.strip()
+    assert p.returncode == 2 and len(line.splitlines()) == 1 and not out.exists(), p.stderr
+    assert "--step 99999999" in line and "at most 9999999" in line and str(cfg) in line, line
+    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out, "--step", 9999999)
+    assert checkpoint.read_snapshot(out)[1]["step"] == 9999999

@@ -358,6 +358,39 @@ def test_class_embedding_without_the_null_row_is_refused_naming_label_k(user_mod
         assert w in message, (w, message)
 
 
+# A parameter forward never uses: DDP's first step stopped with 44 lines of "Expected to have finished reduction".
+UNUSED = NET.replace("self.conv = nn.Conv2d(in_channels, in_channels, 3, padding=1)",
+                     "self.conv = nn.Conv2d(in_channels, in_channels, 3, padding=1)\n"
+                     "        self.extra = nn.Linear(4, 4)  # made, never called") + """
+
+def frozen(resolution, in_channels, num_classes):
+    net = Net(in_channels, num_classes)
+    net.extra.requires_grad_(False)  # DDP leaves a frozen parameter alone
+    return net
+"""
+
+
+@pytest.mark.parametrize("classes, device", [(0, "cpu"), (3, "cpu"), (0, "meta")])
+def test_a_parameter_forward_never_uses_is_named_in_one_line(classes, device, user_module, monkeypatch):
+    user_module("net_unused", UNUSED)
+    if device == "meta":  # a network too big for a real pass is checked on the meta device
+        monkeypatch.setattr(registry, "CPU_CHECK_MAX_PARAM_PIXELS", 0)
+    message = _one_line_error("net_unused:build", classes=classes)
+    for w in ("model.arch=net_unused:build", "2 parameter(s)", "extra.bias, extra.weight", "no gradient",
+              "forward", "DDP", "requires_grad_(False)"):
+        assert w in message, (w, message)
+    assert "conv." not in message and "emb." not in message, message
+    assert registry.check({"arch": "net_unused:frozen", "kwargs": {}}, 8, 3, classes)
+
+
+def test_validate_names_a_parameter_forward_never_uses(user_module, write_config):
+    user_module("net_unused_cli", UNUSED)
+    p = run_cli("validate", "--config", write_config({"model": {"arch": "net_unused_cli:build"}}), check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and p.stdout == "", (p.stdout, err)
+    assert "config.yaml" in err and "extra.bias, extra.weight" in err, err
+
+
 # --- built-in networks: model.kwargs checked without torch ---------------------------------------
 
 @pytest.mark.parametrize("arch, cls, extra, less", [

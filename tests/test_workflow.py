@@ -570,3 +570,9 @@ def test_gpu_pool_auto_keeps_uuids_and_explicit_ids_must_be_inherited(tmp_path, 
     p = run_cli("snakemake", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--cores", 2, "-n",
                 "--configfile", explicit, env={**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}, check=False)
     assert p.returncode != 0 and "id(s) 0,1 are not among the GPUs this job was given" in p.stdout + p.stderr
+    # One GPU named twice would be two slots of one GPU (and with-gpus would wait forever for its second lock).
+    p = run_cli("snakemake", "--snakefile", SNAKEFILE, "--directory", tmp_path, "--cores", 2, "-n",
+                "--configfile", auto, env={**env, "CUDA_VISIBLE_DEVICES": "GPU-aaaa-1111,GPU-aaaa-1111"}, check=False)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("diffrelay: error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert "run.gpus=auto: CUDA_VISIBLE_DEVICES=GPU-aaaa-1111,GPU-aaaa-1111 names GPU GPU-aaaa-1111 twice" in errors[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from diffrelay import nets
+from diffrelay import config_paths, nets
 from diffrelay.nets import checks
 from diffrelay.training import settings  # torch-free
 from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
@@ -117,7 +117,7 @@ def _explain(err) -> str:
 
 def _check_combinations(d: dict) -> list[tuple[str, str]]:
     """Rules that span several keys. Returns (key path, message) pairs; empty when all is well."""
-    bad = []
+    bad = config_paths.check_paths(d)
     t, m, data, s = d["train"], d["model"], d["data"], d["sample"]
     if t["tensorboard"] and importlib.util.find_spec("tensorboard") is None:  # not at the first training job
         bad.append(("train.tensorboard=true", "the tensorboard package is not installed; pip install tensorboard, "

@@ -5,7 +5,9 @@ that a class index exists, or that a run folder was made from this very config. 
 these costs a deleted dataset or hours of retraining; found here, it costs one line.
 """
 
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -78,6 +80,11 @@ def check_inputs(cfg, source: str) -> None:
                                   "(.safetensors), e.g. results/<run>/snapshots/step_0001000.safetensors, or null")
         except UserError as e:
             raise UserError(f"{source}: sample.guide={e}") from e
+    elif s.guide is not None and s.snapshot is None:  # a step: it must be one this run writes a snapshot at
+        steps = run_snapshot_steps(cfg)
+        if s.guide not in steps:
+            raise UserError(f"{source}: sample.guide={s.guide}: this run writes no snapshot at that step; use one of "
+                            f"{steps[:8]} (segment ends and train.snapshot_every), or a snapshot file")
     if s.snapshot is not None:
         check_evaluated_snapshot(cfg, source)
     if s.num_images < 2:
@@ -178,6 +185,28 @@ def check_evaluated_snapshot(cfg, source: str) -> None:
                       "would mix with its own; give it its own run.name")):
         if bad:
             raise UserError(f"{source}: sample.snapshot={path} trains nothing: {why}")
+
+
+def trained_steps(cfg) -> list[int]:
+    """Steps of the complete segment checkpoints the run folder already has (same trajectory): they stay
+    segment ends whatever train.segment_steps says now (config.segment_ends). The workflow plans with these."""
+    folder, want, steps = config.run_dir(cfg) / "checkpoints", config.trajectory_hash(cfg), []
+    for p in folder.glob("step_*") if folder.is_dir() else []:
+        m = re.fullmatch(r"step_(\d{7})", p.name)
+        try:
+            complete = (p / "manifest.json").is_file()
+            same = config.is_same_run(json.loads((p / "meta.json").read_text()), want)
+        except (OSError, ValueError):
+            continue
+        if m and complete and same:
+            steps.append(int(m.group(1)))
+    return steps
+
+
+def run_snapshot_steps(cfg) -> list[int]:
+    """Every step a training run writes a snapshot at, as the workflow plans it (sample.guide may name one)."""
+    ends = config.segment_ends(cfg, done=trained_steps(cfg))
+    return sorted({s for start, end in zip([0] + ends, ends) for s in config.snapshot_steps(cfg, start, end)})
 
 
 def run_dir_has_training(run_dir: Path) -> bool:

@@ -19,7 +19,8 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
     d = cfg.to_dict()
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
     channels, side = preflight.net_geometry(cfg)
-    return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"]), classes
+    return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"],
+                          augment=d["train"]["augment"] > 0), classes
 
 
 def classes_assumed(cfg: config.Config) -> bool:

@@ -138,19 +138,9 @@ RUN_DIR = f"{RESULTS}/{{run}}"
 
 
 def trained_steps():
-    """Steps of the complete segment checkpoints this run already has (same trajectory)."""
-    folder = Path(RUN_DIR_NAME) / "checkpoints"
-    want, steps = drconfig.trajectory_hash(CFG), []
-    for p in folder.glob("step_*") if folder.is_dir() else []:
-        m = re.fullmatch(r"step_(\d{7})", p.name)
-        try:
-            complete = (p / "manifest.json").is_file()
-            same = drconfig.is_same_run(json.loads((p / "meta.json").read_text()), want)
-        except (OSError, ValueError):
-            continue
-        if m and complete and same:
-            steps.append(int(m.group(1)))
-    return steps
+    """Steps of the complete segment checkpoints this run already has (same trajectory); preflight's
+    check of sample.guide plans with the same ones."""
+    return preflight.trained_steps(CFG)
 
 
 # sample.snapshot: a run that trains nothing and evaluates that file, as the one segment end, at its step.

@@ -13,7 +13,10 @@ def resolve_gpu_pools():
     source = ", ".join(map(str, CONFIG_FILES))
     if CFG.run.gpus == "auto":
         # Ordinals, or GPU-/MIG- UUIDs as CUDA_VISIBLE_DEVICES lists them.
-        ids = visible_ids()
+        try:
+            ids = visible_ids()
+        except UserError as e:
+            fail(f"{source}: run.gpus=auto: {e}, or give the ids (run.gpus: [0, 1])")
         if not ids:
             fail(
                 "run.gpus=auto: no GPU is visible on this machine; give the ids (run.gpus: [0, 1]) or use null"

@@ -217,11 +217,12 @@ def num_params(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters()) + sum(getattr(m, "fixed_parameters", 0) for m in net.modules())
 
 
-def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None) -> None:
-    """One forward pass on zeros of `shape` (on torch's default device); the output must have that shape."""
+def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None, grad: bool = False):
+    """One forward pass on zeros of `shape` (on torch's default device), recording the graph with `grad`; the
+    output must have that shape. Returns it."""
     x, c_noise = torch.zeros(shape), torch.zeros(shape[0])
     y = None if labels is None else torch.tensor(labels)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         if is_builtin(arch):
             try:
                 out = net(x, c_noise, y)
@@ -235,17 +236,36 @@ def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise UserError(f"model.arch={arch}: the network returned {got} for input {shape}; "
                         "it must return a tensor shaped like its input")
+    return out
 
 
-def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, net=None) -> int:
+def _unused(net: nn.Module, out: torch.Tensor) -> list[str] | None:
+    """Names of the trainable parameters `out` does not depend on (their .grad would stay None after backward):
+    DDP's first step stops on them with its 44-line "Expected to have finished reduction". None where the
+    backward cannot run (an op without a meta kernel, the user's own backward raising): nothing to tell."""
+    named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
+    if not named:
+        return []
+    if not out.requires_grad:
+        return [name for name, _ in named]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # a custom backward's prints keep off validate's YAML
+            grads = torch.autograd.grad(out.float().sum(), [p for _, p in named], allow_unused=True)
+    except Exception:  # noqa: BLE001 -- training reports its own backward's failure; here it only means "unknown"
+        return None
+    return [name for (name, _), g in zip(named, grads) if g is None]
+
+
+def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, net=None, grads=False) -> int:
     """Build on `device` (unless `net` is built there already) and run one forward pass on a batch of 2: class
-    0 and the null class K."""
+    0 and the null class K; with `grads`, a backward too, which must reach every trainable parameter."""
     net = net or build_network(arch, kwargs, resolution, in_channels, num_classes, device)
     root = None if is_builtin(arch) else _package_root(arch.partition(":")[0])
     shape, k = (2, in_channels, resolution, resolution), num_classes
     with torch.device(device):
         try:
-            _forward(net, arch, root, shape, [0, k] if k else None)
+            out = _forward(net, arch, root, shape, [0, k] if k else None, grad=grads)
+            unused = _unused(net, out) if grads else None
         except CodeError as e:
             if device == "meta" or not k:
                 raise
@@ -257,6 +277,11 @@ def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, n
                             f"null class ({e.did}); a conditional network must accept label num_classes as \"no "
                             f"class\" (label dropout trains it, guidance samples with it): give its class embedding "
                             f"num_classes + 1 rows, e.g. nn.Embedding(num_classes + 1, dim)") from e
+    if unused:
+        names = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise UserError(f"model.arch={arch}: {len(unused)} parameter(s) get no gradient from forward() ({names}): "
+                        "forward never uses them, and DDP (training on several processes) stops at its first step; "
+                        "use them in forward, delete them, or freeze them (.requires_grad_(False))")
     return num_params(net)
 
 
@@ -268,9 +293,13 @@ def enable_checkpointing(net: nn.Module, arch: str) -> None:
                         "train.activation_checkpointing: false")
 
 
-def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, checkpointing: bool = False) -> int:
+def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, checkpointing: bool = False,
+          augment: bool = False) -> int:
     """Build the configured network and run one forward pass on a batch of 2 (labels 0 and the null class
-    K); check the output shape. Returns the parameter count; raises UserError with one line.
+    K); check the output shape. Returns the parameter count; raises UserError with one line. A user's network
+    gets a backward too, which must reach every trainable parameter (DDP's rule); not with `augment`
+    (train.augment), whose labels only training passes, nor for the built-in ones: edm2's loss, not its
+    forward, uses its logvar head, and their tests cover the rest.
 
     The meta device costs no memory and no weights, but it does not bounds-check indices (an embedding of K
     rows takes label K there) and cannot run data-dependent Python or ops without a meta kernel. So a
@@ -278,13 +307,14 @@ def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, 
     with real tensors. The built-in networks' null class is covered by tests, so they stay on meta, unless
     they are small enough (CPU_CHECK_MAX_PARAM_PIXELS) that a real pass is the cheaper one."""
     arch, kwargs = arch_kwargs(model_cfg)
+    grads = not is_builtin(arch) and not augment
     if checkpointing:
         enable_checkpointing(build_network(arch, kwargs, resolution, in_channels, num_classes, "meta"), arch)
     if is_builtin(arch) or not num_classes:
         try:
             net = build_network(arch, kwargs, resolution, in_channels, num_classes, "meta")
             if num_params(net) * resolution ** 2 > CPU_CHECK_MAX_PARAM_PIXELS:
-                return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta", net)
+                return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta", net, grads)
         except CodeError:
             pass  # a real pass answers the same question, and its error is the one to report
-    return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu")
+    return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu", grads=grads)

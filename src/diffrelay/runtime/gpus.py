@@ -36,7 +36,13 @@ def visible_ids() -> list:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         entries = [x.strip() for x in env.split(",") if x.strip()]
-        return [int(x) if x.isdigit() else x for x in entries if x.isdigit() or UUID.match(x)]
+        ids = [int(x) if x.isdigit() else x for x in entries if x.isdigit() or UUID.match(x)]
+        # One GPU named twice would be locked twice by with-gpus: the second lock never comes (a hang).
+        twice = next((g for i, g in enumerate(ids) if g in ids[:i]), None)
+        if twice is not None:
+            raise UserError(f"CUDA_VISIBLE_DEVICES={env} names GPU {twice} twice; list each GPU once "
+                            f"(CUDA_VISIBLE_DEVICES={','.join(map(str, dict.fromkeys(ids)))})")
+        return ids
     return nvidia_smi_ids()
 
 
@@ -118,7 +124,10 @@ def check_pool(d: dict) -> list[tuple[str, str]]:
 def parse_pool(text: str) -> list:
     """'0,1,2' -> [0, 1, 2]; 'auto' -> every visible GPU; UUID and MIG ids are kept as strings."""
     if text == "auto":
-        ids = visible_ids()
+        try:
+            ids = visible_ids()
+        except UserError as e:
+            raise UserError(f"--pool auto: {e}, or give the ids, e.g. --pool 0,1") from e
         if not ids:
             raise UserError("--pool auto: no GPU is visible (no usable CUDA_VISIBLE_DEVICES entry, no nvidia-smi); "
                             "give the ids, e.g. --pool 0,1")

@@ -44,7 +44,8 @@ def _few(keys, n: int = 3) -> str:
 
 def read_state(path: Path) -> dict:
     """The tensors of a safetensors file or of a torch zip archive (weights_only); a pickle is refused unread."""
-    io.check_regular_file(path, MAX_BYTES, "checkpoint", "give the path of the checkpoint file")
+    if io.check_regular_file(path, MAX_BYTES, "checkpoint", "give the path of the checkpoint file") == 0:
+        raise UserError(f"{path}: the file is empty (0 bytes); download or save it again")
     with open(path, "rb") as f:
         head = f.read(9)
     if len(head) == 9 and head[8:9] == b"{":  # safetensors: an 8-byte header length, then a JSON header
@@ -56,7 +57,14 @@ def read_state(path: Path) -> dict:
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{path}: unreadable safetensors file ({type(e).__name__}); it is truncated or "
                             "corrupt; download it again") from e
+    if head[:2] == b"PK" and not zipfile.is_zipfile(path):  # a zip's directory is at its end: cut off
+        raise UserError(f"{path}: a torch zip archive without its end (truncated or corrupt); download or save it "
+                        "again")
     if not zipfile.is_zipfile(path):
+        # A pickle starts with PROTO (0x80, then its protocol 2..5); anything else is only named unreadable.
+        if not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+            raise UserError(f"{path}: neither a torch zip archive (.pt) nor a safetensors file (it starts with "
+                            f"{head[:8]!r}): truncated, damaged or of another format; download or save it again")
         raise UserError(f"{path}: a Python pickle, not a tensor archive (EDM's and edm2's network-snapshot-*.pkl "
                         "are pickles); unpickling runs code the file names, so diffrelay never loads one; save its "
                         "state dict with torch.save or safetensors where you trust the file, and import that")
@@ -129,6 +137,10 @@ def _is_latent(state: dict, model_cfg: dict, resolution: int, classes: int) -> b
 
 def convert(cfg, source: Path, out: Path, layout: str | None = None, step: int = 0) -> dict:
     """Check and write; returns the snapshot's meta."""
+    top = config.load_schema()["properties"]["train"]["properties"]["total_steps"]["maximum"]
+    if step > top:  # the workflow names steps with 7 digits; the config refuses such a run too
+        raise UserError(f"--step {step}: past the last step a run can have; give at most {top} "
+                        "(train.total_steps's maximum)")
     m, d = cfg.to_dict()["model"], cfg.to_dict()["data"]
     layout = layout or DEFAULT_LAYOUT.get(m["arch"], "diffrelay")
     if layout not in LAYOUTS:
