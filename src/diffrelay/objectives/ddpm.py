@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from diffrelay.objectives.draws import ahead
+
 T = 1000
 SOLVERS = ("ddpm", "ddim")
 
@@ -192,13 +194,15 @@ def loss(net, images, labels, rnd_normal, noise):
 def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm",
            settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
     """From latents ~ N(0, 1) at t = T - 1 to images: `num_steps` respaced steps of DDPM or DDIM. net(x, t, labels)
-    is an EpsModel (or its guided form); noise(shape) gives the draws (float64, one stream per image).
+    is an EpsModel (or its guided form); noise(shape) gives the draws (float64, one stream per image), each asked
+    for a step ahead (draws.ahead).
     interval = (lo, hi) in EDM's sigma of the step's timestep (sigma_of): `net` there, `unguided` elsewhere."""
     steps = respaced(num_steps)
     chain, c, dev = _chain(tuple(steps), str(latents.device)), latents.shape[1], latents.device
-    sigmas = sigma_of(steps)
+    sigmas = sigma_of(steps).tolist()  # the gate's Python floats: an `if` on a tensor would read it every step
     guided = net
     x = latents.to(torch.float64)
+    draws = ahead(noise, x.shape, len(steps) - 1 if solver == "ddpm" or settings.eta > 0 else 0)
     for i in reversed(range(len(steps))):
         if interval is not None:
             net = guided if interval[0] <= sigmas[i] <= interval[1] else unguided
@@ -212,7 +216,7 @@ def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm"
         if solver == "ddpm":
             x = chain.posterior_mean(x0, x, idx)
             if i > 0:
-                x = x + (0.5 * chain.log_var(idx, v, x)).exp() * noise(x.shape)
+                x = x + (0.5 * chain.log_var(idx, v, x)).exp() * next(draws)
             continue
         # DDIM: eps re-derived from x_0 (as DiT's ddim_sample), then the eta-scaled step to abar_prev.
         a, a_prev = _gather(chain.abar, idx, x), _gather(chain.abar_prev, idx, x)
@@ -220,5 +224,5 @@ def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm"
         sd = settings.eta * ((1 - a_prev) / (1 - a)).sqrt() * (1 - a / a_prev).sqrt()
         x = x0 * a_prev.sqrt() + (1 - a_prev - sd**2).sqrt() * eps
         if i > 0 and settings.eta > 0:
-            x = x + sd * noise(x.shape)
+            x = x + sd * next(draws)
     return x.float()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from diffrelay import nets
+from diffrelay.objectives.draws import ahead
 from diffrelay.nets import registry
 
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
@@ -117,24 +118,30 @@ def sample(net, latents, labels=None, num_steps: int = 18, solver: str = "heun",
            settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
     """From latents ~ N(0, 1) to images in about [-1, 1]: the probability-flow ODE, or with settings.S_churn > 0
     EDM's stochastic sampler. noise(shape) gives the churn noise (float64, one stream per image: the caller's
-    per-seed generators, so an image does not depend on its batch); drawn at every step, as edm_sampler does.
+    per-seed generators, so an image does not depend on its batch); drawn at every step, as edm_sampler does,
+    each asked for a step ahead (draws.ahead).
 
     interval = (lo, hi): `net` (the guided denoiser) only at steps whose noise level lo <= t <= hi, `unguided`
     elsewhere (Kynkaanniemi et al. 2024). Decided once per step by the step's level before churn, for both
     of Heun's evaluations, as REPA's samplers.py decides by t_cur."""
     st = settings
     t = sigma_steps(num_steps, latents.device, st.sigma_min, st.sigma_max, st.rho)
+    # The gates compare the levels as Python floats, read once here: an `if` on a device tensor waits for the GPU
+    # at every step. The arithmetic keeps t's tensors, so no device computes other bits (CUDA divides by a host
+    # scalar through its reciprocal).
+    levels = t.tolist()
     s_max = math.inf if st.S_max is None else st.S_max
     x = latents.to(torch.float64) * t[0]
+    draws = ahead(noise, x.shape, num_steps if st.S_churn > 0 else 0)
     guided = net
     for i in range(num_steps):
         t_cur, t_next = t[i], t[i + 1]
         if interval is not None:
-            net = guided if interval[0] <= t_cur <= interval[1] else unguided
+            net = guided if interval[0] <= levels[i] <= interval[1] else unguided
         if st.S_churn > 0:
-            gamma = min(st.S_churn / num_steps, math.sqrt(2) - 1) if st.S_min <= t_cur <= s_max else 0.0
+            gamma = min(st.S_churn / num_steps, math.sqrt(2) - 1) if st.S_min <= levels[i] <= s_max else 0.0
             t_hat = t_cur + gamma * t_cur
-            x = x + (t_hat**2 - t_cur**2).sqrt() * st.S_noise * noise(x.shape)
+            x = x + (t_hat**2 - t_cur**2).sqrt() * st.S_noise * next(draws)
             t_cur = t_hat
         d = (x - net(x.float(), t_cur.float().expand(x.shape[0]), labels).double()) / t_cur
         x_next = x + (t_next - t_cur) * d

@@ -27,6 +27,8 @@ import math
 import torch
 from torch import nn
 
+from diffrelay.objectives.draws import ahead
+
 SOLVERS = ("euler", "heun", "sde")
 
 
@@ -96,8 +98,8 @@ def _score(v, x, t):
 def sample(net, latents, labels=None, num_steps: int = 50, solver: str = "heun",
            settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
     """From latents ~ N(0, 1) at t = 1 to images at t = 0. noise(shape) gives the SDE's draws (float64, one
-    stream per image). interval = (lo, hi) in t: `net` (guided) at the steps with lo <= t_cur <= hi, `unguided`
-    elsewhere, decided per step as REPA does."""
+    stream per image), each asked for a step ahead (draws.ahead). interval = (lo, hi) in t: `net` (guided) at
+    the steps with lo <= t_cur <= hi, `unguided` elsewhere, decided per step as REPA does."""
     st, dev = settings, latents.device
     guided = net
 
@@ -107,10 +109,11 @@ def sample(net, latents, labels=None, num_steps: int = 50, solver: str = "heun",
     x = latents.to(torch.float64)
     if solver in ("euler", "heun"):
         grid = shift_time(torch.linspace(1, 0, num_steps + 1, dtype=torch.float64, device=dev), st.shift)
+        levels = grid.tolist()  # the gate's Python floats, read once (as in edm.sample)
         for i in range(num_steps):
             t_cur, t_next = grid[i], grid[i + 1]
             if interval is not None:
-                net = guided if interval[0] <= t_cur <= interval[1] else unguided
+                net = guided if interval[0] <= levels[i] <= interval[1] else unguided
             d = v(x, t_cur)
             x_next = x + (t_next - t_cur) * d
             if solver == "heun" and i < num_steps - 1:
@@ -119,15 +122,17 @@ def sample(net, latents, labels=None, num_steps: int = 50, solver: str = "heun",
         return x.float()
     grid = shift_time(torch.linspace(1, st.last_step, num_steps, dtype=torch.float64, device=dev), st.shift)
     grid = torch.cat([grid, torch.zeros(1, dtype=torch.float64, device=dev)])
+    levels = grid.tolist()  # the gate's Python floats, read once; the arithmetic keeps grid's tensors (edm.sample)
+    draws = ahead(noise, x.shape, num_steps - 1)
     for i in range(num_steps):
         t_cur, t_next = grid[i], grid[i + 1]
         if interval is not None:
-            net = guided if interval[0] <= t_cur <= interval[1] else unguided
+            net = guided if interval[0] <= levels[i] <= interval[1] else unguided
         dt, w = t_next - t_cur, 2 * t_cur
         vel = v(x, t_cur)
         drift = vel - 0.5 * w * _score(vel, x, t_cur)
         if i < num_steps - 1:
-            x = x + drift * dt + w.sqrt() * (noise(x.shape) * dt.abs().sqrt())
+            x = x + drift * dt + w.sqrt() * (next(draws) * dt.abs().sqrt())
         else:  # the last step, to t = 0, is the mean step: no noise
             x = x + dt * drift
     return x.float()

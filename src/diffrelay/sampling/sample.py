@@ -120,8 +120,10 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         gens = [torch.Generator().manual_seed(s.first_seed + i) for i in padded]
         x = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
 
-        def noise(size, gens=gens):
-            return torch.stack([torch.randn(size[1:], generator=g, dtype=torch.float64) for g in gens]).to(device)
+        def noise(size, gens=gens):  # page-locked on CUDA: the copy is queued, not waited for (the sampler asks ahead)
+            host = torch.empty(size, dtype=torch.float64, pin_memory=device.type == "cuda")
+            return torch.stack([torch.randn(size[1:], generator=g, dtype=torch.float64) for g in gens],
+                               out=host).to(device, non_blocking=True)
 
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
