@@ -6,15 +6,19 @@ the formulas are restated independently where that is practical, and the split/r
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffrelay.data import augment, edm_augment as ea
 
 RECIPE_P1 = replace(ea.EDM_CIFAR10, p=1.0)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def images(n=16, h=32, w=32, seed=0):
@@ -212,3 +216,82 @@ def test_bad_inputs():
         ea.apply(x.double(), ea.global_draws(0, 0, 2), RECIPE_P1)
     with pytest.raises(ValueError, match="square"):
         ea.apply(images(2, 16, 24), ea.global_draws(0, 0, 2), ea.Pipe(rotate_int=1))
+
+
+class ConvShapes(TorchDispatchMode):
+    """The distinct (input, weight) shapes of every convolution run under it (cuDNN autotunes each new one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.shapes = 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.convolution, torch.ops.aten.cudnn_convolution,
+                                   torch.ops.aten.mkldnn_convolution):
+            self.calls += 1
+            self.shapes.add((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_convolution_shapes_do_not_follow_the_per_step_padding(monkeypatch):
+    monkeypatch.setattr(ea, "FIXED_SHAPES", True)  # as on CUDA with cudnn.benchmark (the default there)
+    # As training draws them (data/loader.py BatchMaker._augments) with the CIFAR-10 recipe's settings: each
+    # step pads for the largest need of its global batch, a new size almost every step. Only the first rows
+    # of rank 0's share are run: the batch size is fixed, the padding is the global batch's.
+    cfg = yaml.safe_load((ROOT / "config" / "examples" / "edm-cifar10-ddpmpp-cond.yaml").read_text())
+    train, res = cfg["train"], cfg["data"]["resolution"]
+    pipe = replace(ea.EDM_CIFAR10, p=train["augment"])
+    world = train["nproc_per_node"] * train["nnodes"]
+    x = images(4, res, res)
+    pads = set()
+    with ConvShapes() as seen:
+        for step in range(50):
+            d = ea.draw(0, step, train["batch_size"], 0, world, pipe, res, res)
+            pads.add(d.pad)
+            ea.apply(x, ea.Draws(d.rows[:4], d.pad), pipe)
+    assert len(pads) > 40  # the per-step padding the shapes must not follow
+    assert seen.calls == 4 * 50
+    assert len(seen.shapes) <= 4, sorted(seen.shapes)
+
+
+def resample_before(images, matrix, pad):
+    """resample() as it was before the zero canvas (frozen copy): the upsampling convolved the padded image
+    itself, whose shape followed the padding."""
+    n, c, h, w = images.shape
+    left, right, top, bottom = pad
+    x = F.pad(images, [left, right, top, bottom], mode="reflect")
+    g = ea._fixed(1, 0, (left - right) / 2, 0, 1, (top - bottom) / 2, images.device) @ matrix
+    taps = ea._constant(ea.SYM6, images.device, images.dtype)
+    kernel = taps.flip(0).repeat(c, 1, 1, 1)
+    across = kernel.transpose(2, 3).contiguous()
+    half = (len(ea.SYM6) + 1) // 2
+    x = F.conv2d(ea._spread(x, 3), kernel, groups=c, padding=[0, half])
+    x = F.conv2d(ea._spread(x, 2), across, groups=c, padding=[half, 0])
+    g = ea._fixed(2, 0, 0, 0, 2, 0, images.device) @ g @ ea._fixed(1 / 2, 0, 0, 0, 1 / 2, 0, images.device)
+    g = ea._fixed(1, 0, -0.5, 0, 1, -0.5, images.device) @ g @ ea._fixed(1, 0, 0.5, 0, 1, 0.5, images.device)
+    out_h, out_w = (h + ea.SYM6_PAD * 2) * 2, (w + ea.SYM6_PAD * 2) * 2
+    sx, sy = 2 / x.shape[3], 2 / x.shape[2]
+    g = (ea._fixed(sx, 0, 0, 0, sy, 0, images.device) @ g
+         @ ea._fixed(1 / (2 / out_w), 0, 0, 0, 1 / (2 / out_h), 0, images.device))
+    grid = F.affine_grid(g[:, :2, :], [n, c, out_h, out_w], align_corners=False)
+    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    kernel = taps.repeat(c, 1, 1, 1)
+    across = kernel.transpose(2, 3).contiguous()
+    half = (len(ea.SYM6) - 1) // 2
+    x = F.conv2d(x, kernel, groups=c, stride=[1, 2], padding=[0, half])[:, :, :, ea.SYM6_PAD:-ea.SYM6_PAD]
+    return F.conv2d(x, across, groups=c, stride=[2, 1], padding=[half, 0])[:, :, ea.SYM6_PAD:-ea.SYM6_PAD]
+
+
+@pytest.mark.parametrize("h,w", [(32, 32), (24, 40)])
+def test_fixed_shapes_give_the_same_images_bit_for_bit(h, w, monkeypatch):
+    monkeypatch.setattr(ea, "FIXED_SHAPES", True)
+    x = images(4, h, w)
+    all_p1 = ea.Pipe(scale=1, rotate_frac=1, aniso=1, translate_frac=1)
+    for pipe in (ea.EDM_CIFAR10, RECIPE_P1, all_p1):
+        for step in range(4):
+            d = ea.draw(0, step, 16, 0, 4, pipe, h, w)
+            matrix = ea.transforms(torch.from_numpy(d.rows), pipe, h, w).matrix
+            pads = (d.pad, ea.padding(matrix, h, w), (0, 0, 0, 0), (w - 1, w - 1, h - 1, h - 1), (w - 1, 0, 0, h - 1))
+            for pad in pads:  # the global batch's, its own, none, the cap, lopsided
+                want, got = resample_before(x, matrix, pad), ea.resample(x, matrix, pad)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (pipe, step, pad)

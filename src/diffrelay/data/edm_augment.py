@@ -237,6 +237,18 @@ def _spread(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
+# Whether resample() convolves on a fixed-size canvas (below). None: on CUDA with cuDNN's benchmark mode only; the CPU
+# autotunes nothing and would pay for the larger convolutions (about 2x a pipe call). The bits are the same either way.
+FIXED_SHAPES: bool | None = None
+
+
+def _canvas(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """x in the top-left corner of a zero (B, C, height, width) tensor."""
+    out = x.new_zeros(*x.shape[:2], height, width)
+    out[:, :, :x.shape[2], :x.shape[3]] = x
+    return out
+
+
 def resample(images: torch.Tensor, matrix: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
     """Apply the inverse matrices (B, 3, 3) to (B, C, H, W) images: reflect-pad, upsample 2x with the
     sym6 filter, bilinear resampling, filter and downsample 2x, crop (aug.py:246-270)."""
@@ -248,8 +260,17 @@ def resample(images: torch.Tensor, matrix: torch.Tensor, pad: tuple[int, int, in
     kernel = taps.flip(0).repeat(c, 1, 1, 1)  # (C, 1, 1, 12): the filter reversed, a true convolution
     across = kernel.transpose(2, 3).contiguous()  # (C, 1, 12, 1)
     half = (len(SYM6) + 1) // 2
+    # The pad changes every step (aug.py:233-244 takes the batch's largest need), so convolving the padded
+    # image itself would give cuDNN's benchmark mode a new shape to autotune almost every step. The upsampling
+    # runs instead on the padded image in the corner of a zero canvas of the largest padded size (padding()
+    # caps each side at a size less a pixel): the zeros past its edges are the zeros that conv2d's own
+    # padding would read, so the part kept holds the same sums. The convolutions after grid_sample (not a cuDNN
+    # op with align_corners=False) work on the fixed output size already.
+    ph, pw = x.shape[2:]
+    if FIXED_SHAPES if FIXED_SHAPES is not None else x.is_cuda and torch.backends.cudnn.benchmark:
+        x = _canvas(x, h + 2 * (h - 1), w + 2 * (w - 1))
     x = F.conv2d(_spread(x, 3), kernel, groups=c, padding=[0, half])  # aug.py:251-256
-    x = F.conv2d(_spread(x, 2), across, groups=c, padding=[half, 0])
+    x = F.conv2d(_spread(x, 2), across, groups=c, padding=[half, 0])[:, :, :ph * 2, :pw * 2]
     g = _fixed(2, 0, 0, 0, 2, 0, images.device) @ g @ _fixed(1 / 2, 0, 0, 0, 1 / 2, 0, images.device)  # :257-258
     g = _fixed(1, 0, -0.5, 0, 1, -0.5, images.device) @ g @ _fixed(1, 0, 0.5, 0, 1, 0.5, images.device)
     out_h, out_w = (h + SYM6_PAD * 2) * 2, (w + SYM6_PAD * 2) * 2  # aug.py:261-264, in [-1, 1] coordinates
