@@ -60,6 +60,17 @@ def test_the_bundle_lists_the_runtime_less_torch_and_the_workflow():
     assert not reqs & {"torch", "snakemake", "pandas", "matplotlib"}
 
 
+def test_the_bundle_tool_refuses_a_target_it_did_not_make(tmp_path):
+    for target in (tmp_path / "mine.tar.xz", tmp_path / "folder"):
+        target.mkdir() if target.suffix != ".xz" else target.write_bytes(b"someone's file")
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        p = subprocess.run([sys.executable, ROOT / "tools" / "gpu_bundle.py", "--from-site", "--out", target],
+                           capture_output=True, text=True)
+        assert p.returncode != 0 and "did not make it" in p.stderr and str(target) in p.stderr
+        assert sorted(q.name for q in tmp_path.rglob("*")) == before
+    assert (tmp_path / "mine.tar.xz").read_bytes() == b"someone's file"
+
+
 def test_torchvision_pin_is_read_from_the_bundle(tmp_path):
     meta = tmp_path / "torchvision-0.26.0.dist-info" / "METADATA"
     meta.parent.mkdir()

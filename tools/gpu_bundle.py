@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "build" / "gpu-bundle.tar.xz"
 # torch and its own requirements are the machine's; the others are never imported by the GPU checks.
 LEFT_OUT = {"torch", "snakemake", "snakemake-executor-plugin-slurm", "pandas", "matplotlib"}
 NO_DEPS = {"clean-fid", "torchvision"}  # both require torch, which pip would fetch (2.5 GB)
@@ -111,7 +112,7 @@ def strip(site: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "build" / "gpu-bundle.tar.xz"),
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
                     help="a .tar.xz file, or a folder (no packing)")
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     ap.add_argument("--torchvision", default="0.26.0", help="the torchvision that fits the GPU machine's torch "
@@ -119,6 +120,8 @@ def main() -> int:
     ap.add_argument("--from-site", action="store_true", help="copy this interpreter's installed packages")
     args = ap.parse_args()
     out = Path(args.out)
+    if out.exists() and out.resolve() != DEFAULT_OUT.resolve():  # only make gpu-bundle's own file is replaced
+        sys.exit(f"gpu_bundle: {out} exists and this tool did not make it there; give a new path")
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         site = Path(tmp) / "site"
         site.mkdir()
@@ -131,8 +134,6 @@ def main() -> int:
                 tar.add(site, arcname="site")
             part.replace(out)  # atomic: a half-written bundle never carries the final name
         else:
-            if out.exists():
-                sys.exit(f"gpu_bundle: {out} exists; give a new folder")
             shutil.move(site, out)
     size = out.stat().st_size if out.is_file() else sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB)")
