@@ -35,12 +35,13 @@ def test_layout_covers_the_networks_package():
 BASE = {"errors", "io", "logs"}
 ALLOWED = {
     "runtime": set(),
-    "nets": set(),
-    "objectives": {"nets"},
-    "data": {"runtime", "nets", "objectives"},
-    "evaluation": {"runtime", "data"},
-    "training": {"runtime", "nets", "objectives", "data"},
-    "sampling": {"runtime", "nets", "objectives", "data", "training"},
+    "text": {"runtime"},
+    "nets": {"text"},
+    "objectives": {"nets", "text"},
+    "data": {"runtime", "nets", "objectives", "text"},
+    "evaluation": {"runtime", "data", "text"},
+    "training": {"runtime", "nets", "objectives", "data", "text"},
+    "sampling": {"runtime", "nets", "objectives", "data", "training", "text"},
 }
 FRONT = {"config", "preflight"}
 

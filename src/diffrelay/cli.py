@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, help="sample.tf32: TF32 matmuls on CUDA")
     p.add_argument("--threads", type=int)
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
+    p.add_argument("--prompts", metavar="FILE", help="a text run's prompt file (sample.prompts): one prompt a line, or "
+                   "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images")
     p.add_argument("--guide", metavar="SNAPSHOT", help="autoguidance: this snapshot guides instead of the null class "
                    "(sample.guide)")
     p.add_argument("--guidance-interval", type=float, nargs=2, metavar=("LO", "HI"),
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", type=_metrics, help="fid.metrics, comma-separated (fid,sfid,is,kid,precision,recall,"
                    "fd_dinov2); unset: each extractor's distance, KID and precision/recall where the reference allows")
     p.add_argument("--cache-dir", help="cache of the features of ADM reference batches' images")
+    p.add_argument("--clip-model", metavar="DIR", help="also the CLIP score of the images and their prompts (a text "
+                   "run's NNNNNN.txt sidecars) with this local CLIP folder (fid.clip_model)")
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.evaluation.fid")
 
@@ -183,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("torchrun", nargs=argparse.REMAINDER, help="torchrun options and program")
     p.set_defaults(module="diffrelay.runtime.distributed")
+
+    p = sub.add_parser("demo-encoder", help="write the text-to-image demo's text encoder (a random CLIP text model "
+                       "with the shapes captions' vocabulary) into a folder")
+    p.add_argument("--out", required=True, help="folder to write (transformers' save_pretrained layout)")
+    p.add_argument("--width", type=int, default=64, help="hidden size [default: 64]")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed [default: 0]")
+    p.set_defaults(module="diffrelay.text.demo")
 
     p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
     p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
@@ -207,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--evaluated", metavar="SNAPSHOT", help="the run trained nothing and evaluated this file "
                                                           "(sample.snapshot): no training log is read")
+    p.add_argument("--best-by", choices=["fid", "clip_score"], default="fid",
+                   help="fid.best_by: lowest primary distance, or highest CLIP score [default: fid]")
     p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 

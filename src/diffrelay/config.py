@@ -14,6 +14,7 @@ import yaml
 
 from diffrelay import config_paths, nets
 from diffrelay.nets import checks
+from diffrelay import config_text as text_checks  # torch-free
 from diffrelay.training import settings  # torch-free
 from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
 from diffrelay.errors import UserError
@@ -142,7 +143,6 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
         bad += checks.check_model(m, data["resolution"])
     bad += _check_latent(d)
     from diffrelay.runtime.gpus import check_pool  # light: no torch
-
     bad += check_pool(d)
     if data["kind"] == "folder" and not data["path"]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
@@ -159,11 +159,9 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     if m["class_conditional"] and data["labels"] == "none":
         bad.append(("model.class_conditional=true", "needs class labels but data.labels is none"))
     from diffrelay.sampling.checks import check_config as check_sampling  # light: no torch
-
     parts = load_schema()["properties"]["sample"]["properties"]
     edm, flow, ddpm = ({k: v.get("default") for k, v in parts[p]["properties"].items()} for p in ("edm", "flow", "ddpm"))
-    bad += check_sampling(d, edm, flow, ddpm)
-    return bad
+    return bad + check_sampling(d, edm, flow, ddpm) + text_checks.check_config(d)
 
 
 def _check_latent(d: dict) -> list[tuple[str, str]]:
@@ -276,8 +274,9 @@ def data_hash(cfg: Config) -> str:
     """section_hash of `data` without the keys that do not change the dataset's bytes (data.workers):
     a Snakemake param that rebuilds the dataset only when its content would change."""
     data = trajectory(cfg)["data"]
-    if _latent(data):  # the files differ (pixels kept or not) and may come from other weights
-        data = data | {k: cfg.to_dict()["data"][k] for k in ("encoder_path", "keep_images")}
+    # Latent: the files differ (pixels kept or not) and may come from other weights; text: a cache or not.
+    extra = ("encoder_path", "keep_images") * _latent(data) + ("text_cache", "text_encoders") * ("captions" in data)
+    data = data | {k: cfg.to_dict()["data"][k] for k in extra}
     blob = json.dumps({"data": data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -349,6 +348,7 @@ def _trajectory_of(d: dict) -> dict:
         data.pop(key, None)
     if data.get("encoder") == "sd-vae":
         data["encoder"] = "sd-vae-ft-mse"  # the same weights under their full name
+    text_checks.trajectory(data)
     if _latent(data) and ":" in data["encoder"]:
         data.pop("latent_norm", None)  # your own encoder brings its own scaling
     model = dict(d["model"])

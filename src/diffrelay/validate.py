@@ -20,7 +20,44 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
     channels, side = preflight.net_geometry(cfg)
     return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"],
-                          augment=d["train"]["augment"] > 0), classes
+                          augment=d["train"]["augment"] > 0, text=text_dims(cfg)), classes
+
+
+def text_records(cfg: config.Config) -> list | None:
+    """The text encoders' records (text/encoders.records: read from their folders, weights hashed) of a text run;
+    None for a run without captions. A missing or unusable encoder folder is one line."""
+    from diffrelay.text import encoders
+
+    d = cfg.to_dict()["data"]
+    return encoders.records(d["text_encoders"]) if d["captions"] != "none" and d["text_encoders"] else None
+
+
+def text_dims(cfg: config.Config) -> dict | None:
+    """{"states", "length", "pooled"} the network of a text run is built for (the encoders' combined output)."""
+    from diffrelay.text import encoders
+
+    records = text_records(cfg)
+    return None if records is None else encoders.combined_dims(records)
+
+
+def text_line(cfg: config.Config) -> str | None:
+    """How big the caption cache is and whether it is used (data.text_cache), as a YAML comment; None without text."""
+    from diffrelay.data import datasets
+    from diffrelay.text import cache
+
+    records = text_records(cfg)
+    if records is None:
+        return None
+    dtype, per = cfg.data.text_dtype, cache.size_bytes(1, records, cfg.data.text_dtype)
+    folder = config.run_dir(cfg) / "dataset"
+    try:  # the prepared dataset's count of distinct captions, else one per image as an estimate
+        count, how = len(datasets.open_prepared(folder).captions.texts), "captions"
+    except (UserError, AttributeError):
+        count, how = (cfg.data.count if cfg.data.kind == "shapes" else 0), "images, one caption each (estimate)"
+    total = f"{count:,} {how}: {per * count / 2**30:.3g} GiB" if count else "times the captions"
+    use = ("cached by prepare (data.text_cache: true)" if cfg.data.text_cache
+           else "encoded in each training step (data.text_cache: false)")
+    return f"# text: {len(records)} encoder(s), {per / 2**20:.3g} MiB a caption in {dtype}, {total}; {use}"
 
 
 def classes_assumed(cfg: config.Config) -> bool:
@@ -44,7 +81,8 @@ def forward_cost(cfg: config.Config, params: int, classes: int) -> str:
     too_big = f"{params / 1e6:.0f} M parameters" if params > cost.CPU_MAX_PARAMS else None
     small = params * side ** 2 <= CPU_CHECK_MAX_PARAM_PIXELS
     # check_network imported a user's module already, outside any device context (nets.registry's note).
-    build = lambda: objectives.build(model, side, classes, channels)  # noqa: E731
+    text = text_dims(cfg)
+    build = lambda: objectives.build(model, side, classes, channels, text=text)  # noqa: E731
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
             flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big, cpu_first=small)["forward"]
@@ -80,4 +118,7 @@ def main(args) -> int:
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(network_line(cfg, params, classes))  # a YAML comment, so stdout stays a valid config
+    line = text_line(cfg)
+    if line:
+        print(line)
     return 0

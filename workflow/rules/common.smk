@@ -180,7 +180,9 @@ MULTI_NODE = CFG.train.nnodes > 1
 # A latent run (data.encoder) encodes its dataset in prepare: one rank per GPU that training uses
 # (data/encoding.py); on the CPU one process, whose decoding workers and torch threads take the cores.
 LATENT = CFG.data.encoder != "none"
-ENCODERS = CFG.train.nproc_per_node if LATENT and USE_GPU else 1
+# A text run (data.captions) encodes its captions there too, on the same ranks (text/cache.py).
+TEXT = CFG.data.captions != "none"
+ENCODERS = CFG.train.nproc_per_node if (LATENT or TEXT) and USE_GPU else 1
 
 
 def step_name(step):
@@ -197,8 +199,9 @@ wildcard_constraints:
 
 # --- checks that need more than the schema -------------------------------------------------
 # A network of the user's own is imported, built on the meta device and run once here, so a bad
-# module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema).
-if not drnets.is_builtin(CFG.model.arch):
+# module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema;
+# the diffusers text networks take diffusers' config keys, so they are built here too).
+if not drnets.is_builtin(CFG.model.arch) or CFG.model.arch in drnets.TEXT_ARCHS:
     from diffrelay.validate import check_network
 
     try:

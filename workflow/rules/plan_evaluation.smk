@@ -41,10 +41,15 @@ def get_score_args(wildcards, input):
         f"--extractor {shlex.quote(e)} --ref {shlex.quote(r)}"
         for e, r in zip(input.extractors, input.refs)
     ]
-    metrics = CFG.to_dict()["fid"].get("metrics")
+    # clip_score is not the extractors': the scorer computes it with --clip-model (a text run).
+    metrics = [
+        m for m in CFG.to_dict()["fid"].get("metrics") or [] if m != "clip_score"
+    ]
     if metrics:
         cache = shlex.quote(f"{CFG.run.resources}/fid-ref")
         pairs.append(f"--metrics {','.join(metrics)} --cache-dir {cache}")
+    if CFG.fid.clip_model:
+        pairs.append(f"--clip-model {shlex.quote(CFG.fid.clip_model)}")
     return " ".join(pairs)
 
 
@@ -169,6 +174,10 @@ def get_sample_settings(wildcards):
         edm_flags += f" --guide {shlex.quote(guide[0])}"
     if decay is not None:
         edm_flags += f" --ema-decay {decay!r}"
+    # A text run's prompt file (one; a list is refused by the config checks).
+    prompts = CFG.to_dict()["sample"]["prompts"]
+    if prompts:
+        edm_flags += f" --prompts {shlex.quote(prompts if isinstance(prompts, str) else prompts[0])}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )

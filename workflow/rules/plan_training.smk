@@ -60,7 +60,7 @@ def get_prepare_args(wildcards, threads):
     # before training needs any core, and on a cluster a thread count read from --cores would not
     # match the allocation.
     args = f"{CONFIG_ARGS} --workers {threads if CFG.data.workers else 0}"
-    if not LATENT:
+    if not LATENT and not (TEXT and CFG.data.text_cache):
         return args
     # A latent run encodes on ENCODERS ranks, on free GPU ids of a pool: `diffrelay prepare` starts
     # itself again under this launcher. Passed as an argument, so that the rule's shell text (a rerun

@@ -14,7 +14,7 @@ rule prepare_dataset:
     # data.workers decoding processes (0 = every core the job may use; see get_prepare_args).
     threads: max(1, CFG.data.workers)
     resources:
-        **(gpu_resources("train", ENCODERS) if LATENT else {}),
+        **(gpu_resources("train", ENCODERS) if LATENT or TEXT else {}),
     params:
         # The config files, --workers {threads} and a latent run's --relaunch; derived from threads, so
         # not a rerun trigger (nor is the shell text below, which stays as it was before latents).

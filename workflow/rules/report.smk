@@ -44,8 +44,10 @@ rule build_report:
         run_dir=lambda wildcards: f"{CFG.run.results}/{wildcards.run}",
         out=lambda wildcards, output: str(Path(output.metrics).parent),
         evaluated=f" --evaluated {shlex.quote(EVALUATED)}" if EVALUATED else "",
+        # Only when not the default, so the shell text of runs that keep it is what it was.
+        best_by=f" --best-by {CFG.fid.best_by}" if CFG.fid.best_by != "fid" else "",
     message:
         "Writing the {wildcards.run} report"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}{params.evaluated}"
+        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}{params.evaluated}{params.best_by}"

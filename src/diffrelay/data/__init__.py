@@ -2,5 +2,5 @@
 data order and per-step seeds (`order`), the per-position training draws (`augment`) and the batch
 loader thread (`loader`).
 
-Imports the base modules, runtime, nets and objectives (the loader draws the objective's noise).
+Imports the base modules, runtime, nets, objectives (the loader draws the objective's noise) and text.
 """

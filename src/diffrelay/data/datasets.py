@@ -16,7 +16,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
-from diffrelay.data import crop, encoders, latents
+from diffrelay.data import captions, crop, encoders, latents
 from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
@@ -38,17 +38,30 @@ class Plan:
     seed: int = 0
     count: int = 0
     root: Path | None = None
-    files: tuple = ()  # folder: (relative posix path, sha256 or None when unreadable), sorted by path
+    files: tuple = ()  # folder: (relative posix path, sha256 or None if unreadable), sorted; shapes: (index,) or ()
     on_corrupt: str = "error"
     crop: str = "center"  # data.crop (data/crop.py)
     latent: dict | None = None  # encoders.record of data.encoder, None for pixels (data/latents.py)
     xflip: bool = False  # latents: also encode the mirrored images
     keep_images: bool = True
+    texts: tuple = ()  # captions (data/captions.py): unique texts, "" first; () = uncaptioned
+    caption_rows: tuple = ()  # the text ids of each source image trained
+    val_files: tuple = ()  # the held-out images (val/), as `files`; their texts and text ids:
+    val_texts: tuple = ()
+    val_caption_rows: tuple = ()
+    val_root: str | None = None  # data.val_path; None: the held-out images are in `root`
+    caption_source: str = ""
+    text: tuple = ()  # the text encoders' records (prepare)
+
+    def __post_init__(self):  # a plan read back from JSON (encoding.read_plan) holds lists
+        for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, tuple(v) if "text" in name else tuple(map(tuple, v)))
 
     @property
     def total(self) -> int:
         """Source images, skipped ones included."""
-        return self.count if self.kind == "shapes" else len(self.files)
+        return self.count if self.kind == "shapes" and not self.files else len(self.files)
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,8 @@ class Prepared:
     latent: dict | None = None  # encoders.record (+ xflip, keep_images) of a latent dataset
     latents: np.ndarray | None = None  # float32 (N, 2C, h, w): mean and std (data/latents.py)
     latents_xflip: np.ndarray | None = None
+    captions: "captions.Captions | None" = None  # a captioned dataset's (captions.json)
+    text: object = None  # a text run's text.source.TextSource, set by training (train._set_up)
 
     @property
     def shape(self) -> tuple:
@@ -82,7 +97,7 @@ def _digest(obj) -> str:
 
 # ---------------------------------------------------------------- folders
 
-def list_images(root) -> list[tuple[str, Path]]:
+def list_images(root, key: str = "data.path") -> list[tuple[str, Path]]:
     """(relative posix path, path) of every image under `root`, sorted by relative path.
 
     Recursive; extensions .png .jpg .jpeg .webp in any case. Names starting with "." (files or folders)
@@ -91,10 +106,9 @@ def list_images(root) -> list[tuple[str, Path]]:
     """
     root = Path(root)
     if not root.exists():
-        raise UserError(f"{root}: data.path: folder not found; set data.path to an existing image folder")
+        raise UserError(f"{root}: {key}: folder not found; set {key} to an existing image folder")
     if not root.is_dir():
-        raise UserError(f"{root}: data.path: is a file, not a folder; "
-                        f"set data.path to the folder that holds the images")
+        raise UserError(f"{root}: {key}: is a file, not a folder; set {key} to the folder that holds the images")
 
     def unreadable_folder(e: OSError):
         # os.walk would silently leave out a folder it cannot list; a dataset missing a class is worse.
@@ -108,8 +122,8 @@ def list_images(root) -> list[tuple[str, Path]]:
                 path = Path(dirpath) / name
                 found.append((path.relative_to(root).as_posix(), path))
     if not found:
-        raise UserError(f"{root}: data.path: no images found (searched recursively for "
-                        f"{', '.join(EXTENSIONS)}, any case); add images or point data.path at another folder")
+        raise UserError(f"{root}: {key}: no images found (searched recursively for "
+                        f"{', '.join(EXTENSIONS)}, any case); add images or point {key} at another folder")
     return sorted(found)
 
 
@@ -118,12 +132,12 @@ def _unopenable(path: Path, e: OSError) -> str:
     return f"{path}: cannot open image file ({why}); fix or remove it, or set data.on_corrupt: skip"
 
 
-def hash_files(root, on_corrupt: str = "error") -> tuple:
+def hash_files(root, on_corrupt: str = "error", key: str = "data.path") -> tuple:
     """(relative path, sha256 of bytes) per image; sha is None for an unreadable file when skipping.
 
     Only regular files are opened: a FIFO or a link to a device named like an image would block forever."""
     out = []
-    for rel, path in list_images(root):
+    for rel, path in list_images(root, key):
         try:
             io.check_regular_file(path, MAX_IMAGE_BYTES, "image file",
                                   "fix or remove it, or set data.on_corrupt: skip")
@@ -211,7 +225,8 @@ def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
     flight, so memory stays bounded however large the dataset is."""
     chunk = max(1, min(256, (4 << 20) // (p.resolution * p.resolution * 3)))
     if p.kind == "shapes":
-        fn, items = functools.partial(shape_row, p.seed, p.resolution, p.labels), range(p.count)
+        items = [f[0] for f in p.files] if p.files else range(p.count)
+        fn = functools.partial(shape_row, p.seed, p.resolution, p.labels)
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
         fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop), p.files
@@ -254,8 +269,9 @@ class Progress:
 
 def plan(data, latent: dict | None = None) -> Plan:
     """Check the `data` config section and fingerprint its source. Folder datasets hash every file. `latent`:
-    the encoder's record (encoders.record) for a latent dataset; its sha256 and conventions join the fingerprint."""
-    p = _pixel_plan(data)
+    the encoder's record (encoders.record) for a latent dataset; its sha256 and conventions join the fingerprint, as
+    do the captions (read here, before any image is decoded: captions.attach)."""
+    p = captions.attach(_pixel_plan(data), data, hash_files, folder_labels)
     if latent is None:
         return p
     fp = _digest({"pixels": p.fingerprint, "latent": {k: latent[k] for k in encoders.RECORD_KEYS},
@@ -280,10 +296,10 @@ def _pixel_plan(data) -> Plan:
                 on_corrupt=data.on_corrupt, crop=mode)
 
 
-def build(p: Plan, out, workers: int = 1) -> dict:
+def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None) -> dict:
     """Write a pixel dataset's images.npy, labels.npy and dataset.json into `out` (an empty temp folder); return
-    the info. `workers` processes decode; the bytes written do not depend on how many. (A latent dataset is
-    encoded in chunks first: data/encoding.py.)"""
+    the info. `workers` processes decode (started by `start`); the bytes written do not depend on how many. (A
+    latent dataset is encoded in chunks first: data/encoding.py.) `class_names`: those of a held-out split's set."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = p.total
@@ -292,7 +308,7 @@ def build(p: Plan, out, workers: int = 1) -> dict:
                                        shape=(total, p.resolution, p.resolution, 3))
     labels, rels, skipped = [], [], []
     progress = Progress(total)
-    with contextlib.closing(source_rows(p, workers)) as rows:
+    with contextlib.closing(source_rows(p, workers, start=start)) as rows:
         for img, label, rel in rows:
             if img is None:
                 skipped.append(rel)
@@ -307,21 +323,22 @@ def build(p: Plan, out, workers: int = 1) -> dict:
     if count < total:  # some files were skipped: keep only the rows that were filled
         np.save(out / "kept.npy", np.load(out / "images.npy", mmap_mode="r")[:count])
         os.replace(out / "kept.npy", out / "images.npy")
-    info = finish(p, out, labels, rels, skipped)
+    info = finish(p, out, labels, rels, skipped, workers=workers, class_names=class_names)
     logs.get().info(progress.line(final=True))
     return info
 
 
-def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: dict | None = None) -> dict:
-    """labels.npy and dataset.json, once the arrays are written; the info."""
-    count = len(labels)
-    class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else []
+def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: dict | None = None, workers: int = 1,
+           class_names=None) -> dict:
+    """labels.npy and dataset.json once the arrays are written (captioned: captions.json and val/); the info."""
+    count, fixed = len(labels), class_names  # fixed: a held-out split's, the training set's classes
+    class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else list(fixed or [])
     if p.kind == "folder":
         if not count:
             raise UserError(f"{p.root}: data.path: none of the {len(p.files)} images could be read "
                             f"(all skipped); fix the files or point data.path at another folder")
         if p.labels == "auto":
-            labels, class_names = folder_labels(rels)
+            labels, class_names = folder_labels(rels) if fixed is None else captions.label_of(rels, fixed, p.root)
     if skipped:
         logs.get().warning(f"prepare: skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}; "
                            f"listed in dataset.json 'skipped'")
@@ -331,31 +348,26 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
             "fingerprint": p.fingerprint, "skipped": skipped, "source": p.source}
     if p.latent:
         info["latent"] = p.latent | {"xflip": p.xflip, "keep_images": p.keep_images}
+    if p.texts:
+        info["captions"] = captions.write(p, out, rels, build, workers, class_names)
     info |= extra or {}
     io.write_json(out / "dataset.json", info)
     return info
-
-
-def _missing(path) -> UserError:
-    return UserError(f"{path}: no prepared dataset (dataset.json missing); "
-                     f"run `diffrelay prepare --config <your config>`")
 
 
 def open_prepared(path) -> Prepared:
     """Open a folder made by `diffrelay prepare`; check that the arrays match dataset.json."""
     path = Path(path)
     if not (path / "dataset.json").is_file():
-        raise _missing(path)
-    info = io.read_json(path / "dataset.json")
+        raise UserError(f"{path}: no prepared dataset (dataset.json missing); "
+                        "run `diffrelay prepare --config <your config>`")
+    info, fix = io.read_json(path / "dataset.json"), captions.REBUILD
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise UserError(f"{path / 'dataset.json'}: not a {FORMAT} file; "
-                        f"rerun `diffrelay prepare --config <your config>`")
+        raise UserError(f"{path / 'dataset.json'}: not a {FORMAT} file; {fix}")
     keys = ("count", "resolution", "num_classes", "class_names", "fingerprint")
     if any(k not in info for k in keys):
-        raise UserError(f"{path / 'dataset.json'}: incomplete (needs {', '.join(keys)}); "
-                        f"rerun `diffrelay prepare --config <your config>`")
+        raise UserError(f"{path / 'dataset.json'}: incomplete (needs {', '.join(keys)}); {fix}")
     n, res = info["count"], info["resolution"]
-    fix = "rerun `diffrelay prepare --config <your config>`"
     latent = info.get("latent")
     keep = latent is None or latent.get("keep_images", True)
     for name in ("images.npy", "labels.npy", latents.ENCODED, latents.FLIPPED):
@@ -365,8 +377,7 @@ def open_prepared(path) -> Prepared:
         images = np.load(path / "images.npy", mmap_mode="r") if keep else None
         labels = np.load(path / "labels.npy", mmap_mode="r")  # like the images: memory does not grow with N
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: images.npy or labels.npy missing or unreadable ({e}); "
-                        f"rerun `diffrelay prepare --config <your config>`") from e
+        raise UserError(f"{path}: images.npy or labels.npy missing or unreadable ({e}); {fix}") from e
     if images is not None and (images.shape != (n, res, res, 3) or images.dtype != np.uint8):
         raise UserError(f"{path / 'images.npy'}: shape {images.shape} {images.dtype} does not match dataset.json "
                         f"(count={n}, resolution={res}, uint8); rerun `diffrelay prepare --config <your config>`")
@@ -374,8 +385,15 @@ def open_prepared(path) -> Prepared:
         raise UserError(f"{path / 'labels.npy'}: shape {labels.shape} {labels.dtype} does not match dataset.json "
                         f"(count={n}, int64); rerun `diffrelay prepare --config <your config>`")
     encoded, flipped = latents.open_arrays(path, info, n) if latent else (None, None)
+    texts = captions.open_file(path / captions.FILE, n) if "captions" in info else None
     return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"],
-                    latent, encoded, flipped)
+                    latent, encoded, flipped, texts)
+
+
+def open_val(path) -> Prepared | None:
+    """The held-out split (val/) of the captioned dataset folder `path`, pixels only; None when it has none."""
+    held = open_prepared(path).captions is not None and io.read_json(Path(path) / "dataset.json")["captions"]["val"]
+    return open_prepared(Path(path) / captions.VAL) if held else None
 
 
 def is_dataset_folder(path) -> bool:
@@ -389,17 +407,14 @@ def is_dataset_folder(path) -> bool:
 def is_current(path, p: Plan) -> bool:
     """True when `path` holds a complete dataset built from exactly this plan."""
     path = Path(path)
-    if not (path / "dataset.json").is_file():
-        return False
-    try:
+    try:  # (no dataset.json: open_prepared says so)
         prepared = open_prepared(path)
         info = io.read_json(path / "dataset.json")
+        open_val(path)  # the held-out split is whole too
     except UserError:
         return False
-    if prepared.fingerprint != p.fingerprint:
-        return False
-    if p.on_corrupt == "error" and info.get("skipped"):
-        return False  # built while skipping bad files; an "error" config must see them fail
+    if prepared.fingerprint != p.fingerprint or (p.on_corrupt == "error" and info.get("skipped")):
+        return False  # another plan, or built while skipping bad files (an "error" config must see them fail)
     # open_prepared checked that both arrays are whole (shape and size match dataset.json). A png/ folder left
     # there by older versions of prepare is no longer read; it may be deleted.
     return True

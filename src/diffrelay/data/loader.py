@@ -1,4 +1,5 @@
-"""Batch loading: each step's images, labels and noise, made by a background thread while a step runs.
+"""Batch loading: each step's images, labels (or captions' embeddings) and noise, made by a background thread while
+a step runs.
 
 A batch is a pure function of (seed, step, stream position): the thread reads this rank's rows from
 the memory-mapped images (in sorted order, kinder to the page cache), converts them (uint8 NHWC ->
@@ -103,8 +104,11 @@ class BatchMaker:
     """Makes the batch of one step for one rank; holds the step's noise generator."""
 
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
-                 label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0):
+                 label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
+                 caption_dropout: float = 0.0):
         self.data, self.seed, self.global_batch = data, seed, global_batch
+        # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
+        self.text, self.caption_dropout = text, caption_dropout
         self.label_dropout, self.xflip = label_dropout, xflip
         # train.augment: EDM's CIFAR-10 pipe (EDM train.py:143-146) at that probability.
         self.pipe = dataclasses.replace(edm_augment.EDM_CIFAR10, p=augment) if augment else None
@@ -127,6 +131,11 @@ class BatchMaker:
             flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
+        if self.text is not None:  # a text run: the Text of each row's caption travels where labels do
+            u, drop = augment.captions(self.seed, step, self.global_batch, self.rank, self.world, self.caption_dropout)
+            ids = self.data.captions.pick(mine, u)
+            ids[drop] = 0  # texts[0] is the empty caption, the unconditional branch of guidance
+            labels = self.text.take(ids, self.device, labels if self.data.num_classes else None)
         # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
         # is the same for any process count. That is O(global batch) per rank; on a GPU it is one kernel
         # at memory speed (4096 x 3 x 64 x 64 floats is 200 MB, a fraction of a millisecond), and on a

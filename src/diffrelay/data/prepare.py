@@ -5,9 +5,14 @@ Example:
   diffrelay launch --standalone --nproc-per-node 8 -m diffrelay prepare --config latent.yaml   # 8 GPUs encode
 
 A pixel dataset is made by one process (rank 0 under torchrun) with data.workers decoding processes. A latent
-dataset is encoded by every rank, each its own chunks, resumable after a kill (data/encoding.py).
+dataset is encoded by every rank, each its own chunks, resumable after a kill (data/encoding.py). A captioned one
+with data.text_encoders and data.text_cache gets its captions' embeddings too, encoded the same way by every rank
+(text/cache.py); its pixels, when it has no latents, are decoded by rank 0 while the other ranks encode captions.
 """
 
+import contextlib
+import hashlib
+import json
 import os
 import shlex
 import time
@@ -17,6 +22,8 @@ from diffrelay import config, io, logs, preflight
 from diffrelay.data import datasets, encoders, encoding
 from diffrelay.errors import UserError
 from diffrelay.runtime import distributed, parallel
+from diffrelay.text import cache
+from diffrelay.text import encoders as text_encoders
 
 WORK, CURRENT, FAILED = 2, 1, -1  # rank 0's verdict after planning, sent to every rank
 RELAUNCHED = "DIFFRELAY_PREPARE_RELAUNCHED"
@@ -25,18 +32,47 @@ RELAUNCHED = "DIFFRELAY_PREPARE_RELAUNCHED"
 def main(args) -> int:
     log = logs.setup()
     cfg = config.load(args.config)
-    if args.relaunch and encoders.is_latent(cfg.data.encoder) and not os.environ.get(RELAUNCHED):
+    encoded = encoders.is_latent(cfg.data.encoder) or wants_text(cfg.data)
+    if args.relaunch and encoded and not os.environ.get(RELAUNCHED):
         relaunch(args)  # does not return
     out = Path(args.out) if args.out else config.run_dir(cfg) / "dataset"
-    if not encoders.is_latent(cfg.data.encoder):
+    if not encoded:
         return prepare_pixels(args, cfg, out) if distributed.env_rank() == 0 else 0
     device = distributed.pick_device(cfg.run.device)  # cuda:LOCAL_RANK when there is a GPU
     if distributed.env_world() > 1:
         distributed.init(device, timeout_minutes=encoding.GROUP_MINUTES)
     try:
-        return prepare_latents(args, cfg, out, device, log)
+        return prepare_encoded(args, cfg, out, device, log)
     finally:
         distributed.teardown()
+
+
+def wants_text(data) -> bool:
+    """prepare caches the captions' embeddings: a captioned dataset with text encoders and data.text_cache."""
+    return getattr(data, "captions", "none") != "none" and bool(data.text_encoders) and data.text_cache
+
+
+def with_text(plan, data):
+    """The plan with its text encoders' records; what the embeddings are (not where the folders lie) and their
+    storage dtype join the fingerprint. Unchanged without a cache: such runs keep their fingerprints."""
+    if not wants_text(data):
+        return plan
+    import dataclasses
+
+    recs = text_encoders.records(data.text_encoders)
+    part = {"dataset": plan.fingerprint, "text": text_encoders.fingerprint_part(recs), "dtype": data.text_dtype}
+    fp = hashlib.sha256(json.dumps(part, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return dataclasses.replace(plan, text=tuple(recs), fingerprint=fp)
+
+
+def is_current(out: Path, plan) -> bool:
+    """The dataset is made from this plan, its text cache included."""
+    if not datasets.is_current(out, plan):
+        return False
+    try:
+        return not plan.text or cache.open(out) is not None
+    except UserError:
+        return False
 
 
 def relaunch(args) -> None:
@@ -72,21 +108,29 @@ def prepare_pixels(args, cfg, out: Path) -> int:
     return 0
 
 
-def prepare_latents(args, cfg, out: Path, device, log) -> int:
+def prepare_encoded(args, cfg, out: Path, device, log) -> int:
+    """A latent dataset, or a captioned one whose captions' embeddings are cached, on every rank."""
     rank, world, t0 = distributed.rank(), distributed.world(), time.time()
-    work = encoding.work_dir(out)
-    verdict, error = WORK, None
+    latent = encoders.is_latent(cfg.data.encoder)
+    work, text_work = encoding.work_dir(out), cache.work_dir(out)
+    verdict, error, plan = WORK, None, None
     if rank == 0:  # plans alone (fetching the weights, hashing the files); the others wait at from_main
         try:
             checks(args, cfg, out)
-            preflight.net_geometry(cfg, ", ".join(args.config))  # the factor must divide the resolution
-            plan = datasets.plan(cfg.data, encoders.resolve(cfg.data, cfg.run.resources))
-            if datasets.is_current(out, plan):
+            if latent:
+                preflight.net_geometry(cfg, ", ".join(args.config))  # the factor must divide the resolution
+            plan = with_text(datasets.plan(cfg.data, encoders.resolve(cfg.data, cfg.run.resources) if latent
+                                           else None), cfg.data)
+            if is_current(out, plan):
                 log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
-                encoding.remove_work(work)  # a kill after the dataset was renamed into place left it
+                encoding.remove_work(work)  # a kill after the dataset was renamed into place left them
+                cache.remove_work(text_work)
                 verdict = CURRENT
             else:
-                encoding.write_plan(work, plan, device.type)
+                if latent:
+                    encoding.write_plan(work, plan, device.type)
+                if plan.text:
+                    cache.write_plan(text_work, plan.texts, plan.text, cfg.data.text_dtype)
         except UserError as e:
             verdict, error = FAILED, e
     verdict = distributed.from_main(verdict, "planning the dataset")
@@ -96,19 +140,36 @@ def prepare_latents(args, cfg, out: Path, device, log) -> int:
         return 0  # rank 0 prints the one line and fails the launch
     if verdict == CURRENT:
         return 0
-    plan = encoding.read_plan(work)
-    latent = plan.latent
-    enc = encoders.load(latent["encoder"], None if latent["path"] is None else Path(latent["path"]),
-                        latent["norm"] or "dit", device)
-    local = max(1, distributed.env_local_world())
-    encoding.encode_chunks(plan, work, max(1, workers(args, cfg) // local), enc, device, rank, world)
-    distributed.barrier()  # every chunk is written
-    if rank != 0:
-        return 0
-    with io.atomic_dir(out, owned=datasets.is_dataset_folder) as tmp:
-        labels, rels, skipped = encoding.join(plan, work, tmp)
-        info = datasets.finish(plan, tmp, labels, rels, skipped, {"encoded_on": encoded_on(device, world)})
+    text = cache.read_plan(text_work) if wants_text(cfg.data) else None
+    with contextlib.ExitStack() as stack:
+        # atomic_dir: a killed prepare leaves only a hidden temp folder; made when rank 0 first writes into it.
+        tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder)) \
+            if rank == 0 and not latent else None
+        if latent:
+            plan = encoding.read_plan(work)
+            enc = encoders.load(plan.latent["encoder"], None if plan.latent["path"] is None else
+                                Path(plan.latent["path"]), plan.latent["norm"] or "dit", device)
+            local = max(1, distributed.env_local_world())
+            encoding.encode_chunks(plan, work, max(1, workers(args, cfg) // local), enc, device, rank, world)
+            del enc
+        elif rank == 0:
+            # Rank 0 decodes the pixels while the others encode captions, before its own encoders load. Spawned
+            # decoders: gloo's threads may run here (runtime/parallel.py).
+            info = datasets.build(plan, tmp, workers=workers(args, cfg), start="spawn")
+        if text is not None:
+            cache.build(*text[:2], text_work, rank, world, device, text[2])
+        distributed.barrier()  # every chunk is written
+        if rank != 0:
+            return 0
+        if latent:
+            tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder))
+            labels, rels, skipped = encoding.join(plan, work, tmp)
+            info = datasets.finish(plan, tmp, labels, rels, skipped, {"encoded_on": encoded_on(device, world)},
+                                   workers=workers(args, cfg))
+        if text is not None:
+            cache.join(text_work, tmp, *text[:2], text[2], device)
     encoding.remove_work(work)
+    cache.remove_work(text_work)
     done(cfg, out, plan, info, t0)
     return 0
 

@@ -2,6 +2,6 @@
 image decoding and views (`features`), FID/KID and reference statistics (`fid`, the `fid` and `fid-ref`
 stages), precision/recall and metric names (`metrics`) and the run's report (`report`).
 
-Imports the base modules, runtime and data. Never training or sampling: it scores image folders and
+Imports the base modules, runtime, data and text. Never training or sampling: it scores image folders and
 reads their manifests, so a score does not depend on how the images were made.
 """

@@ -10,6 +10,7 @@ Examples:
 has no torchrun variables: scoring can never join, or wait for, a training process group.
 """
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -139,6 +140,11 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
 
     dataset, out = Path(dataset), Path(out)
     prepared = datasets.open_prepared(dataset)
+    held_out = datasets.open_val(dataset) if prepared.captions is not None else None
+    if held_out is not None:  # a text run's FID is against its held-out images (the validation FID), never trained on
+        log.info(f"{dataset}: a captioned dataset with a held-out split; reference statistics of its {held_out.count} "
+                 "held-out images (val/)")
+        dataset, prepared = dataset / "val", dataclasses.replace(held_out, fingerprint=held_out.fingerprint + "/val")
     if prepared.images is None:
         raise UserError(f"{dataset}: a latent dataset made with data.keep_images false holds no images to take "
                         "reference statistics of; give fid.reference (statistics made elsewhere), or prepare it "
@@ -361,7 +367,8 @@ def main_fid(args) -> int:
                    "--threads", args.threads, "--timeout-minutes", args.timeout_minutes, "--out", private,
                    "--device", args.device, "--in-process",
                    *(["--metrics", ",".join(args.metrics)] if args.metrics is not None else []),
-                   *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+                   *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
+                   *(["--clip-model", args.clip_model] if getattr(args, "clip_model", None) else [])]
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
             if code == 0:
                 io.write_bytes(args.out, private.read_bytes())
@@ -373,6 +380,13 @@ def main_fid(args) -> int:
     # --threads: the extractors' torch threads and as many threads decoding and resizing images ahead of them.
     result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads, device=args.device,
                        metrics=args.metrics, cache_dir=args.cache_dir)
+    if getattr(args, "clip_model", None):  # a text run: the CLIP score of the images and their prompts, here
+        from diffrelay.evaluation import clip_score
+
+        clip = clip_score.score_folder(args.images, clip_score.load(args.clip_model, _device(args.device)),
+                                       args.batch_size)
+        result["clip_score"] = {k: v for k, v in clip.items() if k != "per_image"}
+        log.info(f"{args.images}: CLIP score {clip['clip_score']:.4f} ({clip['count']} images, {args.clip_model})")
     io.write_json(args.out, result)
     for r in result["scores"]:
         kid = "n/a" if r["kid"] is None else f"{r['kid']:.5f}"

@@ -98,6 +98,9 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "recall": _number(score, "recall", path, required=False),
                          "sfid": _number(score, "sfid", path, required=False),
                          "is": _number(score, "is", path, required=False),
+                         # a text run's CLIP score of the same images (one per file: on the primary row)
+                         "clip_score": _number(rec.get("clip_score") or {}, "clip_score", path, required=False)
+                         if i == 0 else math.nan,
                          "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
                          "mode": rec.get("mode"),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
@@ -113,7 +116,8 @@ def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
     out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
                      fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
                      precision=("precision", "mean"), recall=("recall", "mean"), sfid=("sfid", "mean"),
-                     is_=("is", "mean"), reference=("reference", "first"), protocol=("protocol", "first"),
+                     is_=("is", "mean"), clip_score=("clip_score", "mean"), reference=("reference", "first"),
+                     protocol=("protocol", "first"),
                      mode=("mode", "first"), fid_s=("fid_s", "mean"),
                      primary=("primary", "any"), grid=("grid", "first"), samples=("samples", list))
     return out.reset_index()  # "is_": a namedtuple field cannot be called "is"
@@ -193,15 +197,20 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "train_images_per_s": window.images_per_s.mean() if len(window) else math.nan,
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
             "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
-            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid,
+            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "clip_score": r.clip_score,
         })
-    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode"])
+    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode", "clip_score"])
 
 
-def best_row(table: pd.DataFrame) -> pd.Series:
+def columns(table: pd.DataFrame) -> list:
+    """metrics.csv's columns: COLUMNS, and clip_score where a text run has it (other runs keep their file)."""
+    return COLUMNS + (["clip_score"] if table.clip_score.notna().any() else [])
+
+
+def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
     second pass when it ran), among results of the newest step's metric: scores of other extractors or
-    image counts are never compared."""
+    image counts are never compared. by clip_score (fid.best_by): the highest CLIP score instead."""
     primary = table[table.primary]
     top = primary[primary.num_images.fillna(0) == primary.num_images.fillna(0).max()]
     metric = top.metric.iloc[-1]
@@ -209,6 +218,11 @@ def best_row(table: pd.DataFrame) -> pd.Series:
     if same.empty:
         raise UserError(f"every {metric} value in metrics/fid is NaN; the samples are broken "
                         "(check the training loss) and no step can be called best")
+    if by == "clip_score":
+        scored = same[same.clip_score.notna()]
+        if scored.empty:
+            raise UserError("fid.best_by=clip_score: no result holds a CLIP score; set fid.clip_model (a text run)")
+        return scored.loc[scored.clip_score.idxmax()]
     return same.loc[same.fid.idxmin()]
 
 
@@ -321,12 +335,12 @@ def main(args) -> int:
     else:
         train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
-    best = best_row(table)
+    best = best_row(table, getattr(args, "best_by", None) or "fid")
     grid = run_dir / "samples" / best.grid / "grid.png"
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
-    io.write_text(out / "metrics.csv", table[COLUMNS].to_csv(index=False, float_format="%.6g"))
+    io.write_text(out / "metrics.csv", table[columns(table)].to_csv(index=False, float_format="%.6g"))
     io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name))
     plot_fid(table, best, run_dir.name, out / "fid.png")
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated)
@@ -341,6 +355,8 @@ def main(args) -> int:
             f"step_{int(best.step):07d}.safetensors" if math.isnan(best.phema)
             else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
         "samples": str(run_dir / "samples" / best.grid),
+        "clip_score": None if math.isnan(best.clip_score) else float(best.clip_score),
+        "best_by": getattr(args, "best_by", None) or "fid",
         "grid": str(out / "best_grid.png"),
     })
     log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")

@@ -1,7 +1,7 @@
 """scores.md: the scores of each evaluated snapshot as the papers' tables print them.
 
 Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
-KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance; two decimals, as those
+KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance, a text run's CLIP score; two decimals, as those
 tables round; every header carries its image count (FID-50k), and each table names the reference file,
 the protocol (ADM's evaluator arithmetic or clean-fid's) and the resize mode it was scored with. One table
 per image count: FID-2k of the first pass and FID-50k of the second are different metrics.
@@ -51,8 +51,9 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
                  if col == "fid" or (part if col in anywhere else primary)[col].notna().any()]
         # KID in units of 1e-3, as StyleGAN2-ADA's tables print it: two decimals of the raw value are all zero
         kid = bool("kid" in primary and primary.kid.notna().any())
+        clip = bool("clip_score" in primary and primary.clip_score.notna().any())  # a text run's
         header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *([f"KID-{label} ×10³ ↓"] * kid),
-                  *(f"{m} ↓" for m in others)]
+                  *(f"{m} ↓" for m in others), *(["CLIP score ↑"] * clip)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
         for r in primary.to_dict("records"):
             same = part[_same(part, r)]
@@ -62,6 +63,7 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
             for m in others:
                 match = part[_same(part, r) & (part.metric == m)]
                 cells.append(_cell(match.fid.iloc[0]) if len(match) else "–")
+            cells += [_cell(r["clip_score"])] if clip else []
             out.append(" | ".join(cells).join(["| ", " |"]))
         named = "; ".join(f"{r['metric']} against {r['reference']} ({'ADM evaluator' if r['protocol'] == 'adm' else 'clean-fid'}"
                           f", {r['mode']} mode)" for r in part.drop_duplicates("metric").to_dict("records"))

@@ -10,6 +10,15 @@ and labels is a (B,) integer tensor, or None when K is 0. A conditional network 
 label K as "no class": label dropout trains it and classifier-free guidance samples with it.
 diffrelay wraps F in edm.Denoiser, which adds the preconditioning; F never sees sigma itself.
 
+A text run (captions and data.text_encoders) calls the builder with one keyword more, and only then, so every
+builder written before text keeps its call:
+
+    callable(resolution=R, in_channels=C, num_classes=K, text={"states": D, "length": L, "pooled": P or 0},
+             **model.kwargs)
+
+and F gets forward(x, c_noise, labels, text=Text(states (B, L, D), mask (B, L), pooled (B, P) or None)), a
+diffrelay.text.condition.Text; the objectives' wrappers unpack it (condition.call).
+
 The user's module is imported from sys.path: PYTHONPATH, or the current working directory (Snakemake
 runs every job, local or on a cluster, in the workflow's working directory, so a module beside
 config/ is found there). Only names written in the config are imported, never names read from a
@@ -17,14 +26,23 @@ checkpoint or snapshot (see edm.build). It is imported as a library: it must not
 at import (keep that under `if __name__ == "__main__":`); nets.registry reports either as one line.
 
 This module is torch-free (config validation uses it at Snakefile parse time); nets.registry builds.
-Imports the base modules only (errors).
+Imports the base modules only (errors); nets.registry also imports text (the Text of its network check).
 """
 
 import difflib
 
 # By source: EDM's DDPM++, NCSN++ and ADM (nets/edm.py), edm2's UNet (nets/edm2.py), DiT and SiT (nets/dit.py), and
 # diffrelay's own small UNet (nets/unet.py), which the runs made before the papers' networks keep using.
-BUILTIN = ("ddpmpp", "ncsnpp", "adm", "edm2", "dit", "sit", "unet")
+BUILTIN = ("ddpmpp", "ncsnpp", "adm", "edm2", "dit", "sit", "unet", "diffusers-unet", "pixart", "sd3")
+# The text-conditional ones: diffusers' own UNet2DConditionModel (SD, SDXL), PixArtTransformer2DModel and
+# SD3Transformer2DModel (nets/text_nets.py). Their model.kwargs are the diffusers class's config keys (checked
+# against its __init__ when built, nets.text_nets) besides diffrelay's TEXT_KWARGS.
+TEXT_ARCHS = ("diffusers-unet", "pixart", "sd3")
+TEXT_KWARGS = {"diffusers-unet": ("time_scale", "use_mask", "pixel_size"),
+               "pixart": ("time_scale", "use_mask", "pixel_size"), "sd3": ("time_scale",)}
+# The config keys diffrelay sets itself, from data.resolution and the text encoders' widths.
+TEXT_SET = {"diffusers-unet": ("sample_size", "cross_attention_dim"), "pixart": ("sample_size", "caption_channels"),
+            "sd3": ("sample_size", "joint_attention_dim", "pooled_projection_dim")}
 # The DiT as checked against DiT's code (columns-first position table, DiT's initialisation). Part of a DiT
 # run's identity and recorded in its snapshots as dit_layout; files without it were made by layout 1 (rows
 # first), which still loads them (pos_order rows) but trains no further.
@@ -61,7 +79,7 @@ BUILTIN_KWARGS = {
              "attn_resolutions", "label_balance", "concat_balance", "dropout", "logvar_channels",
              "channels_per_head", "res_balance", "attn_balance", "clip_act", "resample_filter"),
 }
-CONTRACT = ("resolution", "in_channels", "num_classes")
+CONTRACT = ("resolution", "in_channels", "num_classes", "text")
 
 
 def is_builtin(arch: str) -> bool:
@@ -101,9 +119,9 @@ def check_kwargs(model_cfg: dict) -> list[tuple[str, str]]:
     for a built-in network, a keyword its builder does not know (config validation reports the first)."""
     arch, bad = model_cfg.get("arch", "unet"), []
     for key in model_cfg.get("kwargs") or {}:
-        if key in CONTRACT:
-            bad.append((f"model.kwargs.{key}", "set by diffrelay itself (from data.resolution, the images' channels "
-                        "and the dataset's classes); remove it from model.kwargs"))
+        if key in CONTRACT or key in TEXT_SET.get(arch, ()):
+            bad.append((f"model.kwargs.{key}", "set by diffrelay itself (from data.resolution, the images' channels, "
+                        "the dataset's classes and the text encoders' widths); remove it from model.kwargs"))
         elif arch in BUILTIN_KWARGS and key not in BUILTIN_KWARGS[arch]:
             accepted = BUILTIN_KWARGS[arch]
             near = difflib.get_close_matches(key, accepted, n=1)
@@ -111,6 +129,21 @@ def check_kwargs(model_cfg: dict) -> list[tuple[str, str]]:
             bad.append((f"model.kwargs.{key}", f"not a keyword of the built-in {arch} network; {hint}"
                         f"it takes {', '.join(accepted)}"))
     return bad
+
+
+def text_problems(model_cfg: dict, has_text: bool) -> list[tuple[str, str]]:
+    """(key, message) pairs when the network and the data disagree about text: a text-conditional arch without
+    captions and text encoders, or a built-in arch that takes no text given them (a network of one's own is
+    asked at build time: the contract passes text= only to text runs)."""
+    arch = model_cfg.get("arch", "unet")
+    if arch in TEXT_ARCHS and not has_text:
+        return [(f"model.arch={arch}", "a text-conditional network needs captions (data.captions) and the text "
+                 "encoders that embed them (data.text_encoders); set both, or choose a network without text")]
+    if has_text and is_builtin(arch) and arch not in TEXT_ARCHS:
+        return [(f"model.arch={arch}", f"takes no text, and data.captions and data.text_encoders give it captions; "
+                 f"use one of {', '.join(TEXT_ARCHS)} (or a network of your own that takes text=), or set "
+                 "data.captions: none")]
+    return []
 
 
 def same_network(recorded: dict, wanted: dict) -> str | None:

@@ -18,9 +18,11 @@ def check_model(m: dict, res: int) -> list[tuple[str, str]]:
     bad = nets.check_kwargs(m)
     if bad:
         return bad
-    if arch == "dit" and m["objective"] == "ddpm" and m["kwargs"].get("time_scale", 1000) != 1:
-        bad.append(("model.kwargs.time_scale", "model.objective ddpm gives DiT its integer timesteps 0..999, which "
-                    "DiT embeds as they are; set model.kwargs.time_scale: 1"))
+    if arch in ("dit", *nets.TEXT_ARCHS) and m["objective"] == "ddpm" and m["kwargs"].get("time_scale", 1000) != 1:
+        who = "DiT" if arch == "dit" else "diffusers"
+        bad.append(("model.kwargs.time_scale", f"model.objective ddpm gives {arch} its integer timesteps 0..999, "
+                    f"which {who} embeds as they are; set model.kwargs.time_scale: 1"))
+    bad += _text_geometry(m, res)
     if arch == "sit" and m["objective"] != "flow":
         bad.append(("model.arch=sit", "SiT's network predicts SiT's velocity; set model.objective: flow (or use dit)"))
     if arch == "edm2":
@@ -62,3 +64,20 @@ def check_model(m: dict, res: int) -> list[tuple[str, str]]:
             bad.append((f"model.attn_resolutions={r}",
                         f"no UNet level has that resolution; choose from {level_res}"))
     return bad
+
+
+def _text_geometry(m: dict, res: int) -> list[tuple[str, str]]:
+    """The side a diffusers text network can take: the UNet halves it once per block after the first (diffusers'
+    default block_out_channels has 4), the transformers cut it into patch_size patches (2 by default in both)."""
+    arch, kw = m["arch"], m["kwargs"]
+    if arch == "diffusers-unet":
+        blocks = kw.get("block_out_channels", [320, 640, 1280, 1280])
+        factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
+        if res % factor:
+            return [(f"data.resolution={res}", f"diffusers' UNet with {len(blocks)} blocks halves it "
+                     f"{len(blocks) - 1} times; use a multiple of {factor} or change model.kwargs.block_out_channels")]
+    if arch in ("pixart", "sd3"):
+        patch = kw.get("patch_size", 2)
+        if not isinstance(patch, int) or patch < 1 or res % patch:
+            return [(f"model.kwargs.patch_size={patch}", f"does not divide data.resolution={res}; use a divisor of it")]
+    return []

@@ -21,10 +21,12 @@ from torch.overrides import TorchFunctionMode
 
 import diffrelay
 from diffrelay.errors import UserError
-from diffrelay.nets import arch_kwargs, check_kwargs, dit, edm, edm2, is_builtin, memory, unet
+from diffrelay.nets import TEXT_ARCHS, arch_kwargs, check_kwargs, dit, edm, edm2, is_builtin, memory, text_nets, unet
+from diffrelay.text.condition import Text
 
 BUILDERS = {"ddpmpp": edm.build_ddpmpp, "ncsnpp": edm.build_ncsnpp, "adm": edm.build_adm, "edm2": edm2.build,
-            "dit": dit.build, "sit": dit.build_sit, "unet": unet.build}
+            "dit": dit.build, "sit": dit.build_sit, "unet": unet.build, "diffusers-unet": text_nets.build_unet,
+            "pixart": text_nets.build_pixart, "sd3": text_nets.build_sd3}
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
 LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
                       *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
@@ -176,8 +178,8 @@ def _check_signature(arch: str, fn, kwargs: dict, contract: dict) -> None:
     try:
         sig.bind_partial(**contract)
     except TypeError as e:
-        raise UserError(f"model.arch={arch}: {name} does not take the contract's keywords resolution, in_channels, "
-                        f"num_classes ({e}); see diffrelay.nets (docs/networks.md)") from e
+        raise UserError(f"model.arch={arch}: {name} does not take the contract's keywords "
+                        f"{', '.join(contract)} ({e}); see diffrelay.nets (docs/networks.md)") from e
     try:
         sig.bind(**contract, **kwargs)
     except TypeError as e:
@@ -186,13 +188,19 @@ def _check_signature(arch: str, fn, kwargs: dict, contract: dict) -> None:
 
 
 def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, num_classes: int,
-                  device: str | None = None) -> nn.Module:
+                  device: str | None = None, text: dict | None = None) -> nn.Module:
     """Call the network named by `arch` under the contract above, on `device` (default: torch's default); bad
-    kwargs and failures of the user's code become one-line errors (CodeError when the user's code raised)."""
+    kwargs and failures of the user's code become one-line errors (CodeError when the user's code raised).
+    `text`: a text run's dims {"states": D, "length": L, "pooled": P or 0}, passed as text= (only then)."""
     bad = check_kwargs({"arch": arch, "kwargs": kwargs})
     if bad:
         raise UserError(f"{bad[0][0]}: {bad[0][1]}")
+    if text is not None and is_builtin(arch) and arch not in TEXT_ARCHS:
+        raise UserError(f"model.arch={arch}: takes no text; use one of {', '.join(TEXT_ARCHS)} for a captioned "
+                        "dataset, or set data.captions: none")
     contract = {"resolution": resolution, "in_channels": in_channels, "num_classes": num_classes}
+    if text is not None:
+        contract["text"] = dict(text)
     # Imported outside the device context: a module-level tensor made on the meta device would stay there.
     fn, root = (BUILDERS[arch], None) if is_builtin(arch) else _import(arch)
     with on_device(device):
@@ -217,21 +225,37 @@ def num_params(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters()) + sum(getattr(m, "fixed_parameters", 0) for m in net.modules())
 
 
-def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None, grad: bool = False):
+def random_text(dims: dict, batch: int, device) -> Text:
+    """A Text of `dims` (text.source.TextSource.dims) for the network check: normal states and pooled, every
+    token in row 0 and the first half in the others (padding masked); from its own generator, so the check
+    draws nothing from torch's global one."""
+    gen = torch.Generator().manual_seed(0)
+    length = dims["length"]
+    mask = torch.ones(batch, length, dtype=torch.int64, device="cpu")
+    mask[1:, max(1, length // 2):] = 0
+    states = torch.randn(batch, length, dims["states"], generator=gen, device="cpu")
+    pooled = torch.randn(batch, dims["pooled"], generator=gen, device="cpu") if dims.get("pooled") else None
+    return Text(states, mask, pooled).to(device)
+
+
+def _forward(net, arch: str, root: str | None, shape: tuple, labels: list | None, grad: bool = False,
+             text: dict | None = None):
     """One forward pass on zeros of `shape` (on torch's default device), recording the graph with `grad`; the
-    output must have that shape. Returns it."""
+    output must have that shape. Returns it. A text run's network gets a random Text of the `text` dims."""
     x, c_noise = torch.zeros(shape), torch.zeros(shape[0])
     y = None if labels is None else torch.tensor(labels)
+    extra = {} if text is None else {"text": random_text(text, shape[0], x.device)}
     with torch.set_grad_enabled(grad):
         if is_builtin(arch):
             try:
-                out = net(x, c_noise, y)
+                out = net(x, c_noise, y, **extra)
             except Exception as e:  # noqa: BLE001 -- reported as one line, like the user's networks
                 raise UserError(f"model.arch={arch}: one forward pass on a {shape} batch failed "
                                 f"({type(e).__name__}: {_one_line(e)}); fix model.kwargs") from e
         else:
+            what = f"in forward() on a {shape} batch with labels {labels}" + (f" and text {text}" if text else "")
             out = _run_user(net, x, c_noise, y, arch=arch, root=root, fix="fix the network", at="when called",
-                            what=f"in forward() on a {shape} batch with labels {labels}")
+                            what=what, **extra)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise UserError(f"model.arch={arch}: the network returned {got} for input {shape}; "
@@ -256,21 +280,22 @@ def _unused(net: nn.Module, out: torch.Tensor) -> list[str] | None:
     return [name for (name, _), g in zip(named, grads) if g is None]
 
 
-def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, net=None, grads=False) -> int:
+def _build_and_run(arch, kwargs, resolution, in_channels, num_classes, device, net=None, grads=False,
+                   text=None) -> int:
     """Build on `device` (unless `net` is built there already) and run one forward pass on a batch of 2: class
     0 and the null class K; with `grads`, a backward too, which must reach every trainable parameter."""
-    net = net or build_network(arch, kwargs, resolution, in_channels, num_classes, device)
+    net = net or build_network(arch, kwargs, resolution, in_channels, num_classes, device, text)
     root = None if is_builtin(arch) else _package_root(arch.partition(":")[0])
     shape, k = (2, in_channels, resolution, resolution), num_classes
     with torch.device(device):
         try:
-            out = _forward(net, arch, root, shape, [0, k] if k else None, grad=grads)
+            out = _forward(net, arch, root, shape, [0, k] if k else None, grad=grads, text=text)
             unused = _unused(net, out) if grads else None
         except CodeError as e:
             if device == "meta" or not k:
                 raise
             try:  # does it run without the null class? Then label K is what it refuses.
-                _forward(net, arch, root, shape, [0, k - 1])
+                _forward(net, arch, root, shape, [0, k - 1], text=text)
             except CodeError:
                 raise e from None
             raise UserError(f"model.arch={arch}: {e.where}: the network fails on label {k} = num_classes, the "
@@ -294,7 +319,7 @@ def enable_checkpointing(net: nn.Module, arch: str) -> None:
 
 
 def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, checkpointing: bool = False,
-          augment: bool = False) -> int:
+          augment: bool = False, text: dict | None = None) -> int:
     """Build the configured network and run one forward pass on a batch of 2 (labels 0 and the null class
     K); check the output shape. Returns the parameter count; raises UserError with one line. A user's network
     gets a backward too, which must reach every trainable parameter (DDP's rule); not with `augment`
@@ -305,16 +330,20 @@ def check(model_cfg: dict, resolution: int, in_channels: int, num_classes: int, 
     rows takes label K there) and cannot run data-dependent Python or ops without a meta kernel. So a
     user's conditional network, and any user network the meta pass fails on, is built and run on the CPU
     with real tensors. The built-in networks' null class is covered by tests, so they stay on meta, unless
-    they are small enough (CPU_CHECK_MAX_PARAM_PIXELS) that a real pass is the cheaper one."""
+    they are small enough (CPU_CHECK_MAX_PARAM_PIXELS) that a real pass is the cheaper one.
+
+    A text run (`text`: its dims, text.source.TextSource.dims) builds the network with text= and runs it on a
+    random Text of those dims. diffusers' text networks get the backward too (their unused parameters, e.g. of
+    a config that builds a head it never calls, would stop DDP as a user's would)."""
     arch, kwargs = arch_kwargs(model_cfg)
-    grads = not is_builtin(arch) and not augment
+    grads = (not is_builtin(arch) or arch in TEXT_ARCHS) and not augment
     if checkpointing:
-        enable_checkpointing(build_network(arch, kwargs, resolution, in_channels, num_classes, "meta"), arch)
+        enable_checkpointing(build_network(arch, kwargs, resolution, in_channels, num_classes, "meta", text), arch)
     if is_builtin(arch) or not num_classes:
         try:
-            net = build_network(arch, kwargs, resolution, in_channels, num_classes, "meta")
+            net = build_network(arch, kwargs, resolution, in_channels, num_classes, "meta", text)
             if num_params(net) * resolution ** 2 > CPU_CHECK_MAX_PARAM_PIXELS:
-                return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta", net, grads)
+                return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "meta", net, grads, text)
         except CodeError:
             pass  # a real pass answers the same question, and its error is the one to report
-    return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu", grads=grads)
+    return _build_and_run(arch, kwargs, resolution, in_channels, num_classes, "cpu", grads=grads, text=text)

@@ -3,7 +3,7 @@ owns its preconditioning, training loss, noise/time draws and samplers: `edm` (K
 `flow` (flow matching, linear interpolant, velocity prediction) and `ddpm` (DiT's 1000-step noise prediction
 with learned sigma). `model.objective` picks one.
 
-Imports the base modules and nets only.
+Imports the base modules, nets and text (a Text travels where labels do).
 """
 
 
@@ -12,18 +12,20 @@ def objective(model_cfg: dict) -> str:
     return model_cfg.get("objective", "edm")
 
 
-def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3):
+def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3, text: dict | None = None):
     """The network of a `model` section wrapped as its objective wants: EDM's Denoiser, flow's VelocityModel or
-    ddpm's EpsModel. All take (x, time, labels); what `time` means is the objective's (see each module)."""
+    ddpm's EpsModel. All take (x, time, labels); what `time` means is the objective's (see each module). `text`:
+    the text dims of a text run (text.source.TextSource.dims), given to the network's builder."""
     from diffrelay.nets import registry
     from diffrelay.objectives import ddpm, edm, flow
     from diffrelay import nets
 
+    extra = {"text": text} if text else {}  # only text runs: builders from before text keep their call
     if objective(model_cfg) == "edm":
-        return edm.build(model_cfg, resolution, num_classes, in_channels)
+        return edm.build(model_cfg, resolution, num_classes, in_channels, **extra)
     arch, kwargs = nets.arch_kwargs(model_cfg)
     classes = num_classes if model_cfg["class_conditional"] else 0
-    net = registry.build_network(arch, kwargs, resolution, in_channels, classes)
+    net = registry.build_network(arch, kwargs, resolution, in_channels, classes, **extra)
     return ddpm.EpsModel(net, in_channels) if objective(model_cfg) == "ddpm" else flow.VelocityModel(net)
 
 

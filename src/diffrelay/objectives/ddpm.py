@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from diffrelay.objectives.draws import ahead
+from diffrelay.text import condition
 
 T = 1000
 SOLVERS = ("ddpm", "ddim")
@@ -83,7 +84,8 @@ class SamplerSettings:
 class EpsModel(nn.Module):
     """F(x_t, t, labels) -> eps, or eps and the variance half (2C channels) for a learned-sigma network: every
     output channel (a built-in DiT's forward_all; a network of one's own may return 2C channels from forward).
-    Whether the variance is learned is read off the output's channels, where it is used."""
+    Whether the variance is learned is read off the output's channels, where it is used. labels may be a
+    text.condition.Text, given to the network as text= (condition.call)."""
 
     def __init__(self, net: nn.Module, in_channels: int):
         super().__init__()
@@ -93,7 +95,7 @@ class EpsModel(nn.Module):
 
     def forward(self, x, t, labels=None):
         fn = self.net.forward_all if self.full else self.net
-        return fn(x, t.reshape(-1).to(x.dtype), labels).to(x.dtype)
+        return condition.call(fn, x, t.reshape(-1).to(x.dtype), labels).to(x.dtype)
 
 
 def _gather(values: torch.Tensor, t, like: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from diffrelay import nets
 from diffrelay.objectives.draws import ahead
 from diffrelay.nets import registry
+from diffrelay.text import condition
 
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # the paper's sampling defaults
 
@@ -50,28 +51,30 @@ class Denoiser(nn.Module):
     def forward(self, x, sigma, labels=None, return_logvar: bool = False, augment_labels=None):
         """D(x; sigma); with return_logvar also the network's uncertainty u(sigma) (edm2's Precond does the same,
         inside the forward, so DDP sees every parameter the loss uses). augment_labels (train.augment) go to the
-        network as its fourth argument, and only when given: a network of one's own need not take them."""
+        network as its fourth argument, and only when given: a network of one's own need not take them. labels may
+        be a text.condition.Text (a text run), which reaches the network as text= (condition.call)."""
         sigma = sigma.reshape(-1, 1, 1, 1).to(x.dtype)
         sd2 = self.sigma_data**2
         c_skip = sd2 / (sigma**2 + sd2)
         c_out = sigma * self.sigma_data / (sigma**2 + sd2).sqrt()
         c_in = 1 / (sd2 + sigma**2).sqrt()
         c_noise = sigma.log().flatten() / 4
-        f = self.net(c_in * x, c_noise, labels) if augment_labels is None else \
-            self.net(c_in * x, c_noise, labels, augment_labels)
+        f = condition.call(self.net, c_in * x, c_noise, labels) if augment_labels is None else \
+            condition.call(self.net, c_in * x, c_noise, labels, augment_labels)
         denoised = c_skip * x + c_out * f.to(x.dtype)
         return (denoised, self.net.logvar(c_noise).to(x.dtype)) if return_logvar else denoised
 
 
-def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3) -> Denoiser:
-    """The network described by a `model` section (a plain dict, as stored in checkpoints), preconditioned.
+def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int = 3, text: dict | None = None) -> Denoiser:
+    """The network described by a `model` section (a plain dict, as stored in checkpoints), preconditioned;
+    `text`: a text run's dims, given to the network's builder as text= (nets' contract).
 
     Callers pass the section of the run's config; a snapshot's own record is only compared with it
     (checkpoint.load_snapshot), so a file never decides which code runs.
     """
     arch, kwargs = nets.arch_kwargs(model_cfg)
     classes = num_classes if model_cfg["class_conditional"] else 0
-    return Denoiser(registry.build_network(arch, kwargs, resolution, in_channels, classes),
+    return Denoiser(registry.build_network(arch, kwargs, resolution, in_channels, classes, text=text),
                     sigma_data=model_cfg["sigma_data"])
 
 

@@ -28,19 +28,21 @@ import torch
 from torch import nn
 
 from diffrelay.objectives.draws import ahead
+from diffrelay.text import condition
 
 SOLVERS = ("euler", "heun", "sde")
 
 
 class VelocityModel(nn.Module):
-    """v(x_t, t) = F(x_t, t, labels): no preconditioning; F's time input is t in [0, 1]."""
+    """v(x_t, t) = F(x_t, t, labels): no preconditioning; F's time input is t in [0, 1]. labels may be a
+    text.condition.Text, given to F as text= (condition.call)."""
 
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net  # the raw network F of the diffrelay.nets contract
 
     def forward(self, x, t, labels=None):
-        return self.net(x, t.reshape(-1).to(x.dtype), labels).to(x.dtype)
+        return condition.call(self.net, x, t.reshape(-1).to(x.dtype), labels).to(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,13 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     guided = [g for g in scales if g != 1]
     if s.get("guide") is not None:
         guided = []  # autoguidance: the guide network replaces the null class, no label dropout needed
-    if guided and not m["class_conditional"]:
+    text = d["data"].get("captions", "none") != "none"
+    if guided and text and not d["data"]["caption_dropout"]:
+        bad.append((f"sample.guidance={guided[0]}", "the network is trained without caption dropout, so it has no "
+                    "unconditional model to guide with; set data.caption_dropout (e.g. 0.1) or sample.guidance: 1"))
+    elif text:
+        pass  # a text run guides with the empty caption's embedding (caption dropout), not the null class
+    elif guided and not m["class_conditional"]:
         bad.append((f"sample.guidance={guided[0]}", "guidance needs a class-conditional network; "
                     "set model.class_conditional: true or sample.guidance: 1"))
     elif guided and not t["label_dropout"]:

@@ -1,9 +1,16 @@
 """Classifier-free guidance (Ho & Salimans 2022) and autoguidance (Karras et al. 2024) at sampling time, and
-the checks that a network (and a guide) support them."""
+the checks that a network (and a guide) support them.
+
+With text (a text.condition.Text where the labels travel) the unconditional branch is the Text's `null` rows, the
+empty caption's embedding or the negative prompt's, set by the sampler: both branches are one batch,
+Text.with_null(), as diffusers' pipelines concatenate the negative and the prompt embeddings."""
+
+import dataclasses
 
 import torch
 
 from diffrelay.errors import UserError
+from diffrelay.text.condition import Text
 from diffrelay.training import checkpoint
 
 
@@ -34,7 +41,9 @@ def guided(denoise, scale: float, null: int, channels: int | None = None):
         if labels is None:
             return denoise(x, sigma, labels)
         # Conditional and unconditional rows in one batch, then extrapolate from the unconditional one.
-        both = denoise(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, torch.full_like(labels, null)]))
+        both_labels = labels.with_null() if isinstance(labels, Text) else \
+            torch.cat([labels, torch.full_like(labels, null)])
+        both = denoise(torch.cat([x, x]), torch.cat([sigma, sigma]), both_labels)
         cond, uncond = both.chunk(2)
         return _first(channels, uncond + scale * (cond - uncond), cond)
 
@@ -44,7 +53,8 @@ def guided(denoise, scale: float, null: int, channels: int | None = None):
 def autoguided(denoise, reference, scale: float, channels: int | None = None):
     """Autoguidance: reference + scale (denoise - reference), both with the image's own labels, as edm2's
     generate_images.py guides (`ref_Dx.lerp(Dx, guidance)`); the reference is a weaker network of the same
-    kind instead of the null class. channels: as in guided."""
+    kind instead of the null class; with text both get the same Text (its `null` is unused). channels: as in
+    guided."""
 
     def fn(x, sigma, labels):
         ref = reference(x, sigma, labels)
@@ -74,6 +84,7 @@ def load_guide(path, meta: dict, weights: str, device):
               ("image shape", meta["image_shape"], guide_meta.get("image_shape")),
               # latents of another encoder or scaling mean other numbers in the same shape
               ("latent encoder", _encoder(meta), _encoder(guide_meta)),
+              ("text encoders", _text(meta), _text(guide_meta)),  # a text net is guided by one reading the same Text
               ("classes", meta.get("num_classes", 0) if ours.get("class_conditional") else 0,
                guide_meta.get("num_classes", 0) if theirs.get("class_conditional") else 0)]
     for what, want, got in checks:
@@ -88,14 +99,25 @@ def load_guide(path, meta: dict, weights: str, device):
 
 
 class Unconditional(torch.nn.Module):
-    """An unconditional guide called as the sampled network is: the image's labels are not its to see."""
+    """An unconditional guide called as the sampled network is: the image's class labels are not its to see (a
+    text guide still gets the Text, without them)."""
 
     def __init__(self, net: torch.nn.Module):
         super().__init__()
         self.net = net
 
     def forward(self, x, sigma, labels=None, **kwargs):
+        if isinstance(labels, Text):
+            return self.net(x, sigma, dataclasses.replace(labels, labels=None), **kwargs)
         return self.net(x, sigma, None, **kwargs)
+
+
+def _text(meta: dict) -> tuple | None:
+    """The text encoders (by sha256) and the dims a network reads (text.source.record), None without text."""
+    rec = meta.get("text")
+    if rec is None:
+        return None
+    return tuple(r.get("sha256") for r in rec.get("encoders", [])), tuple(sorted((rec.get("dims") or {}).items()))
 
 
 def _encoder(meta: dict) -> tuple | None:

@@ -19,22 +19,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
 
 from diffrelay import config, io, logs, objectives
 from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import export, guidance
+from diffrelay.sampling import export, guidance, prompted
+from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
                                      check_out, file_record, image_files, is_sample_folder, png_name, up_to_date,
                                      work_dir)
 from diffrelay.sampling.folder import damaged_files  # noqa: F401 -- sample.damaged_files, used by the tests
+from diffrelay.sampling.images import (GRID_IMAGES, GRID_TILE_PX, LABEL_PX, TITLE_PX, _read_png, encode_png,  # noqa: F401
+                                       grid_title, is_valid_png, make_grid)
 
 # CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
 # (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
@@ -43,7 +44,6 @@ from diffrelay.sampling.folder import damaged_files  # noqa: F401 -- sample.dama
 # for different batch sizes, so there only the process count and resuming are sure not to matter (the shape
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
-GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX, TITLE_PX = 64, 8, 64, 12, 14
 # Settings that change the pixels: a finished folder with the same values is up to date.
 def rank_share(num_images: int, rank: int, world: int) -> range:
     """Indices made by process `rank` of `world`: round robin, so each process gets about the same work."""
@@ -87,8 +87,9 @@ class NonFiniteSamples(UserError):
     """A batch came out with NaN or inf values (run() names the snapshot)."""
 
 
-def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None):
-    """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep."""
+def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None, text=None, items=None):
+    """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep.
+    text, items: a text run's TextSource and prompt items (sampling/prompted.py): image i is items[i]."""
     device = torch.device(device or next(net.parameters()).device)
     shape = tuple(meta["image_shape"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
@@ -117,7 +118,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         padded = batch + [batch[0]] * (rows - len(batch))  # padding rows repeat the first and are discarded
         # One generator per image, seeded by its seed: its latent first, then EDM's churn noise, as EDM's
         # StackedRandomGenerator does, so an image is the same in any batch and on any process count.
-        gens = [torch.Generator().manual_seed(s.first_seed + i) for i in padded]
+        gens = [torch.Generator().manual_seed(s.first_seed + i if items is None else items[i].seed) for i in padded]
         x = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
 
         def noise(size, gens=gens):  # page-locked on CUDA: the copy is queued, not waited for (the sampler asks ahead)
@@ -127,6 +128,9 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
 
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
+        if text is not None:
+            labels = prompted.condition(text, [items[i] for i in padded], device, labels, s.guidance != 1,
+                                        meta.get("num_classes", 0))
         with torch.inference_mode():
             images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
                                        noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
@@ -171,69 +175,6 @@ def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
                         "are the ddpm samplers' settings; remove them")
 
 
-def encode_png(pixels: np.ndarray) -> bytes:
-    buf = bytes_io.BytesIO()
-    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _read_png(path: Path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im)
-
-
-def is_valid_png(path: Path, shape) -> bool:
-    """The file exists, decodes completely and has the snapshot's size and channel count."""
-    c, h, w = shape
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return im.size == (w, h) and len(im.getbands()) == c
-    except (OSError, ValueError, SyntaxError):  # missing, or PIL's ways of saying "truncated or not a PNG"
-        return False
-
-
-def grid_title(meta: dict, s: Settings) -> str:
-    """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
-    if s.weights == "raw":
-        weights = "raw weights"
-    elif "phema" in meta:
-        weights = f"post-hoc EMA sigma_rel {meta['phema']['sigma_rel']:g}"
-    else:
-        decay = s.ema_decay if s.ema_decay is not None else (checkpoint.ema_decays(meta) or [None])[0]
-        weights = "EMA" if decay is None else f"EMA {decay:g}"
-    return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
-
-
-def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | None = None) -> Image.Image:
-    """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath,
-    and a title line above (a grid copied into a report or a paper draft still says what it shows)."""
-    h, w = images[0].shape[:2]
-    scale = max(1, math.ceil(GRID_TILE_PX / max(h, w)))
-    th, tw = h * scale, w * scale
-    label_h = LABEL_PX if names else 0
-    title_h = TITLE_PX if title else 0
-    cols = min(GRID_COLUMNS, len(images))
-    rows = math.ceil(len(images) / cols)
-    grid = Image.new("RGB", (cols * tw, title_h + rows * (th + label_h)), "white")
-    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
-    if title:
-        text = title
-        while text and draw.textlength(text, font=font) > cols * tw - 2:
-            text = text[:-1]
-        draw.text((1, 1), text, fill="black", font=font)
-    for k, pixels in enumerate(images):
-        x, y = (k % cols) * tw, title_h + (k // cols) * (th + label_h)
-        tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert("RGB")
-        grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
-        if names:
-            text = names[k]
-            while text and draw.textlength(text, font=font) > tw - 2:
-                text = text[:-1]
-            draw.text((x + 1, y + th), text, fill="black", font=font)
-    return grid
-
-
 def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
     """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
     fd = _lock(work)
@@ -248,8 +189,13 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         tiles = [_read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
         labels, known = class_labels(first, meta, s.class_labels), meta.get("class_names") or []
         names = None if labels is None else [str(known[c]) if c < len(known) else str(c) for c in labels]
+        prompts = [prompted.sidecar(work / png_name(i)) for i in first]
+        text = meta.get("text") is not None and all(p.is_file() for p in prompts)
+        if text:  # a text run's grid is labelled with each image's prompt, on wider tiles
+            names = [p.read_text(encoding="utf-8") for p in prompts]
         buf = bytes_io.BytesIO()
-        make_grid(tiles, names, grid_title(meta, s)).save(buf, format="PNG")
+        make_grid(tiles, names, grid_title(meta, s), tile_px=2 * GRID_TILE_PX if text else GRID_TILE_PX).save(
+            buf, format="PNG")
         io.write_bytes(work / "grid.png", buf.getvalue())
         # sample.npz: samples.npz from the PNG files as written, with the labels generate() gave each image.
         exported = export.finish(work, s.npz, s.num_images, class_labels(range(s.num_images), meta, s.class_labels))
@@ -274,8 +220,25 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
+def _generate(model, meta, todo, s, device, guide, decoder, text, items):
+    """generate(), in one call per (guidance, steps) of a text run's items (a prompt entry may set its own)."""
+    if items is None:
+        yield from generate(model, meta, todo, s, device, guide, decoder)
+        return
+    for g, steps, part in prompted.groups(items, todo, s.guidance, s.steps):
+        yield from generate(model, meta, part, dataclasses.replace(s, guidance=g, steps=steps), device, guide,
+                            decoder, text, items)
+
+
+def _write_image(path: Path, pixels, prompt: str | None) -> None:
+    """The PNG, after its prompt's sidecar (a text run): a PNG on disk always has its prompt beside it."""
+    if prompt is not None:
+        io.write_text(prompted.sidecar(path), prompt, parents=False)
+    io.write_bytes(path, encode_png(pixels), parents=False)
+
+
 def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1, model_cfg=None,
-        resources="resources", data_cfg=None) -> dict | None:
+        resources="resources", data_cfg=None, dataset=None) -> dict | None:
     """Make this process's share of the images in `out`'s work folder, and finalize if it finishes last.
 
     Returns the manifest when `out` is complete (this process finalized it, or it was up to date), else None.
@@ -294,10 +257,17 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     shape = tuple(meta["image_shape"])
     decoder = latent_data.load_decoder(meta, snapshot, data_cfg, resources, device)  # latent snapshots
     class_labels([0], meta, s.class_labels)
+    text = text_source.for_sampling(meta, data_cfg, snapshot)  # None: not a text run
+    items = None if text is None else (prompted.items(s.prompts, s.first_seed) if s.prompts else
+                                       prompted.held_out(dataset, s.first_seed, s.num_images))
+    prompted.refuse_mismatch(meta, items is not None or s.prompts is not None, snapshot)
+    if items is not None:
+        s = dataclasses.replace(s, num_images=len(items))
+        prompted.check(meta, items, s.guidance, snapshot)
     guide = None
     if s.guide is not None and s.guidance != 1:  # autoguidance: checked against the sampled network's record
         guide = guidance.load_guide(s.guide, meta, s.weights, device)
-    else:
+    elif text is None:
         guidance.check(s.guidance, meta, snapshot)
     kind = objectives.objective(meta["model"])
     if kind == "edm" and s.solver == "sde":
@@ -323,6 +293,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["guide_sha256"] = io.sha256_file(s.guide)
     if s.tf32 and device.type == "cuda":  # only then: it changes no pixel elsewhere, and older folders stay valid
         key["tf32"] = True
+    if items is not None:
+        key["prompts"] = prompted.fingerprint(items)
     done = up_to_date(out, key)
     damaged, changed = export.check(out, done, s.npz) if done else ([], [])  # changed: samples.npz to add/remove
     if done and not damaged and not changed:
@@ -359,9 +331,9 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             pending = collections.deque()
             model = speed.compile_model(net, s.compile, resources, s.threads)
             try:
-                for n, (i, pixels) in enumerate(generate(model, meta, todo, s, device, guide, decoder), start=1):
-                    pending.append(writer.submit(lambda p, x: io.write_bytes(p, encode_png(x), parents=False),
-                                                 work / png_name(i), pixels))
+                for n, (i, pixels) in enumerate(_generate(model, meta, todo, s, device, guide, decoder, text, items),
+                                                start=1):
+                    pending.append(writer.submit(_write_image, work / png_name(i), pixels, items and items[i].prompt))
                     while pending and pending[0].done():
                         pending.popleft().result()
                     now = time.time()
@@ -415,5 +387,6 @@ def main(args) -> int:
     s, run_cfg = settings.from_args(args, cfg, config.validate)
     model_cfg = cfg["model"] if args.config else None
     run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
-        run_cfg["resources"], cfg["data"] if args.config else None)
+        run_cfg["resources"], cfg["data"] if args.config else None,
+        config.run_dir(config.Config(cfg)) / "dataset" if args.config else None)
     return 0

@@ -43,6 +43,7 @@ class Settings:
     guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
     ema_decay: float | None = None  # which of train.ema_decays's EMAs; None = the first
     npz: bool = False  # also samples.npz (export.py); not a pixel setting
+    prompts: str | None = None  # text runs: the prompt file (sampling/prompted.py); None = the held-out captions
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
@@ -57,6 +58,10 @@ class Settings:
                 raise UserError(f"sample.guidance={g}: a list; pass one value with --guidance")
             values["guidance"] = g[0]
         values["guidance"] = float(values["guidance"])
+        if isinstance(values["prompts"], list):  # a sweep of prompt files: the workflow passes one with --prompts
+            if len(values["prompts"]) > 1:
+                raise UserError(f"sample.prompts={values['prompts']}: a list; pass one file with --prompts")
+            values["prompts"] = values["prompts"][0]
         # sample.ema_decay lists the workflow's evaluations; each job that samples another EMA than the first
         # says so with --ema-decay (a post-hoc EMA reconstruction, or the first EMA, has no flag to pass).
         values["ema_decay"] = None
@@ -67,11 +72,12 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     """`cfg` (the run's config, or the schema defaults) overridden by the flags given; cheap checks name the flag.
     validate: config.validate, to check the flags like the config file's values."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
-                                          "weights", "precision", "guidance", "guide", "ema_decay", "tf32")
+                                          "weights", "precision", "guidance", "guide", "ema_decay", "tf32",
+                                          "prompts")
             if getattr(args, k, None) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
-        if name in ("guide", "ema_decay", "tf32"):
+        if name in ("guide", "ema_decay", "tf32", "prompts"):
             continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")

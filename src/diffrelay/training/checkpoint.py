@@ -234,6 +234,7 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
         # Written by diffrelay's DiT before it matched DiT's (rows-first position table): its own network.
         model_cfg = model_cfg | {"kwargs": {**(model_cfg.get("kwargs") or {}), "pos_order": "rows"}}
     _, h, w = meta["image_shape"]
-    net = objectives.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0])
+    net = objectives.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0],
+                           text=(meta.get("text") or {}).get("dims"))
     net.load_state_dict(state)
     return net.to(device).eval().requires_grad_(False), meta

@@ -31,7 +31,9 @@ class TrainState:
         t = cfg.train
         torch.manual_seed(cfg.run.seed)  # initial weights depend on the seed only, never on the rank
         channels, side, _ = data.shape  # the images, or their latents
-        net = objectives.build(cfg.to_dict()["model"], side, data.num_classes, channels).to(device)
+        text = getattr(data, "text", None)  # a text run's TextSource: the network is built for its dims
+        net = objectives.build(cfg.to_dict()["model"], side, data.num_classes, channels,
+                               text=text.dims if text else None).to(device)
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match

@@ -9,6 +9,7 @@ are separate processes that read those files.
 """
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -20,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import config, io, logs, nets, preflight
+from diffrelay import config, io, logs, nets, objectives, preflight
 from diffrelay.data import augment, datasets, latents, loader
-from diffrelay import objectives
+from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema
 from diffrelay.training.state import TrainState
@@ -101,7 +102,8 @@ def _meta(cfg, step, data, traj) -> dict:
             "image_shape": list(data.shape), "num_classes": data.num_classes,
             "class_names": list(data.class_names), "dataset_fingerprint": data.fingerprint,
             "draws": loader.DRAWS_VERSION} | ({"dit_layout": nets.DIT_LAYOUT} if cfg.model.arch in ("dit", "sit") else {}) \
-        | ({"latent": latents.snapshot_record(data)} if data.latent else {})
+        | ({"latent": latents.snapshot_record(data)} if data.latent else {}) \
+        | ({"text": text_source.record(data.text)} if data.text else {})  # the encoders a text run samples with
 
 
 def _prune_recovery(folder: Path, keep: int) -> None:
@@ -110,8 +112,7 @@ def _prune_recovery(folder: Path, keep: int) -> None:
 
 
 def _write_record(record_path, final_ckpt: Path, step: int, traj: str) -> None:
-    """The workflow's output for a segment: a small file naming the checkpoint, which Snakemake may
-    delete and have remade without touching the checkpoint itself."""
+    """The workflow's output for a segment: a file naming the checkpoint, which Snakemake may delete and remake."""
     if record_path:
         io.write_json(record_path, {"checkpoint": str(final_ckpt), "step": step, "trajectory": traj})
 
@@ -167,7 +168,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
-                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment)
+                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment,
+                              text=data.text, caption_dropout=cfg.data.caption_dropout)
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
@@ -269,7 +271,7 @@ def _set_up(cfg, dataset_dir):
         preflight.latent_model(cfg, data.shape[1], "config")
     if cfg.model.class_conditional and not data.num_classes:
         raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
-    return device, log, data
+    return device, log, dataclasses.replace(data, text=text_source.for_training(cfg.data, data, device))
 
 
 def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log) -> bool:
@@ -301,7 +303,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         sync = contextlib.nullcontext() if k == t.grad_accum - 1 or ddp is None else ddp.no_sync()
         with sync, distributed.peers("gradient all-reduce"), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = objectives.loss(cfg, model, images, labels if data.num_classes else None, rnd, noise,
+            loss = objectives.loss(cfg, model, images, labels if data.num_classes or data.text else None, rnd, noise,
                                    augment_labels)
             with speed.backward_errors(model):
                 st.scaler.scale(loss / t.grad_accum).backward()
@@ -380,8 +382,7 @@ def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:
 
 
 def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:
-    dt = max(time.perf_counter() - window["t0"], 1e-9)
-    rate = window["steps"] / dt
+    rate = window["steps"] / max(time.perf_counter() - window["t0"], 1e-9)
     # A window where every step was skipped has no loss: None in the record, never a made-up 0.
     n = window["n"]
     loss = round(window["loss"] / n, 6) if n else None
@@ -390,8 +391,8 @@ def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, s
     log.info(f"step {step:>7d}/{t.total_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
              f"{rate:5.2f} step/s | {rate * t.batch_size:7.1f} img/s | skipped {skipped} ({window['steps'] - n} here) | "
              f"segment eta {logs.fmt_duration(eta)}")
-    record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0],
-              "grad_norm": gnorm, "skipped": skipped, "skipped_in_window": window["steps"] - n,
+    record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "skipped": skipped,
+              "skipped_in_window": window["steps"] - n,
               "steps_per_s": round(rate, 4), "images_per_s": round(rate * t.batch_size, 2),
               "elapsed": round(time.perf_counter() - seg_t0, 3)}
     logs.append_jsonl(metrics_path, record)
@@ -402,8 +403,7 @@ def _tensorboard(run_dir, main: bool):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise UserError("train.tensorboard=true but the tensorboard package is not installed; "
-                        "pip install tensorboard, or set train.tensorboard: false") from e
+        raise UserError("train.tensorboard=true but tensorboard is not installed; pip install it, or set it false") from e
     return SummaryWriter(log_dir=str(run_dir / "tensorboard")) if main else None
 
 

@@ -1,0 +1,58 @@
+"""Config checks of text runs that span several keys (config validation calls check_config; torch-free).
+
+A text run is one with data.captions other than none. What belongs to text runs only (text encoders, caption
+dropout, a held-out split, prompt files, CLIP score) is refused elsewhere, one line each, as are a text network
+without captions and the reverse (nets.text_problems) and caption settings that contradict (captions.config_problems).
+"""
+
+from pathlib import Path
+
+# data keys of captioned datasets and their text encoders (docs/text.md): runs without captions drop them from
+# their trajectory, so their hashes are the ones they had before text existed (config._trajectory_of).
+TEXT_KEYS = ("captions", "caption_column", "file_column", "caption_dropout", "val_fraction", "val_path",
+             "text_encoders", "text_cache", "text_dtype")
+
+
+def trajectory(data: dict) -> None:
+    """The `data` section of a run's trajectory (config._trajectory_of), in place: runs without captions read as
+    they did before text existed; a cache or not (text_cache) changes no weight, and where the encoders are is no
+    part of the run (their sha256 is, through the dataset's fingerprint)."""
+    for key in TEXT_KEYS if data.get("captions", "none") == "none" else ("text_cache",):
+        data.pop(key, None)
+    if "text_encoders" in data:
+        data["text_encoders"] = [{k: v for k, v in e.items() if k != "path"} for e in data["text_encoders"]]
+
+
+def is_text(d: dict) -> bool:
+    return d["data"].get("captions", "none") != "none"
+
+
+def check_config(d: dict) -> list[tuple[str, str]]:
+    from diffrelay import nets
+    from diffrelay.data import captions
+
+    data, s, fid = d["data"], d["sample"], d["fid"]
+    bad = captions.config_problems(data) + nets.text_problems(d["model"], is_text(d))
+    text = is_text(d)
+    if text and not data["text_encoders"]:
+        bad.append(("data.text_encoders", "a captioned run needs its text encoders: list local folders written by "
+                    "transformers' save_pretrained (CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel)"))
+    if text and d["model"]["class_conditional"]:
+        bad.append(("model.class_conditional=true", "text runs condition on captions; set it to false"))
+    prompts = s["prompts"]
+    if prompts is not None and not text:
+        bad.append(("sample.prompts", "prompts are for text runs (data.captions); drop it, or caption the dataset"))
+    for f in [prompts] if isinstance(prompts, str) else prompts or []:
+        if not Path(f).expanduser().is_file():
+            bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
+    if isinstance(prompts, list) and len(prompts) > 1:
+        bad.append((f"sample.prompts={prompts}", "sweeping several prompt files is not supported yet; give one file"))
+    if text and s["class_labels"] != "balanced":
+        bad.append((f"sample.class_labels={s['class_labels']}", "a text run samples prompts, not classes; drop it"))
+    wants_clip = "clip_score" in (fid["metrics"] or []) or fid["best_by"] == "clip_score"
+    if wants_clip and not fid["clip_model"]:
+        bad.append(("fid.clip_model", "clip_score needs a CLIP model: a local folder written by transformers' "
+                    "save_pretrained (e.g. a copy of openai/clip-vit-large-patch14)"))
+    if (wants_clip or fid["clip_model"]) and not text:
+        bad.append(("fid.clip_model", "CLIP score compares images with their prompts: a text run's (data.captions)"))
+    return bad

@@ -1,0 +1,195 @@
+"""Text-conditional networks of diffusers under the diffrelay.nets contract: diffusers' own classes, built from
+model.kwargs (their config keys) and the contract's text dims, called as their pipelines call them.
+
+  diffusers-unet  UNet2DConditionModel (Stable Diffusion 1/2; SDXL with addition_embed_type: text_time):
+                  cross_attention_dim = D. SD's and SDXL's pipelines pass no encoder_attention_mask (the padded
+                  tokens are attended to, as the UNet was trained), so the mask is ignored unless use_mask: true.
+                  SDXL's added_cond_kwargs are {"text_embeds": pooled, "time_ids": (H, W, 0, 0, H, W)}: the
+                  original size, the crop's top-left corner and the target size of pipeline_stable_diffusion_xl's
+                  _get_add_time_ids at its defaults (original = target = the image's size, crop (0, 0)), with H = W
+                  = pixel_size (default the network's side R; a latent run sets the image's side in pixels, 8R for
+                  SD's VAE). projection_class_embeddings_input_dim defaults to 6 addition_time_embed_dim + P, what
+                  that function checks it against. Class labels (K > 0) use the UNet's class table,
+                  num_class_embeds = K + 1 (the null class K).
+  pixart          PixArtTransformer2DModel: caption_channels = D, the mask as encoder_attention_mask (PixArt's
+                  pipeline passes it; use_mask: false drops it); with use_additional_conditions, resolution (H, W)
+                  and aspect ratio H / W in pixels per row as pipeline_pixart_alpha makes them, else None.
+                  cross_attention_dim defaults to the transformer's width (heads x head dim: the caption projection
+                  maps D to it), diffusers' default 1152 for its default sizes.
+  sd3             SD3Transformer2DModel: joint_attention_dim = D, pooled_projection_dim = P (SD3 needs a pooled
+                  encoder), pooled_projections = pooled; SD3 takes no mask. caption_projection_dim defaults to the
+                  transformer's width (heads x head dim), which equals diffusers' default for its default sizes.
+
+Time input: diffusers embeds the timestep with sinusoids (Timesteps); c_noise is multiplied by `time_scale` first,
+as nets/dit.py does: 1000 (default) stretches EDM's ln(sigma)/4 and flow's t in [0, 1] (SD3's pipeline gives its
+transformer sigma x 1000, so flow with time_scale 1000 is SD3's convention); ddpm's integer steps need time_scale 1
+(nets.checks says so). Output: the model's `.sample`; out_channels defaults to C (PixArt's diffusers default, 8, is the learned
+sigma of 4 latent channels), and 2C is the learned-sigma layout (PixArt-alpha's):
+forward returns the first C channels, forward_all all of them, as DiT does (ddpm reads the variance half).
+PixArt and SD3 take no class labels here (K > 0 is refused in one line).
+
+diffusers is imported when a network is built, never by importing this module (nets.registry imports it).
+"""
+
+import difflib
+import inspect
+
+import torch
+from torch import nn
+
+from diffrelay.errors import UserError
+from diffrelay.nets import TEXT_KWARGS, TEXT_SET
+
+CLASSES = {"diffusers-unet": "UNet2DConditionModel", "pixart": "PixArtTransformer2DModel",
+           "sd3": "SD3Transformer2DModel"}
+
+
+def diffusers_class(arch: str):
+    import diffusers
+
+    return getattr(diffusers, CLASSES[arch])
+
+
+def config_keys(arch: str) -> tuple:
+    """The keys model.kwargs may set for `arch`: its diffusers class's __init__ keywords, less those diffrelay sets
+    (nets.TEXT_SET and the contract's channels), plus diffrelay's own (nets.TEXT_KWARGS)."""
+    taken = set(TEXT_SET[arch]) | {"self", "in_channels", "args", "kwargs"}
+    params = inspect.signature(diffusers_class(arch).__init__).parameters
+    return tuple(k for k in params if k not in taken) + TEXT_KWARGS[arch]
+
+
+def _check(arch: str, config: dict, text: dict | None, num_classes: int) -> None:
+    if text is None:
+        raise UserError(f"model.arch={arch}: a text-conditional network, built without text dims; give the run "
+                        "captions (data.captions) and data.text_encoders")
+    accepted = config_keys(arch)
+    for key in config:
+        if key not in accepted:
+            near = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ValueError(f"model.kwargs.{key} is not a config key of diffusers' {CLASSES[arch]}; {hint}"
+                             "see its __init__ for the keys")
+    if num_classes and arch != "diffusers-unet":
+        raise UserError(f"model.arch={arch}: takes no class labels beside text ({num_classes} classes); set "
+                        "model.class_conditional: false or use arch diffusers-unet")
+
+
+def _width(cls, config: dict) -> int:
+    """The transformer's width, heads x head dim, of `config` over the class's defaults."""
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    return config.get("num_attention_heads", defaults["num_attention_heads"]) * \
+        config.get("attention_head_dim", defaults["attention_head_dim"])
+
+
+def _out_channels(config: dict, in_channels: int) -> int:
+    out = config.get("out_channels") or in_channels
+    if out not in (in_channels, 2 * in_channels):
+        raise ValueError(f"out_channels={out}: {in_channels} (the image's channels) or {2 * in_channels} "
+                         "(the learned-sigma layout)")
+    return out
+
+
+class TextNet(nn.Module):
+    """F(x, c_noise, labels, text) -> like x, around one diffusers model (`model`, its parameters named as in
+    diffusers under `model.`, so diffusers' state dicts load with that prefix)."""
+
+    def __init__(self, arch: str, model: nn.Module, in_channels: int, num_classes: int, time_scale: float,
+                 use_mask: bool, pixel_size: int):
+        super().__init__()
+        self.arch, self.model, self.in_channels, self.num_classes = arch, model, in_channels, num_classes
+        self.time_scale, self.use_mask = float(time_scale), bool(use_mask)
+        cfg = model.config
+        self.sdxl = arch == "diffusers-unet" and cfg.addition_embed_type == "text_time"
+        self.extra_conditions = arch == "pixart" and bool(model.use_additional_conditions)
+        # SDXL's time ids (original size, crop top-left, target size) and PixArt's resolution, in pixels: a
+        # buffer, so a step copies nothing from the host; not persistent, so state dicts are diffusers' alone.
+        self.register_buffer("pixels", torch.tensor([float(pixel_size)]), persistent=False)
+
+    @property
+    def checkpointing(self) -> bool:
+        """train.activation_checkpointing (nets.memory.enable): diffusers' own gradient checkpointing, which is
+        torch's non-reentrant checkpoint of each block (modeling_utils.enable_gradient_checkpointing)."""
+        return bool(self.model.is_gradient_checkpointing)
+
+    @checkpointing.setter
+    def checkpointing(self, on: bool) -> None:
+        if on:
+            self.model.enable_gradient_checkpointing()
+        else:
+            self.model.disable_gradient_checkpointing()
+
+    def forward_all(self, x, c_noise, labels=None, text=None):
+        """Every output channel, the learned-sigma half too."""
+        if text is None:
+            raise ValueError(f"model.arch={self.arch} is text-conditional: call it with text=Text(...)")
+        b = x.shape[0]
+        t = c_noise if self.time_scale == 1 else c_noise * self.time_scale
+        states = text.states.to(x.dtype)
+        mask = text.mask if self.use_mask else None
+        if self.arch == "sd3":
+            return self.model(x, states, pooled_projections=text.pooled.to(x.dtype), timestep=t, return_dict=False)[0]
+        if self.arch == "pixart":
+            size = self.pixels.to(x.dtype)
+            extra = {"resolution": size.expand(b, 2), "aspect_ratio": torch.ones_like(size).expand(b, 1)} \
+                if self.extra_conditions else {"resolution": None, "aspect_ratio": None}
+            return self.model(x, states, timestep=t, added_cond_kwargs=extra, encoder_attention_mask=mask,
+                              return_dict=False)[0]
+        kw = {"class_labels": labels} if self.num_classes else {}
+        if self.sdxl:
+            size = self.pixels.to(x.dtype)
+            ids = torch.cat([size, size, torch.zeros_like(size), torch.zeros_like(size), size, size])
+            kw["added_cond_kwargs"] = {"text_embeds": text.pooled.to(x.dtype), "time_ids": ids.expand(b, 6)}
+        return self.model(x, t, states, encoder_attention_mask=mask, return_dict=False, **kw)[0]
+
+    def forward(self, x, c_noise, labels=None, text=None):
+        out = self.forward_all(x, c_noise, labels, text)
+        return out[:, :self.in_channels] if out.shape[1] != self.in_channels else out
+
+
+def build_unet(resolution: int, in_channels: int, num_classes: int, text: dict | None = None,
+               time_scale: float = 1000.0, use_mask: bool = False, pixel_size: int | None = None, **config) -> TextNet:
+    """`arch: diffusers-unet`: UNet2DConditionModel(sample_size=R, in_channels=C, out_channels=C,
+    cross_attention_dim=D, **config)."""
+    _check("diffusers-unet", config, text, num_classes)
+    config = {**config, "out_channels": _out_channels(config, in_channels)}
+    if config.get("addition_embed_type") == "text_time":
+        if not text["pooled"]:
+            raise UserError("model.kwargs.addition_embed_type=text_time (SDXL) needs a pooled text embedding; mark "
+                            "a CLIP encoder of data.text_encoders pooled: true, or drop addition_embed_type")
+        if config.get("addition_time_embed_dim") is None:
+            raise ValueError("addition_embed_type text_time needs addition_time_embed_dim (SDXL: 256)")
+        config.setdefault("projection_class_embeddings_input_dim", 6 * config["addition_time_embed_dim"] + text["pooled"])
+    if num_classes:
+        if config.get("num_class_embeds") is not None or config.get("class_embed_type") is not None:
+            raise ValueError("num_class_embeds and class_embed_type are set by diffrelay from the dataset's classes "
+                             "(K + 1 rows, the last the null class); remove them")
+        config["num_class_embeds"] = num_classes + 1
+    model = diffusers_class("diffusers-unet")(sample_size=resolution, in_channels=in_channels,
+                                              cross_attention_dim=text["states"], **config)
+    return TextNet("diffusers-unet", model, in_channels, num_classes, time_scale, use_mask, pixel_size or resolution)
+
+
+def build_pixart(resolution: int, in_channels: int, num_classes: int, text: dict | None = None,
+                 time_scale: float = 1000.0, use_mask: bool = True, pixel_size: int | None = None,
+                 **config) -> TextNet:
+    """`arch: pixart`: PixArtTransformer2DModel(sample_size=R, in_channels=C, caption_channels=D, **config)."""
+    _check("pixart", config, text, num_classes)
+    cls = diffusers_class("pixart")
+    config = {"cross_attention_dim": _width(cls, config), **config, "out_channels": _out_channels(config, in_channels)}
+    model = cls(sample_size=resolution, in_channels=in_channels, caption_channels=text["states"], **config)
+    return TextNet("pixart", model, in_channels, 0, time_scale, use_mask, pixel_size or resolution)
+
+
+def build_sd3(resolution: int, in_channels: int, num_classes: int, text: dict | None = None,
+              time_scale: float = 1000.0, **config) -> TextNet:
+    """`arch: sd3`: SD3Transformer2DModel(sample_size=R, in_channels=C, joint_attention_dim=D,
+    pooled_projection_dim=P, **config)."""
+    _check("sd3", config, text, num_classes)
+    if not text["pooled"]:
+        raise UserError("model.arch=sd3: SD3's transformer needs a pooled text embedding (pooled_projections); mark a "
+                        "CLIP encoder of data.text_encoders pooled: true")
+    cls = diffusers_class("sd3")
+    config = {"caption_projection_dim": _width(cls, config), **config, "out_channels": _out_channels(config, in_channels)}
+    model = cls(sample_size=resolution, in_channels=in_channels, joint_attention_dim=text["states"],
+                pooled_projection_dim=text["pooled"], **config)
+    return TextNet("sd3", model, in_channels, 0, time_scale, False, resolution)

@@ -1,0 +1,76 @@
+"""Sample images as files and pictures: PNG bytes, the check that a PNG is whole, and the labelled grid."""
+
+import io as bytes_io
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from diffrelay.training import checkpoint
+
+GRID_IMAGES, GRID_COLUMNS, GRID_TILE_PX, LABEL_PX, TITLE_PX = 64, 8, 64, 12, 14
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    buf = bytes_io.BytesIO()
+    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _read_png(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im)
+
+
+def is_valid_png(path: Path, shape) -> bool:
+    """The file exists, decodes completely and has the snapshot's size and channel count."""
+    c, h, w = shape
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.size == (w, h) and len(im.getbands()) == c
+    except (OSError, ValueError, SyntaxError):  # missing, or PIL's ways of saying "truncated or not a PNG"
+        return False
+
+
+def grid_title(meta: dict, s) -> str:
+    """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
+    if s.weights == "raw":
+        weights = "raw weights"
+    elif "phema" in meta:
+        weights = f"post-hoc EMA sigma_rel {meta['phema']['sigma_rel']:g}"
+    else:
+        decay = s.ema_decay if s.ema_decay is not None else (checkpoint.ema_decays(meta) or [None])[0]
+        weights = "EMA" if decay is None else f"EMA {decay:g}"
+    return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
+
+
+def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | None = None,
+              tile_px: int = GRID_TILE_PX) -> Image.Image:
+    """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath,
+    and a title line above (a grid copied into a report or a paper draft still says what it shows)."""
+    h, w = images[0].shape[:2]
+    scale = max(1, math.ceil(tile_px / max(h, w)))
+    th, tw = h * scale, w * scale
+    label_h = LABEL_PX if names else 0
+    title_h = TITLE_PX if title else 0
+    cols = min(GRID_COLUMNS, len(images))
+    rows = math.ceil(len(images) / cols)
+    grid = Image.new("RGB", (cols * tw, title_h + rows * (th + label_h)), "white")
+    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
+    if title:
+        text = title
+        while text and draw.textlength(text, font=font) > cols * tw - 2:
+            text = text[:-1]
+        draw.text((1, 1), text, fill="black", font=font)
+    for k, pixels in enumerate(images):
+        x, y = (k % cols) * tw, title_h + (k // cols) * (th + label_h)
+        tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert("RGB")
+        grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
+        if names:
+            text = names[k]
+            while text and draw.textlength(text, font=font) > tw - 2:
+                text = text[:-1]
+            draw.text((x + 1, y + th), text, fill="black", font=font)
+    return grid

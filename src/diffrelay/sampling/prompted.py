@@ -1,0 +1,101 @@
+"""Sampling a text-conditional snapshot: which prompt and seed each image gets, its Text, and what it is checked for.
+
+Image i of a prompt file is prompts.expand's item i: its prompt, negative prompt, seed (the entry's, else
+sample.first_seed + i), guidance and steps. Every checkpoint samples the same items, so grids compare across steps,
+and each image's pixels depend on its own item alone: the PNGs are byte-identical for any process count and batch
+size, as class-conditional samples are. The unconditional branch of guidance is the negative prompt's embedding, or
+the empty caption's, the one caption dropout trained (diffusers' pipelines use "" the same way).
+"""
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+
+from diffrelay.errors import UserError
+
+
+def items(path, first_seed: int) -> list:
+    """The images of a prompt file, in order (sampling.prompts.expand)."""
+    from diffrelay.sampling import prompts
+
+    return prompts.expand(prompts.read(path), first_seed)
+
+
+def held_out(dataset: Path, first_seed: int, limit: int = 0) -> list:
+    """One image per held-out caption (the first of each held-out image, data.val_*): the held-out FID's prompts,
+    against the held-out images' statistics; seeds first_seed + i. `limit` > 0 keeps the first `limit`."""
+    from diffrelay.sampling import prompts
+
+    if dataset is None:
+        raise UserError("a text-conditional snapshot sampled without --config and without --prompts: give a prompt "
+                        "file with --prompts, or the run's config, whose held-out captions it then samples")
+    path = Path(dataset) / "val" / "captions.json"
+    try:
+        caps = json.loads(path.read_text(encoding="utf-8"))
+        texts = [caps["texts"][row[0]] for row in caps["rows"]]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise UserError(f"{path}: no held-out captions ({e}); set data.val_fraction or data.val_path and rerun "
+                        "`diffrelay prepare`, or give sample.prompts") from e
+    texts = texts[:limit] if limit else texts
+    return prompts.expand([prompts.Prompt(prompt=t, negative_prompt=None, seed=None, guidance=None, steps=None)
+                           for t in texts], first_seed)
+
+
+def fingerprint(chosen: list) -> str:
+    """The items' identity for the sample folder's key: an edited prompt file resamples, an unchanged one does not."""
+    rows = [[it.prompt, it.negative_prompt, it.seed, it.guidance, it.steps] for it in chosen]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def groups(chosen: list, indices, guidance: float, steps: int):
+    """(guidance, steps, indices) runs of consecutive indices that share an item's guidance and steps (an item
+    without them takes sample.guidance and sample.steps): one sampler call each."""
+    def knobs(i):
+        it = chosen[i]
+        return (guidance if it.guidance is None else float(it.guidance), steps if it.steps is None else int(it.steps))
+    ordered = sorted(indices, key=lambda i: (knobs(i), i))
+    for (g, n), run in itertools.groupby(ordered, key=knobs):
+        yield g, n, list(run)
+
+
+def check(meta: dict, chosen: list, guidance: float, source) -> None:
+    """Before any image: guidance needs a network trained with caption dropout, and a negative prompt needs
+    guidance (it is the unconditional branch; without guidance it would change nothing)."""
+    dropout = meta.get("config", {}).get("data", {}).get("caption_dropout", 0)
+    for it in chosen:
+        g = guidance if it.guidance is None else it.guidance
+        if it.negative_prompt and g == 1:
+            raise UserError(f"prompt {it.prompt_index + 1} ({it.prompt[:40]!r}): a negative prompt without guidance "
+                            "(guidance 1) changes nothing; give it guidance above 1, or drop the negative prompt")
+        if g != 1 and not dropout:
+            raise UserError(f"guidance {g:g} for prompt {it.prompt_index + 1}: {source} was trained without "
+                            "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")
+
+
+def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0):
+    """The Text of the items' prompts (the sampler's conditioning); with guidance, its null rows are each item's
+    negative prompt, or the empty caption, with the contract's null class when class labels ride along."""
+    cond = text.encode([it.prompt for it in chosen], device)
+    cond.labels = labels
+    if guided:
+        null = text.encode([it.negative_prompt or "" for it in chosen], device)
+        null.labels = None if labels is None else labels.new_full(labels.shape, null_class)
+        cond.null = null
+    return cond
+
+
+def sidecar(png: Path) -> Path:
+    """The prompt file beside an image: 000012.png -> 000012.txt (as CLIP score reads it)."""
+    return png.with_suffix(".txt")
+
+
+def refuse_mismatch(meta: dict, has_prompts: bool, source) -> None:
+    """A text network asked to sample with class labels (no prompts), and the reverse, each in one line."""
+    text = meta.get("text") is not None
+    if text and not has_prompts:
+        raise UserError(f"{source}: a text-conditional network; give it prompts (sample.prompts, --prompts FILE), "
+                        "not class labels")
+    if has_prompts and not text:
+        raise UserError(f"sample.prompts (--prompts): {source} is not text-conditional (trained without captions); "
+                        "drop the prompts, or sample a text run's snapshot")

@@ -1,0 +1,152 @@
+"""A text-to-image run end to end on the CPU: captions in, prompts out, scored outside the training job.
+
+prepare (captions, held-out split, embedding cache) -> train (2 segments, bitwise one run) -> sample prompts
+(byte-identical for 1 and 2 processes) -> held-out FID and CLIP score -> report, with tiny encoders, a tiny
+CLIP and a tiny diffusers UNet built from configs by the tests (nothing is downloaded).
+"""
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import textmodels
+from conftest import BIN, REPO, deep_merge, run_cli
+
+UNET = {"block_out_channels": [16, 32], "layers_per_block": 1, "attention_head_dim": 8, "norm_num_groups": 8,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"]}
+PROMPTS = [{"prompt": "a red circle center", "num_images": 2},
+           {"prompt": "a blue square top left", "negative_prompt": "a red square", "guidance": 2, "seed": 7},
+           {"prompt": "green triangle, center"}]
+
+
+def text_config(work: Path, name: str = "t2i", **over) -> dict:
+    d = {"run": {"name": name, "results": str(work / "results"), "resources": str(work / "resources"),
+                 "device": "cpu"},
+         "data": {"kind": "shapes", "count": 48, "resolution": 16, "captions": "auto", "caption_dropout": 0.2,
+                  "val_fraction": 0.1, "text_encoders": [{"path": str(work / "enc")}]},
+         "model": {"arch": "diffusers-unet", "class_conditional": False, "kwargs": UNET},
+         "train": {"total_steps": 4, "segment_steps": 2, "batch_size": 8, "log_every": 1, "warmup_steps": 1},
+         "sample": {"steps": 2, "batch_size": 8, "guidance": [1, 2], "prompts": str(work / "prompts.yaml")},
+         "fid": {"extractor": "random", "batch_size": 16, "clip_model": str(work / "clip"),
+                 "metrics": ["fid", "clip_score"], "best_by": "clip_score"}}
+    return deep_merge(d, over)
+
+
+def write(work: Path, d: dict, name: str) -> Path:
+    path = work / name
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """The whole workflow once; returns (folder, config path, snakemake output)."""
+    work = tmp_path_factory.mktemp("text")
+    textmodels.clip_text(work / "enc", hidden=32)
+    textmodels.clip_model(work / "clip")
+    (work / "prompts.yaml").write_text(yaml.safe_dump(PROMPTS, sort_keys=False))
+    cfg = write(work, text_config(work), "config.yaml")
+    p = run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", work, "--configfile", cfg,
+                "--cores", "2", cwd=work, env=os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}"}, timeout=900)
+    return work, cfg, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_the_workflow_reports_the_held_out_fid_and_the_clip_score_of_every_checkpoint(text_run):
+    work, _, _ = text_run
+    run = work / "results" / "t2i"
+    report = run / "report"
+    for name in ("metrics.csv", "scores.md", "best.json", "best_grid.png", "fid.png"):
+        assert (report / name).stat().st_size > 0, name
+    assert "CLIP score ↑" in (report / "scores.md").read_text()
+    rows = (report / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + 2 * 2  # 2 steps x guidance 1 and 2
+    assert all(r.split(",")[-1] for r in rows[1:])
+    best = json.loads((report / "best.json").read_text())
+    assert best["best_by"] == "clip_score"
+    scores = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "fid").glob("step_*.json"))]
+    assert max(s["clip_score"]["clip_score"] for s in scores) == pytest.approx(best["clip_score"])
+    sha = hashlib.sha256((work / "clip" / "model.safetensors").read_bytes()).hexdigest()
+    assert {s["clip_score"]["sha256"] for s in scores} == {sha}
+    # The validation FID: the reference statistics are the held-out images' (dataset/val), never trained on.
+    ref_log = next((work / "logs" / "t2i" / "compute_reference").glob("*.log")).read_text()
+    assert "reference statistics of its 5 held-out images (val/)" in ref_log
+    assert {s["scores"][0]["num_ref"] for s in scores} == {5}
+    info = json.loads((run / "dataset" / "dataset.json").read_text())
+    val = json.loads((run / "dataset" / "val" / "dataset.json").read_text())
+    assert info["count"] + val["count"] == 48 and val["count"] == 5
+    # Every checkpoint samples the same prompts with the same seeds; each PNG has its prompt beside it.
+    for folder in (run / "samples").glob("step_*"):
+        texts = [p.read_text() for p in sorted(folder.glob("*.txt"))]
+        assert texts == ["a red circle center"] * 2 + ["a blue square top left", "green triangle, center"], folder
+        assert (folder / "grid.png").is_file()
+    manifests = [json.loads(p.read_text()) for p in (run / "samples").glob("step_*/manifest.json")]
+    assert len({m["prompts"] for m in manifests}) == 1 and len(manifests) == 4
+
+
+@pytest.mark.slow
+def test_two_segments_train_the_weights_of_one_and_the_snapshot_records_its_encoders(text_run, tmp_path):
+    import torch
+    from diffrelay.training import checkpoint
+
+    work, _, _ = text_run
+    one = write(work, text_config(work, name="t2i-one", train={"segment_steps": 4}), "one.yaml")
+    run_cli("prepare", "--config", one)
+    run_cli("train", "--config", one, "--until-step", "4")
+    a, meta = checkpoint.load_checkpoint(work / "results" / "t2i" / "checkpoints" / "step_0000004")
+    b, _ = checkpoint.load_checkpoint(work / "results" / "t2i-one" / "checkpoints" / "step_0000004")
+    assert set(a["net"]) == set(b["net"])
+    assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
+    enc = meta["text"]["encoders"][0]
+    weights = work / "enc" / "model.safetensors"
+    assert enc["class"] == "CLIPTextModel" and enc["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert meta["text"]["dims"] == {"states": 32, "length": 77, "pooled": 0}
+
+
+@pytest.mark.slow
+def test_prompt_samples_are_byte_identical_for_one_and_two_processes(text_run, tmp_path):
+    work, cfg, _ = text_run
+    snap = work / "results" / "t2i" / "snapshots" / "step_0000004.safetensors"
+    common = ["--config", cfg, "--snapshot", snap, "--steps", "2", "--guidance", "2"]
+    run_cli("sample", *common, "--out", tmp_path / "one", "--batch-size", "16")
+    run_cli("torchrun", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "sample", *common,
+            "--out", tmp_path / "two", "--batch-size", "1")
+    names = sorted(p.name for p in (tmp_path / "one").iterdir() if p.suffix in (".png", ".txt") and p.stem.isdigit())
+    assert len(names) == 8
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_bad_text_inputs_are_one_line_each(text_run, tmp_path):
+    work, cfg, _ = text_run
+    snap = work / "results" / "t2i" / "snapshots" / "step_0000002.safetensors"
+
+    def refused(*args, match):
+        p = run_cli(*args, check=False)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode != 0 and len(lines) == 1 and re.search(match, lines[0]), p.stderr
+
+    # A negative prompt without guidance, an unknown key in the prompt file.
+    (tmp_path / "neg.txt").write_text("a red circle --n a blue square\n")
+    refused("sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "s1", "--prompts", tmp_path / "neg.txt",
+            "--guidance", "1", match="negative prompt without guidance")
+    (tmp_path / "bad.yaml").write_text("- {prompt: a red circle, cfg_scale: 3}\n")
+    refused("sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "s2", "--prompts", tmp_path / "bad.yaml",
+            "--guidance", "1", match=r"bad\.yaml.*cfg_scale")
+    # A snapshot sampled with other text encoders than it was trained with.
+    textmodels.clip_text(tmp_path / "other", hidden=32, seed=1)
+    other = write(tmp_path, text_config(work, data={"text_encoders": [{"path": str(tmp_path / "other")}]}), "o.yaml")
+    refused("sample", "--config", other, "--snapshot", snap, "--out", tmp_path / "s3", "--guidance", "2",
+            match="trained with the text encoder of sha256")
+    # Training on a cache made by other encoders.
+    refused("train", "--config", other, "--until-step", "2", match="encoded by other text encoders")
+    # Prompts for a config without captions, at validation.
+    plain = write(tmp_path, {"sample": {"prompts": str(work / "prompts.yaml")}}, "plain.yaml")
+    refused("validate", "--config", plain, match="sample.prompts: prompts are for text runs")
