@@ -47,6 +47,9 @@ def check_config(d: dict) -> list[tuple[str, str]]:
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
     if isinstance(prompts, list) and len(prompts) > 1:
         bad.append((f"sample.prompts={prompts}", "sweeping several prompt files is not supported yet; give one file"))
+    if text and prompts is None and not (data["val_fraction"] or data["val_path"]):
+        bad.append(("sample.prompts", "a text run samples prompts: give a prompt file, or hold images out "
+                    "(data.val_fraction or data.val_path) to sample their captions"))
     if text and s["class_labels"] != "balanced":
         bad.append((f"sample.class_labels={s['class_labels']}", "a text run samples prompts, not classes; drop it"))
     wants_clip = "clip_score" in (fid["metrics"] or []) or fid["best_by"] == "clip_score"
