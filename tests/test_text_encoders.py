@@ -41,7 +41,8 @@ def test_records_read_config_json_and_hash_the_weights_without_loading(folders):
                              entry(folders["t5"])])
     sha = hashlib.sha256((folders["clip"] / "model.safetensors").read_bytes()).hexdigest()
     assert recs[0] == {"class": "CLIPTextModel", "path": str(folders["clip"]), "sha256": sha, "max_length": None,
-                       "layer": "last", "pooled": False, "states_dim": 32, "pooled_dim": None, "length": 77}
+                       "layer": "last", "pooled": False, "states_dim": 32, "pooled_dim": None, "length": 77,
+                       "use_mask": True}
     assert recs[1]["class"] == "CLIPTextModelWithProjection" and recs[1]["pooled_dim"] == 48
     assert recs[2]["class"] == "T5EncoderModel" and recs[2]["length"] == encoders.T5_LENGTH == 256
     assert encoders.combined_dims(recs) == {"states": 96, "length": 77 + 256, "pooled": 48}
@@ -80,6 +81,43 @@ def test_each_encoder_gives_what_transformers_gives(folders):
     # Fewer captions than a call: the same numbers up to rounding.
     few = encoders.encode([encoders.load(entry(folders["t5"], max_length=12), "cpu")], prompts[:3], "cpu")
     torch.testing.assert_close(few.states, states[:3])
+
+
+def test_use_mask_false_calls_the_t5_without_its_mask_as_sd3_does(folders):
+    """SD3's _get_t5_prompt_embeds calls the T5 with no attention mask (its padding attended) and its transformer
+    takes no mask; PixArt's encode_prompt passes the mask (use_mask true, the default)."""
+    prompts = CAPTIONS[:encoders.ROWS - 1] + [""]  # the empty caption too: all padding after its </s>
+    sd3 = encoders.encode([encoders.load(entry(folders["t5"], max_length=12, use_mask=False), "cpu")], prompts, "cpu")
+    states, mask, _ = reference(folders["t5"], "T5EncoderModel", prompts, 12, mask=False)
+    assert torch.equal(sd3.states, states)
+    assert sd3.mask.dtype == torch.int64 and bool((sd3.mask == 1).all()) and not bool((mask == 1).all())
+    pixart = encoders.encode([encoders.load(entry(folders["t5"], max_length=12), "cpu")], prompts, "cpu")
+    masked, _, _ = reference(folders["t5"], "T5EncoderModel", prompts, 12, mask=True)
+    assert torch.equal(pixart.states, masked) and torch.equal(pixart.mask, mask)
+    # The two differ (at every real token: the padding reaches them through attention), so the setting matters.
+    assert (sd3.states[0, :5] - pixart.states[0, :5]).abs().amax(-1).min() > 1e-3
+    # Combined as SD3 combines them: the CLIP block's ones, then the T5's ones.
+    clip_p = encoders.load(entry(folders["clip_p"], layer="penultimate", pooled=True), "cpu")
+    both = encoders.encode([clip_p, encoders.load(entry(folders["t5"], max_length=12, use_mask=False), "cpu")],
+                           prompts[:3], "cpu")
+    assert both.mask.shape == (3, 77 + 12) and bool((both.mask == 1).all())
+    assert torch.equal(both.states[:, 77:], sd3.states[:3])
+
+
+def test_use_mask_is_in_the_record_and_the_fingerprint(folders):
+    t5 = encoders.records([entry(folders["t5"])])[0]
+    unmasked = encoders.records([entry(folders["t5"], use_mask=False)])[0]
+    assert t5["use_mask"] is True and unmasked["use_mask"] is False and "use_mask" in encoders.RECORD_KEYS
+    assert encoders.fingerprint_part([unmasked]) != encoders.fingerprint_part([t5])
+    assert encoders.fingerprint_part([unmasked])[0]["use_mask"] is False
+    # true is what diffrelay did before the setting: those datasets keep their fingerprints, and a record stored
+    # then (no use_mask key) reads as true.
+    before = {k: v for k, v in t5.items() if k != "use_mask"}
+    assert encoders.fingerprint_part([t5]) == encoders.fingerprint_part([before]) == [
+        {k: t5[k] for k in encoders.RECORD_KEYS if k != "use_mask"}]
+    assert encoders.record(encoders.load(before | {"max_length": 12}, "cpu"))["use_mask"] is True
+    # A record (as snapshots and prepare's plan keep them) loads with its own setting.
+    assert encoders.load(unmasked, "cpu").record["use_mask"] is False
 
 
 def test_sdxl_and_sd3_combinations(folders):

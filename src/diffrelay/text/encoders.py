@@ -5,13 +5,17 @@ with its tokenizer (in the folder, or in a diffusers pipeline's sibling tokenize
 safetensors only. Nothing is downloaded (local_files_only) and no pickle is opened: a folder with .bin or .pt
 weights only is refused before a byte of them is read.
 
-Tokenisation, as diffusers 0.42's pipelines:
+Tokenisation, as diffusers 0.42's pipelines (benchmarks/check_text_encoding.py compares encode with their
+encode_prompt):
   CLIP  padding="max_length", max_length 77 (tokenizer.model_max_length, = CLIP's max_position_embeddings),
         truncation; the encoder gets no attention mask (its causal mask already hides the padding) and the
         network attends to every position (the SD and SDXL UNets get no encoder_attention_mask): mask all 1.
   T5    padding="max_length", max_length 256 unless set (SD3's max_sequence_length; PixArt-Sigma uses 300,
-        PixArt-alpha 120), truncation; the encoder gets the attention mask, as PixArt's encode_prompt passes
-        it (SD3 passes none), and the mask travels with the states.
+        PixArt-alpha 120), truncation. use_mask true (default): the encoder gets the attention mask, as
+        PixArt's encode_prompt passes it, and the mask travels with the states (PixArt's transformer gets it
+        as encoder_attention_mask). use_mask false: SD3's _get_t5_prompt_embeds, which calls the T5 with no
+        mask (the padding tokens attended); the mask is then all ones, as SD3's transformer takes no mask at
+        all (SD3Transformer2DModel.forward has no such argument). A CLIP ignores use_mask.
   layer last = last_hidden_state (CLIP's after its final layer norm: SD 1.x, PixArt); penultimate =
         hidden_states[-2], without the final norm (SDXL's and SD3's CLIP choice, clip_skip None).
   pooled CLIPTextModelWithProjection's text_embeds (SDXL's second CLIP, both of SD3's), CLIPTextModel's
@@ -41,7 +45,7 @@ PROBE = "a photo"  # any tokenizer of these encoders spells it back
 FIX = ("give data.text_encoders a folder written by transformers' save_pretrained (e.g. a diffusers pipeline's "
        "text_encoder/) with its tokenizer")
 # What joins a dataset's fingerprint: what the embeddings are, not where the folder lies.
-RECORD_KEYS = ("class", "sha256", "length", "layer", "pooled", "states_dim", "pooled_dim")
+RECORD_KEYS = ("class", "sha256", "length", "layer", "pooled", "states_dim", "pooled_dim", "use_mask")
 
 
 def is_t5(record: dict) -> bool:
@@ -103,6 +107,7 @@ def _record(entry: dict, hashed: bool = True) -> dict:
     c = _config(path)
     cls, files = _class(path, c), weight_files(path)
     layer, pooled, max_length = entry.get("layer", "last"), bool(entry.get("pooled", False)), entry.get("max_length")
+    use_mask = bool(entry.get("use_mask", True))  # records made before the setting existed: the mask was passed
     try:
         if cls == "T5EncoderModel":
             if pooled:
@@ -121,7 +126,7 @@ def _record(entry: dict, hashed: bool = True) -> dict:
         raise UserError(f"{path / 'config.json'}: data.text_encoders: not a {cls} config ({e!r}); {FIX}") from e
     return {"class": cls, "path": str(path), "sha256": weights_sha256(files) if hashed else None,
             "max_length": max_length, "layer": layer, "pooled": pooled, "states_dim": width,
-            "pooled_dim": pooled_dim if pooled else None, "length": length}
+            "pooled_dim": pooled_dim if pooled else None, "length": length, "use_mask": use_mask}
 
 
 def layout(records) -> tuple[int, int, int]:
@@ -162,7 +167,11 @@ def records(entries) -> list[dict]:
 
 
 def fingerprint_part(recs) -> list[dict]:
-    return [{k: r[k] for k in RECORD_KEYS} for r in recs]
+    """What of each record joins a dataset's fingerprint (RECORD_KEYS). use_mask joins it only when false: true
+    is what every encoder did before the setting existed, so the datasets prepared then keep their fingerprints
+    (and records stored then, without the key, read as true)."""
+    return [{k: r[k] for k in RECORD_KEYS if k != "use_mask"} | ({} if r.get("use_mask", True) else {"use_mask": False})
+            for r in recs]
 
 
 @dataclass(eq=False)
@@ -174,7 +183,7 @@ class Encoder:
 
 
 def record(encoder: Encoder) -> dict:
-    """{class, path, sha256, max_length, layer, pooled, states_dim, pooled_dim, length}."""
+    """{class, path, sha256, max_length, layer, pooled, states_dim, pooled_dim, length, use_mask}."""
     return dict(encoder.record)
 
 
@@ -286,7 +295,9 @@ def _forward(enc: Encoder, prompts: list[str], device):
     deep = rec["layer"] == "penultimate"
     with torch.inference_mode():
         if is_t5(rec):
-            out = enc.model(input_ids=ids, attention_mask=mask, output_hidden_states=deep)
+            out = enc.model(input_ids=ids, attention_mask=mask if rec["use_mask"] else None, output_hidden_states=deep)
+            if not rec["use_mask"]:
+                mask = torch.ones_like(mask)  # every token attended, in the encoder and (SD3) in the network
         else:
             out = enc.model(input_ids=ids, output_hidden_states=deep)
             mask = torch.ones_like(mask)
