@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CORES  ?= 2
 
-.PHONY: install demo test test-fast bench gpu-bundle lint docs clean
+.PHONY: install demo demo-text test test-fast bench gpu-bundle lint docs clean
 
 # constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
 $(STAMP): pyproject.toml constraints.txt
@@ -17,6 +17,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES)
+
+# The text-to-image demo: the demo's shapes with captions, a random-weight CLIP text encoder (written once into
+# resources/text/demo-clip) and a small diffusers UNet; config/examples/text-shapes.yaml explains it.
+demo-text: $(STAMP)
+	$(BIN)/diffrelay demo-encoder --out resources/text/demo-clip
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) --configfile config/examples/text-shapes.yaml
 
 # Two pytest-xdist workers, one per core of the project's machine; tests/conftest.py groups the tests that must
 # not share a worker's time slot and hands the longest out first (docs/development.md); xdist keeps that order

@@ -150,3 +150,15 @@ def test_bad_text_inputs_are_one_line_each(text_run, tmp_path):
     # Prompts for a config without captions, at validation.
     plain = write(tmp_path, {"sample": {"prompts": str(work / "prompts.yaml")}}, "plain.yaml")
     refused("validate", "--config", plain, match="sample.prompts: prompts are for text runs")
+
+
+def test_the_text_demo_config_plans_its_segments(tmp_path):
+    """config/examples/text-shapes.yaml (make demo-text) as shipped: its encoder written by `diffrelay demo-encoder`,
+    its prompt file where the config names it, relative to the working folder."""
+    (tmp_path / "config" / "examples").mkdir(parents=True)
+    prompts = REPO / "config" / "examples" / "shapes-prompts.txt"
+    (tmp_path / "config" / "examples" / prompts.name).write_text(prompts.read_text())
+    run_cli("demo-encoder", "--out", tmp_path / "resources" / "text" / "demo-clip")
+    p = run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", tmp_path, "-n", "--configfile",
+                REPO / "config" / "config.yaml", REPO / "config" / "examples" / "text-shapes.yaml", cwd=tmp_path)
+    assert re.search(r"^train_segment\s+3$", p.stdout, re.M), p.stdout

@@ -145,6 +145,9 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
         log.info(f"{dataset}: a captioned dataset with a held-out split; reference statistics of its {held_out.count} "
                  "held-out images (val/)")
         dataset, prepared = dataset / "val", dataclasses.replace(held_out, fingerprint=held_out.fingerprint + "/val")
+        if num > prepared.count:  # fid.ref_images counts the whole dataset's; the split holds what it holds
+            log.info(f"--num={num}: all {prepared.count} held-out images instead")
+            num = 0
     if prepared.images is None:
         raise UserError(f"{dataset}: a latent dataset made with data.keep_images false holds no images to take "
                         "reference statistics of; give fid.reference (statistics made elsewhere), or prepare it "
