@@ -44,6 +44,7 @@ import torch
 from official import Gate, write_results
 
 from diffrelay.evaluation import clip_score
+from diffrelay.text.demo import clip_vocab
 
 HERE = Path(__file__).resolve().parent
 BOUND = 1e-4
@@ -54,35 +55,13 @@ COUNT = 24  # images; prompt i % 8 each
 MODEL_SEED = 2  # a random CLIP whose cosines on these images take both signs (14 of 24 positive); the gate checks it
 
 
-def byte_alphabet() -> list[str]:
-    """Byte-level BPE's 256 characters, in CLIP's (GPT-2's) order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in chars]
-
-
 def tiny_clip(folder: Path, seed: int = MODEL_SEED) -> Path:
     """A CLIP BPE that spells every byte and knows WORDS whole, a seeded random CLIPModel and processor settings
     for 32 px: everything save_pretrained writes, as a local CLIP folder holds it."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
-    alphabet = byte_alphabet()
-    vocab = {c: i for i, c in enumerate(alphabet + [c + "</w>" for c in alphabet])}
-    merges = []
-    for word in WORDS:
-        parts = [*word[:-1], word[-1] + "</w>"]
-        while len(parts) > 1:
-            if (parts[0], parts[1]) not in merges:
-                merges.append((parts[0], parts[1]))
-            parts = [parts[0] + parts[1], *parts[2:]]
-            vocab.setdefault(parts[0], len(vocab))
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
+    vocab, merges = clip_vocab(WORDS)
+    merges = [tuple(m.split()) for m in merges]
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)  # v5: the vocabulary itself
     if len(tokenizer) != len(vocab):
         raise SystemExit(f"check_clip_score: the tokenizer has {len(tokenizer)} tokens, not {len(vocab)}")

@@ -252,3 +252,15 @@ def signed_header(path, what: str, fix: str) -> tuple[dict, dict]:
         raise UserError(f"{path}: unreadable {what} ({type(e).__name__}); it is truncated or not a "
                         f"diffrelay {what}; {fix}") from e
     return stored, meta
+
+
+def remove_owned(folder, files) -> None:
+    """Delete `files` (a stage's own, in `folder`), then `folder` if nothing else is left in it: what anyone else
+    put there stays, and so does the folder then."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for f in files:
+        Path(f).unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()

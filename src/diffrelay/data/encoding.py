@@ -198,10 +198,6 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
 def remove_work(work: Path) -> None:
     """Delete the work folder: only its chunks and plan are ours (the plan last: chunks without it are never
     reused, see write_plan); anything else there is left, and so is the folder then."""
-    if not work.is_dir():
-        return
-    for f in [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
-              *work.glob(f".{PLAN}.*.tmp"), work / PLAN]:
-        f.unlink(missing_ok=True)
-    if not any(work.iterdir()):
-        work.rmdir()
+    work = Path(work)
+    io.remove_owned(work, [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
+                           *work.glob(f".{PLAN}.*.tmp"), work / PLAN])

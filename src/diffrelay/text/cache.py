@@ -208,13 +208,8 @@ def join(work: Path, out: Path, texts, entries, dtype: str, device) -> dict:
 def remove_work(work: Path) -> None:
     """Delete the work folder: only its chunks and plan are ours; anything else there is left, and the folder."""
     work = Path(work)
-    if not work.is_dir():
-        return
-    for f in [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
-              *work.glob(f".{PLAN}.*.tmp"), work / PLAN]:
-        f.unlink(missing_ok=True)
-    if not any(work.iterdir()):
-        work.rmdir()
+    io.remove_owned(work, [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
+                           *work.glob(f".{PLAN}.*.tmp"), work / PLAN])
 
 
 @dataclass(frozen=True)
