@@ -45,8 +45,6 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     for f in [prompts] if isinstance(prompts, str) else prompts or []:
         if not Path(f).expanduser().is_file():
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
-    if isinstance(prompts, list) and len(prompts) > 1:
-        bad.append((f"sample.prompts={prompts}", "sweeping several prompt files is not supported yet; give one file"))
     if text and prompts is None and not (data["val_fraction"] or data["val_path"]):
         bad.append(("sample.prompts", "a text run samples prompts: give a prompt file, or hold images out "
                     "(data.val_fraction or data.val_path) to sample their captions"))

@@ -159,11 +159,14 @@ VARIANT = "{variant}"
 GUIDANCE_SCALES = protocol.guidance_scales(CFG.to_dict()["sample"])
 EMA_DECAYS = protocol.ema_decays(CFG.to_dict())
 SEED_SETS = range(CFG.sample.seed_sets)
+# A text run's prompt files (sample.prompts) are evaluated each on its own (_p<k> for k > 0).
+PROMPT_FILES = range(max(1, len(protocol.prompt_files(CFG.to_dict()["sample"]))))
 FIRST_PASS = [
-    protocol.variant(None, g, s, decay=d)
+    protocol.variant(None, g, s, decay=d, prompts=k)
     for d in EMA_DECAYS
     for g in GUIDANCE_SCALES
     for s in SEED_SETS
+    for k in PROMPT_FILES
 ]
 FINAL = CFG.fid.final
 

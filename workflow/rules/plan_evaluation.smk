@@ -174,10 +174,11 @@ def get_sample_settings(wildcards):
         edm_flags += f" --guide {shlex.quote(guide[0])}"
     if decay is not None:
         edm_flags += f" --ema-decay {decay!r}"
-    # A text run's prompt file (one; a list is refused by the config checks).
-    prompts = CFG.to_dict()["sample"]["prompts"]
+    # A text run's prompt file: the variant's of sample.prompts (_p<k>).
+    prompts = protocol.prompt_files(CFG.to_dict()["sample"])
     if prompts:
-        edm_flags += f" --prompts {shlex.quote(prompts if isinstance(prompts, str) else prompts[0])}"
+        k = protocol.variant_prompts(wildcards.variant)
+        edm_flags += f" --prompts {shlex.quote(prompts[k])}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )
@@ -242,10 +243,11 @@ def get_sample_config_args(wildcards, threads):
 # under the variant _ema<width> (every guidance scale and seed set of the first pass).
 PHEMA_STEP = step_name(CFG.train.total_steps)
 PHEMA_VARIANTS = [
-    protocol.variant(None, g, s, ema)
+    protocol.variant(None, g, s, ema, prompts=k)
     for ema in CFG.sample.phema
     for g in GUIDANCE_SCALES
     for s in SEED_SETS
+    for k in PROMPT_FILES
 ]
 
 

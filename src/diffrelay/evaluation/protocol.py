@@ -15,7 +15,7 @@ in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1.
 import re
 from pathlib import Path
 
-VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?"
+VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?(_p\d+)?"
 _VARIANT = re.compile(rf"^{VARIANT}\Z")
 STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
 
@@ -33,11 +33,13 @@ BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "
 
 
 def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, ema: float | None = None,
-            decay: float | None = None) -> str:
-    """The suffix of one evaluation's names; "" for the training's first EMA, first pass, guidance 1, seed set 0."""
+            decay: float | None = None, prompts: int = 0) -> str:
+    """The suffix of one evaluation's names; "" for the training's first EMA, first pass, guidance 1, seed set 0 and
+    a text run's first prompt file (sample.prompts k > 0 adds _p<k>)."""
     return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_decay{float(decay):g}" if decay is not None else "")
             + (f"_n{count}" if count else "")
-            + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else ""))
+            + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else "")
+            + (f"_p{prompts}" if prompts else ""))
 
 
 def _groups(suffix: str):
@@ -49,7 +51,7 @@ def _groups(suffix: str):
 
 def parse_variant(suffix: str) -> tuple[int | None, float, int]:
     """(count or None, guidance, seed set) of a variant suffix; ValueError if it is not one."""
-    _, _, count, guidance, seed_set = _groups(suffix)
+    _, _, count, guidance, seed_set, _ = _groups(suffix)
     return (int(count[2:]) if count else None, float(guidance[2:]) if guidance else 1.0,
             int(seed_set[2:]) if seed_set else 0)
 
@@ -58,6 +60,18 @@ def variant_ema(suffix: str) -> float | None:
     """sigma_rel of a post-hoc EMA variant (_ema0.08...), None for the training's own EMA."""
     ema = _groups(suffix)[0]
     return float(ema[4:]) if ema else None
+
+
+def variant_prompts(suffix: str) -> int:
+    """Which of sample.prompts's files a text run's variant samples (_p1 ...), 0 for the first."""
+    k = _groups(suffix)[5]
+    return int(k[2:]) if k else 0
+
+
+def prompt_files(sample: dict) -> list[str]:
+    """sample.prompts as a list of files ([] without prompts)."""
+    p = sample.get("prompts")
+    return [] if p is None else [p] if isinstance(p, str) else list(p)
 
 
 def variant_decay(suffix: str) -> float | None:
@@ -140,6 +154,9 @@ def check_config(d: dict) -> list[tuple[str, str]]:
                             "key each file by an extractor's name as fid.extractors writes it"))
     bad += _check_metrics(f, names)
     final = f["final"]
+    if final["best"] and len(prompt_files(s)) > 1:
+        bad.append(("fid.final.best", "the second pass scores one prompt file; with several in sample.prompts, set "
+                    "it to 0 or give one file"))
     if final["best"] and final["num_images"] <= s["num_images"]:
         bad.append((f"fid.final.num_images={final['num_images']}", f"not more than sample.num_images="
                     f"{s['num_images']}; the second pass exists to score the best checkpoints with more images"))

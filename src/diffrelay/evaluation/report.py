@@ -83,6 +83,7 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         count, guidance, seed_set = protocol.parse_variant(m.group(2))
         ema = protocol.variant_ema(m.group(2))
         decay = protocol.variant_decay(m.group(2))
+        prompts = protocol.variant_prompts(m.group(2))  # a text run's prompt file (sample.prompts k)
         scores = rec.get("scores", [rec])  # files from before several extractors hold one score at the top
         if not isinstance(scores, list) or not scores or not all(isinstance(r, dict) for r in scores):
             raise UserError(f"{path}: scores={scores!r}: expected a list of results; regenerate it with `diffrelay fid`")
@@ -104,7 +105,8 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
                          "mode": rec.get("mode"),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
-                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay)}"})
+                         "prompts": prompts,
+                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay, prompts)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
 
 
@@ -112,7 +114,7 @@ def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
     """One row per (step, post-hoc EMA width, EMA decay, guidance, metric): mean, standard deviation and minimum
     over the seed sets. Rows of the training's own (first) EMA have no width or decay (NaN), which must stay a
     group of its own."""
-    groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "metric"], sort=True, dropna=False)
+    groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "prompts", "metric"], sort=True, dropna=False)
     out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
                      fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
                      precision=("precision", "mean"), recall=("recall", "mean"), sfid=("sfid", "mean"),
@@ -197,21 +199,24 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "train_images_per_s": window.images_per_s.mean() if len(window) else math.nan,
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
             "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
-            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "clip_score": r.clip_score,
+            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "clip_score": r.clip_score, "prompts": r.prompts,
         })
-    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode", "clip_score"])
+    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode", "clip_score",
+                                       "prompts"])
 
 
 def columns(table: pd.DataFrame) -> list:
-    """metrics.csv's columns: COLUMNS, and clip_score where a text run has it (other runs keep their file)."""
-    return COLUMNS + (["clip_score"] if table.clip_score.notna().any() else [])
+    """metrics.csv's columns: COLUMNS, and clip_score and prompts (sample.prompts's file k) where a text run has
+    them (other runs keep their file)."""
+    return COLUMNS + (["clip_score"] if table.clip_score.notna().any() else []) + (
+        ["prompts"] if (table.prompts > 0).any() else [])
 
 
 def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
     second pass when it ran), among results of the newest step's metric: scores of other extractors or
     image counts are never compared. by clip_score (fid.best_by): the highest CLIP score instead."""
-    primary = table[table.primary]
+    primary = table[table.primary & (table.prompts == 0)]  # a text run's first prompt file picks, as the first extractor
     top = primary[primary.num_images.fillna(0) == primary.num_images.fillna(0).max()]
     metric = top.metric.iloc[-1]
     same = top[(top.metric == metric) & top.fid.notna()]

@@ -25,12 +25,15 @@ def _cell(v) -> str:
 def _snapshot(r: dict) -> str:
     out = f"step {int(r['step'])}"
     out += "" if math.isnan(r["phema"]) else f", post-hoc EMA {r['phema']:g}"
+    out += f", prompt file {int(r['prompts']) + 1}" if r.get("prompts") else ""
     return out + ("" if math.isnan(r["ema_decay"]) else f", EMA decay {r['ema_decay']:g}")
 
 
 def _same(part: pd.DataFrame, r: dict) -> pd.Series:
     """Rows of `part` for the snapshot and guidance of `r` (NaN widths and decays compare equal)."""
     same = (part.step == r["step"]) & (part.guidance == r["guidance"])
+    if "prompts" in part:
+        same &= part.prompts == r.get("prompts", 0)
     for col in ("phema", "ema_decay"):
         same &= part[col].fillna(-1) == (-1 if math.isnan(r[col]) else r[col])
     return same
@@ -42,8 +45,8 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
     for count, part in table.groupby(table.num_images.fillna(0), sort=True):
         label = metrics.count_label(int(count)) if count else "?"
         # NaN first: a step's training-EMA row (no post-hoc width) before its post-hoc reconstructions
-        primary = part[part.primary].sort_values(["step", "phema", "ema_decay", "guidance"], kind="stable",
-                                                 na_position="first")
+        keys = ["step", "phema", "ema_decay", "guidance"] + (["prompts"] if "prompts" in part else [])
+        primary = part[part.primary].sort_values(keys, kind="stable", na_position="first")
         others = list(dict.fromkeys(part[~part.primary].metric))
         # sFID and IS belong to the Inception row, which need not be the primary (an edm2-style [dinov2, inception])
         anywhere = {"sfid", "is"}

@@ -92,8 +92,9 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         if cl != "balanced" and not cl.isdigit():
             raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
         over["class_labels"] = cl if cl == "balanced" else int(cl)
-    if "guidance" in over:
-        cfg["sample"]["guidance"] = over["guidance"]
+    for key in ("guidance", "prompts"):  # the workflow's one value of a sweep
+        if key in over:
+            cfg["sample"][key] = over[key]
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
     flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step", "guided_channels")
                   if getattr(args, f"flow_{k}", None) is not None}
