@@ -22,11 +22,25 @@ def test_a_text_network_without_prompts_and_prompts_for_a_class_network_are_refu
     prompted.refuse_mismatch({}, False, "s")
 
 
-def test_guidance_needs_caption_dropout_and_a_negative_prompt_needs_guidance():
-    trained = {"config": {"data": {"caption_dropout": 0.1}}}
-    prompted.check(trained, items({"prompt": "a red circle", "negative_prompt": "blue"}), 2.0, "s")
-    with pytest.raises(UserError, match="prompt 1 .*negative prompt without guidance"):
+def test_guidance_needs_caption_dropout_and_a_negative_prompt_at_guidance_1_is_said_unused():
+    import logging
+
+    from diffrelay import logs
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logs.get().addHandler(handler)
+    try:
+        trained = {"config": {"data": {"caption_dropout": 0.1}}}
+        prompted.check(trained, items({"prompt": "a red circle", "negative_prompt": "blue"}), 2.0, "s")
+        assert not said
+        # The unguided images of a sweep [1, 4.5]: the negative prompt is not used, and that is said.
         prompted.check(trained, items({"prompt": "a red circle", "negative_prompt": "blue"}), 1.0, "s")
+        assert said == ["1 prompt(s) with a negative prompt at guidance 1 (e.g. prompt 1): unguided, the negative "
+                        "prompt is not used"]
+    finally:
+        logs.get().removeHandler(handler)
     # An entry's own guidance counts, not only sample.guidance.
     prompted.check(trained, items({"prompt": "a", "negative_prompt": "b", "guidance": 3.0}), 1.0, "s")
     with pytest.raises(UserError, match="trained without data.caption_dropout"):
@@ -65,3 +79,37 @@ def test_the_held_out_captions_are_one_image_each(tmp_path):
         prompted.held_out(tmp_path / "nowhere", 0)
     with pytest.raises(UserError, match="without --config and without --prompts"):
         prompted.held_out(None, 0)
+
+
+def test_a_text_runs_work_folder_with_prompt_files_is_its_own_and_can_be_resumed(tmp_path):
+    """A killed text sampling job leaves NNNNNN.txt beside its PNGs: the rerun must take the folder as its own."""
+    from diffrelay.sampling import folder
+
+    out = tmp_path / "step_0000004"
+    work = folder.work_dir(out)
+    work.mkdir()
+    for name in ("settings.json", "000000.png", "000000.txt", "000001.txt", "done-0-of-2.json"):
+        (work / name).write_bytes(b"x")
+    folder.check_out(out)  # no refusal
+    (work / "notes.md").write_text("mine")
+    with pytest.raises(UserError, match="not a sample work folder"):
+        folder.check_out(out)
+
+
+def test_a_checkpoint_resumes_only_with_the_text_encoders_it_was_trained_with():
+    from diffrelay.text import source
+
+    rec = {"class": "CLIPTextModel", "sha256": "a" * 64, "length": 77, "layer": "last", "pooled": False,
+           "states_dim": 32, "pooled_dim": 0, "use_mask": True}
+    same = source.TextSource([dict(rec)], {"states": 32, "length": 77, "pooled": 0})
+    meta = {"text": {"encoders": [dict(rec)]}}
+    source.check_resume("ckpt", meta, same)
+    source.check_resume("ckpt", {}, None)
+    with pytest.raises(UserError, match="ckpt: trained with other text encoders \\(sha256 differs"):
+        source.check_resume("ckpt", meta, source.TextSource([rec | {"sha256": "b" * 64}], same.dims))
+    with pytest.raises(UserError, match="encoder 1: layer='last'"):
+        source.check_resume("ckpt", meta, source.TextSource([rec | {"layer": "penultimate"}], same.dims))
+    with pytest.raises(UserError, match="trained with text encoders; this config is not a text run"):
+        source.check_resume("ckpt", meta, None)
+    with pytest.raises(UserError, match="trained without text encoders; this config is a text run"):
+        source.check_resume("ckpt", {}, same)

@@ -134,10 +134,10 @@ def test_bad_text_inputs_are_one_line_each(text_run, tmp_path):
         lines = p.stderr.strip().splitlines()
         assert p.returncode != 0 and len(lines) == 1 and re.search(match, lines[0]), p.stderr
 
-    # A negative prompt without guidance, an unknown key in the prompt file.
+    # A negative prompt in a run whose every guidance scale is 1 (refused with the config), an unknown key.
     (tmp_path / "neg.txt").write_text("a red circle --n a blue square\n")
-    refused("sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "s1", "--prompts", tmp_path / "neg.txt",
-            "--guidance", "1", match="negative prompt without guidance")
+    neg = write(tmp_path, text_config(work, sample={"prompts": str(tmp_path / "neg.txt"), "guidance": 1}), "neg.yaml")
+    refused("validate", "--config", neg, match=r"neg\.txt: prompt 1 has a negative prompt, and sample.guidance is 1")
     (tmp_path / "bad.yaml").write_text("- {prompt: a red circle, cfg_scale: 3}\n")
     refused("sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "s2", "--prompts", tmp_path / "bad.yaml",
             "--guidance", "1", match=r"bad\.yaml.*cfg_scale")
@@ -148,6 +148,9 @@ def test_bad_text_inputs_are_one_line_each(text_run, tmp_path):
             match="trained with the text encoder of sha256")
     # Training on a cache made by other encoders.
     refused("train", "--config", other, "--until-step", "2", match="encoded by other text encoders")
+    # A prompt file edited after the workflow planned the job.
+    refused("sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "s4", "--guidance", "1",
+            "--prompts", work / "prompts.yaml", "--prompts-sha256", "0" * 64, match="changed since the workflow planned")
     # Prompts for a config without captions, at validation.
     plain = write(tmp_path, {"sample": {"prompts": str(work / "prompts.yaml")}}, "plain.yaml")
     refused("validate", "--config", plain, match="sample.prompts: prompts are for text runs")
@@ -189,3 +192,46 @@ def test_each_prompt_file_is_its_own_evaluation_and_report_row(text_run, tmp_pat
     assert "| step 4, prompt file 2 | 2 |" in (run / "report" / "scores.md").read_text()
     assert protocol.parse_variant("_g2_s1_p1") == (None, 2.0, 1) and protocol.variant_prompts("_g2_s1_p1") == 1
     assert protocol.variant(None, 2.0, 1, prompts=1) == "_g2_s1_p1" and protocol.variant_prompts("") == 0
+
+
+@pytest.mark.slow
+def test_encoding_in_the_step_trains_the_weights_of_the_cache(text_run):
+    """data.text_cache: false (encoders whose cache would not fit): the training step encodes its captions, and
+    since an embedding does not depend on its batch, the weights are bit for bit those of the cached run."""
+    import torch
+    from diffrelay.training import checkpoint
+
+    work, _, _ = text_run
+    live = write(work, text_config(work, name="t2i-live", data={"text_cache": False}), "live.yaml")
+    run_cli("prepare", "--config", live)
+    assert not (work / "results" / "t2i-live" / "dataset" / "text_states.npy").exists()
+    run_cli("train", "--config", live, "--until-step", "2")
+    a, _ = checkpoint.load_checkpoint(work / "results" / "t2i" / "checkpoints" / "step_0000002")
+    b, _ = checkpoint.load_checkpoint(work / "results" / "t2i-live" / "checkpoints" / "step_0000002")
+    assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
+
+
+@pytest.mark.slow
+def test_validate_prints_a_text_networks_flops_and_its_cache_size(text_run):
+    work, cfg, _ = text_run
+    out = run_cli("validate", "--config", cfg).stdout
+    assert re.search(r"# network: diffusers-unet .* GFLOPs per forward", out), out.splitlines()[-2]
+    assert re.search(r"# text: 1 encoder\(s\), .* MiB a caption in float32, \d+ captions: .*; cached by prepare", out)
+
+
+@pytest.mark.slow
+def test_a_damaged_text_sample_is_remade_with_its_prompt(text_run, tmp_path):
+    """A finished text folder with one PNG gone: only that image is made again, every prompt sidecar is kept, and
+    the manifest lists the sidecars (a damaged one is found like a damaged PNG)."""
+    work, cfg, _ = text_run
+    snap = work / "results" / "t2i" / "snapshots" / "step_0000004.safetensors"
+    args = ["sample", "--config", cfg, "--snapshot", snap, "--out", tmp_path / "out", "--guidance", "1"]
+    run_cli(*args)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert {"000000.txt", "000003.txt"} <= set(manifest["files"])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("[0-9]*")}
+    (tmp_path / "out" / "000001.png").unlink()
+    (tmp_path / "out" / "000002.txt").write_text("damaged")
+    p = run_cli(*args)
+    assert "2 file(s) differ from manifest.json" in p.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("[0-9]*")} == before

@@ -45,6 +45,12 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     for f in [prompts] if isinstance(prompts, str) else prompts or []:
         if not Path(f).expanduser().is_file():
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
+    scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
+    if text and s.get("guide") is None and all(g == 1 for g in scales):
+        bad += _unguided_negatives(prompts)
+    if text and d["fid"]["final"]["best"]:
+        bad.append(("fid.final.best", "a text run samples its prompt file (or held-out captions) in every pass, so a "
+                    "second pass would score the same images again; set it to 0"))
     if text and prompts is None and not (data["val_fraction"] or data["val_path"]):
         bad.append(("sample.prompts", "a text run samples prompts: give a prompt file, or hold images out "
                     "(data.val_fraction or data.val_path) to sample their captions"))
@@ -57,3 +63,21 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if (wants_clip or fid["clip_model"]) and not text:
         bad.append(("fid.clip_model", "CLIP score compares images with their prompts: a text run's (data.captions)"))
     return bad
+
+
+def _unguided_negatives(prompts) -> list[tuple[str, str]]:
+    """A negative prompt is guidance's unconditional branch: with every scale 1 it would never be used."""
+    from diffrelay.errors import UserError
+    from diffrelay.sampling import prompts as prompt_files
+
+    for f in [prompts] if isinstance(prompts, str) else prompts or []:
+        try:
+            entries = prompt_files.read(f)
+        except UserError:
+            continue  # the file's own problem is said when it is sampled, naming its line
+        neg = next((k for k, e in enumerate(entries) if e.negative_prompt and (e.guidance or 1) == 1), None)
+        if neg is not None:
+            return [(f"sample.prompts={f}", f"prompt {neg + 1} has a negative prompt, and sample.guidance is 1: "
+                     "unguided, a negative prompt changes nothing; set sample.guidance above 1 (or a list such as "
+                     "[1, 4.5]), give the entry its own guidance, or drop the negative prompt")]
+    return []

@@ -24,12 +24,13 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
 
 
 def text_records(cfg: config.Config) -> list | None:
-    """The text encoders' records (text/encoders.records: read from their folders, weights hashed) of a text run;
-    None for a run without captions. A missing or unusable encoder folder is one line."""
+    """The text encoders' records (text/encoders.records: read from their folders' config.json, the weights not
+    hashed: only the dims are needed here) of a text run; None without captions. A bad encoder folder is one line."""
     from diffrelay.text import encoders
 
     d = cfg.to_dict()["data"]
-    return encoders.records(d["text_encoders"]) if d["captions"] != "none" and d["text_encoders"] else None
+    return encoders.records(d["text_encoders"], hashed=False) if d["captions"] != "none" and d["text_encoders"] \
+        else None
 
 
 def text_dims(cfg: config.Config) -> dict | None:
@@ -85,7 +86,8 @@ def forward_cost(cfg: config.Config, params: int, classes: int) -> str:
     build = lambda: objectives.build(model, side, classes, channels, text=text)  # noqa: E731
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
-            flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big, cpu_first=small)["forward"]
+            flops = cost.measure(build, (1, channels, side, side), classes, cpu=too_big, cpu_first=small,
+                                 text=text)["forward"]
     except UserError as e:
         return f"FLOPs not available: {e}"
     # FlopCounterMode counts 2 per multiply-add; DiT's "Gflops" (Table 4) and edm2's count_flops.py count

@@ -19,6 +19,7 @@ from diffrelay.evaluation import protocol  # noqa: E402
 from diffrelay import preflight  # noqa: E402
 from diffrelay import nets as drnets  # noqa: E402
 from diffrelay import logs as drlogs  # noqa: E402
+from diffrelay import io as drio  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.

@@ -177,8 +177,10 @@ def get_sample_settings(wildcards):
     # A text run's prompt file: the variant's of sample.prompts (_p<k>).
     prompts = protocol.prompt_files(CFG.to_dict()["sample"])
     if prompts:
+        # Its sha256 too: an edited prompt file changes this param, so Snakemake samples (and scores) again.
         k = protocol.variant_prompts(wildcards.variant)
-        edm_flags += f" --prompts {shlex.quote(prompts[k])}"
+        sha = drio.sha256_file(prompts[k])
+        edm_flags += f" --prompts {shlex.quote(prompts[k])} --prompts-sha256 {sha}"
     return (
         f"--num-images {count} --first-seed {first} --guidance {guidance:g}{edm_flags}"
     )

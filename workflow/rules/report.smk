@@ -43,11 +43,12 @@ rule build_report:
     params:
         run_dir=lambda wildcards: f"{CFG.run.results}/{wildcards.run}",
         out=lambda wildcards, output: str(Path(output.metrics).parent),
-        evaluated=f" --evaluated {shlex.quote(EVALUATED)}" if EVALUATED else "",
-        # Only when not the default, so the shell text of runs that keep it is what it was.
-        best_by=f" --best-by {CFG.fid.best_by}" if CFG.fid.best_by != "fid" else "",
+        # fid.best_by rides here when not the default: a param of its own (even empty) would rerun every
+        # finished run's report once, and a new word in the shell text would too.
+        evaluated=(f" --evaluated {shlex.quote(EVALUATED)}" if EVALUATED else "")
+        + (f" --best-by {CFG.fid.best_by}" if CFG.fid.best_by != "fid" else ""),
     message:
         "Writing the {wildcards.run} report"
     shell:
         "exec >{log:q} 2>&1; PS4=; set -x; "
-        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}{params.evaluated}{params.best_by}"
+        "diffrelay report --run-dir {params.run_dir:q} --out {params.out:q}{params.evaluated}"

@@ -155,9 +155,16 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
         elif rank == 0:
             # Rank 0 decodes the pixels while the others encode captions, before its own encoders load. Spawned
             # decoders: gloo's threads may run here (runtime/parallel.py).
-            info = datasets.build(plan, tmp, workers=workers(args, cfg), start="spawn")
-        if text is not None:
+            try:
+                info = datasets.build(plan, tmp, workers=workers(args, cfg), start="spawn")
+            except UserError as e:  # a bad image: every rank hears it below, none waits at the barrier for it
+                error = e
+        if text is not None and error is None:
             cache.build(*text[:2], text_work, rank, world, device, text[2])
+        if distributed.from_main(FAILED if error is not None else WORK, "building the dataset") == FAILED:
+            if error is not None:
+                raise error
+            return 0  # rank 0 prints the one line and fails the launch
         distributed.barrier()  # every chunk is written
         if rank != 0:
             return 0

@@ -46,8 +46,10 @@ class Clip:
     max_length: int  # tokens the text model sees (its position table)
 
 
-def load(folder, device="cpu") -> Clip:
-    """The CLIP of a local save_pretrained folder; one UserError line when it is missing, incomplete or pickled."""
+def check(folder, images=None) -> tuple[dict, str]:
+    """(config.json, weights' sha256) of a CLIP folder, and every PNG of `images` has its prompt beside it: the
+    cheap checks, before any model or image is read (`diffrelay fid` makes them before its scoring child starts, so
+    a bad fid.clip_model costs no FID pass). One UserError line each."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{folder}: CLIP model folder not found; nothing is downloaded: {FIX}")
@@ -59,6 +61,17 @@ def load(folder, device="cpu") -> Clip:
     if not any((folder / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
         raise UserError(f"{folder}: no image processor (preprocessor_config.json); save the CLIP's processor there "
                         "too (CLIPProcessor.save_pretrained)")
+    for png in sorted(Path(images).glob("[0-9]*.png")) if images is not None else []:
+        if not png.with_suffix(".txt").is_file():
+            raise UserError(f"{png}: no {png.with_suffix('.txt').name} beside it (the prompt it was sampled with); "
+                            "CLIP score needs a text run's samples (sample them again with diffrelay sample)")
+    return config, digest
+
+
+def load(folder, device="cpu") -> Clip:
+    """The CLIP of a local save_pretrained folder; one UserError line when it is missing, incomplete or pickled."""
+    folder = Path(folder)
+    config, digest = check(folder)
     import torch
     import transformers
 

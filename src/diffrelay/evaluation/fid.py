@@ -360,6 +360,10 @@ def main_fid(args) -> int:
                 scores.adm_reference(ref_path, files, set(args.metrics))
             else:
                 check_reference(load_reference(ref_path), ref_path, extractor_sha256(ext_path), args.mode)
+        if getattr(args, "clip_model", None):
+            from diffrelay.evaluation import clip_score
+
+            clip_score.check(args.clip_model, args.images)
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:

@@ -237,18 +237,19 @@ def _save_png(fig: Figure, path: Path) -> None:
     io.write_bytes(path, buf.getvalue())
 
 
-def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) -> None:
-    """One panel per metric family (FID, FD_DINOv2, ...), primary first; one curve per image count and
-    guidance scale, each labelled with its metric name; bars of one standard deviation over seed sets."""
+def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by_clip: bool = False) -> None:
+    """One panel per metric family (FID, FD_DINOv2, ...), primary first; one curve per image count, guidance
+    scale and prompt file, each labelled with its metric name; bars of one standard deviation over seed sets.
+    by_clip: the best was picked by CLIP score (fid.best_by), which its star says."""
     families = list(dict.fromkeys(map(family, table.sort_values("primary", ascending=False, kind="stable").metric)))
     fig = Figure(figsize=(6.4, 2.2 + 1.8 * len(families)), layout="constrained")
     axes = fig.subplots(len(families), 1, sharex=True, squeeze=False)[:, 0]
     several_scales = table.guidance.nunique() > 1
     for ax, fam in zip(axes, families):
         part = table[table.metric.map(family) == fam]
-        for (m, g, ema, decay), curve in part.groupby(["metric", "guidance", "phema", "ema_decay"], sort=True,
-                                                      dropna=False):
-            label = m + (f", guidance {g:g}" if several_scales else "")
+        for (m, g, ema, decay, k), curve in part.groupby(["metric", "guidance", "phema", "ema_decay", "prompts"],
+                                                         sort=True, dropna=False):
+            label = m + (f", guidance {g:g}" if several_scales else "") + (f", prompt file {k + 1}" if k else "")
             label += "" if math.isnan(ema) else f", post-hoc EMA {ema:g}"
             label += "" if math.isnan(decay) else f", EMA decay {decay:g}"
             if curve.seed_sets.max() > 1:
@@ -258,8 +259,9 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path) ->
         if fam == family(best.metric):
             at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
             at += "" if math.isnan(best.ema_decay) else f", EMA decay {best.ema_decay:g}"
+            by = f" (by CLIP score {best.clip_score:.4g})" if by_clip else ""
             ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
-                    label=f"best {best.metric}: {best.fid:.4g} at {at}")
+                    label=f"best{by} {best.metric}: {best.fid:.4g} at {at}")
         ax.set(ylabel=fam.split(" ")[0])
         ax.set_title(fam, fontsize="medium")
         ax.grid(alpha=0.3)
@@ -347,7 +349,7 @@ def main(args) -> int:
 
     io.write_text(out / "metrics.csv", table[columns(table)].to_csv(index=False, float_format="%.6g"))
     io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name))
-    plot_fid(table, best, run_dir.name, out / "fid.png")
+    plot_fid(table, best, run_dir.name, out / "fid.png", by_clip=getattr(args, "best_by", None) == "clip_score")
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated)
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {

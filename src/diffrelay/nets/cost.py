@@ -69,29 +69,37 @@ def _counting():
         yield counter
 
 
-def _inputs(net: nn.Module, x_shape: tuple, num_classes: int):
-    """One image of zeros, time 1 (EDM's sigma = 1, so its log is finite) and class 0, on the net's device."""
+def _inputs(net: nn.Module, x_shape: tuple, num_classes: int, text: dict | None = None):
+    """One image of zeros, time 1 (EDM's sigma = 1, so its log is finite) and class 0, on the net's device; a text
+    run's network also gets a Text of its dims (carrying the class), where the labels travel."""
     first = next(itertools.chain(net.parameters(), net.buffers()), None)
     device = first.device if first is not None else torch.get_default_device()
     x = torch.zeros((1, *x_shape[1:]), device=device)
     labels = torch.zeros(1, dtype=torch.long, device=device) if num_classes else None
+    if text:
+        from diffrelay.nets.registry import random_text
+
+        cond = random_text(text, 1, device)
+        cond.labels = labels
+        labels = cond
     return x, torch.ones(1, device=device), labels
 
 
-def forward_flops(net: nn.Module, x_shape: tuple, num_classes: int = 0) -> int:
+def forward_flops(net: nn.Module, x_shape: tuple, num_classes: int = 0, text: dict | None = None) -> int:
     """FLOPs (2 per multiply-add; matmuls and convolutions only) of net(x, time, labels) on one image of
     x_shape (its batch size is ignored); labels are given when num_classes > 0."""
-    x, t, labels = _inputs(net, x_shape, num_classes)
+    x, t, labels = _inputs(net, x_shape, num_classes, text)
     with torch.no_grad(), _counting() as counter:
         net(x, t, labels)
     return counter.get_total_flops()
 
 
-def training_flops_per_image(net: nn.Module, x_shape: tuple, num_classes: int = 0) -> tuple[int, int]:
+def training_flops_per_image(net: nn.Module, x_shape: tuple, num_classes: int = 0,
+                             text: dict | None = None) -> tuple[int, int]:
     """(forward, forward + backward) FLOPs of one training image, both measured: the forward pass and the
     backward pass of a scalar loss of its output through every parameter that requires a gradient (the optimizer's
     update and the loss's elementwise ops are not counted)."""
-    x, t, labels = _inputs(net, x_shape, num_classes)
+    x, t, labels = _inputs(net, x_shape, num_classes, text)
     with torch.enable_grad(), _counting() as counter:
         out = net(x, t, labels)
         forward = counter.get_total_flops()
@@ -102,7 +110,7 @@ def training_flops_per_image(net: nn.Module, x_shape: tuple, num_classes: int = 
 
 
 def measure(build, x_shape: tuple, num_classes: int = 0, train: bool = False, cpu: str | None = None,
-            cpu_first: bool = False) -> dict:
+            cpu_first: bool = False, text: dict | None = None) -> dict:
     """Build the network with build() on the meta device and count it (forward_flops, or with train also
     training_flops_per_image); when that fails, on the CPU unless `cpu` says why not (a large network).
     `cpu_first`: a small network, counted on the CPU first (the same count; no meta references to import).
@@ -115,9 +123,9 @@ def measure(build, x_shape: tuple, num_classes: int = 0, train: bool = False, cp
             with on_device(device):
                 net = build()
             if train:
-                forward, total = training_flops_per_image(net, x_shape, num_classes)
+                forward, total = training_flops_per_image(net, x_shape, num_classes, text)
             else:
-                forward, total = forward_flops(net, x_shape, num_classes), None
+                forward, total = forward_flops(net, x_shape, num_classes, text), None
             return {"forward": forward, "train": total, "device": device}
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- any failure (often user code): no count
             errors.append(f"on {device}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")

@@ -20,6 +20,7 @@ from diffrelay.errors import UserError
 MANIFEST_FORMAT = "diffrelay-samples/2"  # /2 added per-file sizes and hashes
 OLD_FORMATS = ("diffrelay-samples/1",)
 PNG_NAME = re.compile(r"^\d{6}\.png\Z")
+PROMPT_NAME = re.compile(r"^\d{6}\.txt\Z")  # a text run's prompt beside each image (sampling/prompted.py)
 NPZ_NAME = "samples.npz"  # sample.npz: the images as one array (export.py)
 WAIT_SECONDS = 600  # how long a non-zero rank waits for rank 0 to set up the work folder
 
@@ -82,7 +83,8 @@ def is_sample_folder(path) -> bool:
 def _is_work_folder(path) -> bool:
     """Only names this stage writes in a work folder: images, markers, settings, grid, npz, temp files."""
     names = ("settings.json", "grid.png", "manifest.json", NPZ_NAME)
-    return all(PNG_NAME.match(n) or n.startswith(("done-", ".")) or n in names for n in os.listdir(path))
+    return all(PNG_NAME.match(n) or PROMPT_NAME.match(n) or n.startswith(("done-", ".")) or n in names
+               for n in os.listdir(path))
 
 
 def check_out(out: Path) -> None:
@@ -141,8 +143,11 @@ def _reuse_intact(out: Path, work: Path, mine, damaged: set) -> None:
     the damaged ones are made again. A later atomic write replaces a link, never the file it shares."""
     for i in mine:
         name = png_name(i)
-        if name not in damaged and not (work / name).exists():
+        prompt = Path(name).with_suffix(".txt")  # a text run's prompt: linked first, as sample.py writes it first
+        if name not in damaged and prompt.name not in damaged and not (work / name).exists():
             try:
+                if (out / prompt).exists() and not (work / prompt).exists():
+                    os.link(out / prompt, work / prompt)
                 os.link(out / name, work / name)
             except OSError:
                 return  # another file system, or gone: those images are simply made again

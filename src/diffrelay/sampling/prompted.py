@@ -60,14 +60,18 @@ def groups(chosen: list, indices, guidance: float, steps: int):
 
 
 def check(meta: dict, chosen: list, guidance: float, source) -> None:
-    """Before any image: guidance needs a network trained with caption dropout, and a negative prompt needs
-    guidance (it is the unconditional branch; without guidance it would change nothing)."""
+    """Before any image: guidance needs a network trained with caption dropout. A negative prompt is the
+    unconditional branch, so at guidance 1 (the unguided images of a sweep such as [1, 4.5]) it is not used: said
+    once here; a run whose every scale is 1 is refused when its config is checked (config_text)."""
+    from diffrelay import logs
+
     dropout = meta.get("config", {}).get("data", {}).get("caption_dropout", 0)
+    unused = [it for it in chosen if it.negative_prompt and (guidance if it.guidance is None else it.guidance) == 1]
+    if unused:
+        logs.get().info(f"{len(unused)} prompt(s) with a negative prompt at guidance 1 (e.g. prompt "
+                        f"{unused[0].prompt_index + 1}): unguided, the negative prompt is not used")
     for it in chosen:
         g = guidance if it.guidance is None else it.guidance
-        if it.negative_prompt and g == 1:
-            raise UserError(f"prompt {it.prompt_index + 1} ({it.prompt[:40]!r}): a negative prompt without guidance "
-                            "(guidance 1) changes nothing; give it guidance above 1, or drop the negative prompt")
         if g != 1 and not dropout:
             raise UserError(f"guidance {g:g} for prompt {it.prompt_index + 1}: {source} was trained without "
                             "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")

@@ -143,7 +143,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
                 pixels = latent_data.decode(decoder, images, meta["latent"])[:len(batch)]
         finite, pixels = finite.cpu().numpy(), pixels.permute(0, 2, 3, 1).cpu().numpy()
         if not finite.all():
-            bad = [s.first_seed + i for i, ok in zip(batch, finite) if not ok]
+            bad = [s.first_seed + i if items is None else items[i].seed for i, ok in zip(batch, finite) if not ok]
             raise NonFiniteSamples(
                 f"sampling gave NaN or inf for seed(s) {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
                 f"(guidance {s.guidance:g}, precision {s.precision}, {s.steps} {s.solver} steps); likely a guidance "
@@ -205,7 +205,8 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         seconds = finished - manifest["started"]
         manifest |= {"finished": finished, "seconds": round(seconds, 3), "generated": generated,
                      "images_per_s": round(generated / max(seconds, 1e-9), 3),
-                     "files": {p.name: file_record(p) for p in [*image_files(work), work / "grid.png", *exported]}}
+                     "files": {p.name: file_record(p) for p in [*image_files(work), *sorted(work.glob("[0-9]*.txt")),
+                                                                work / "grid.png", *exported]}}
         io.write_json(work / "manifest.json", manifest)
         # Bookkeeping and temp files of writes a kill interrupted do not belong in the result.
         for p in [work / "settings.json", *work.glob("done-*.json"), *work.glob(".*.tmp")]:
@@ -232,8 +233,8 @@ def _generate(model, meta, todo, s, device, guide, decoder, text, items):
 
 def _write_image(path: Path, pixels, prompt: str | None) -> None:
     """The PNG, after its prompt's sidecar (a text run): a PNG on disk always has its prompt beside it."""
-    if prompt is not None:
-        io.write_text(prompted.sidecar(path), prompt, parents=False)
+    if prompt is not None:  # UTF-8 whatever the locale: finalize and CLIP score read it so
+        io.write_bytes(prompted.sidecar(path), prompt.encode("utf-8"), parents=False)
     io.write_bytes(path, encode_png(pixels), parents=False)
 
 
@@ -314,7 +315,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     mine = rank_share(s.num_images, rank, world)
     if damaged or changed:
         _reuse_intact(out, work, mine, set(damaged))
-    todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))]
+    todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))
+            or (items is not None and not prompted.sidecar(work / png_name(i)).is_file())]
     if not work.is_dir():  # finalized and renamed by another process since _open_work
         return up_to_date(out, key)
     if len(todo) < len(mine):
@@ -385,6 +387,10 @@ def main(args) -> int:
     logs.setup(main=rank == 0)
     cfg = config.load(args.config).to_dict() if args.config else config.validate({})
     s, run_cfg = settings.from_args(args, cfg, config.validate)
+    want = getattr(args, "prompts_sha256", None)
+    if want and s.prompts and io.sha256_file(s.prompts) != want:  # edited after the workflow planned this job
+        raise UserError(f"{s.prompts}: changed since the workflow planned this job (sha256 {want[:12]}); run "
+                        "snakemake again, which samples the file as it is now")
     model_cfg = cfg["model"] if args.config else None
     run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
         run_cfg["resources"], cfg["data"] if args.config else None,

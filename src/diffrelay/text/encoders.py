@@ -158,10 +158,11 @@ def combined_dims(records) -> dict:
     return {"states": width, "length": length, "pooled": pooled}
 
 
-def records(entries) -> list[dict]:
+def records(entries, hashed: bool = True) -> list[dict]:
     """The records of data.text_encoders from config.json and the weights' sha256, no model loaded (planning,
-    `diffrelay validate`); the combination is checked too."""
-    out = [_record(dict(e)) for e in entries]
+    `diffrelay validate`); the combination is checked too. hashed False: sha256 None, for the dims alone (the
+    Snakefile's network check would read every weight file at each parse)."""
+    out = [_record(dict(e), hashed=hashed) for e in entries]
     layout(out)
     return out
 

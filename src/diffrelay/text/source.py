@@ -36,7 +36,8 @@ class TextSource:
         from diffrelay.text import encoders
 
         if self.encoders is None:
-            self.encoders = [encoders.load(r["entry"], device) for r in self.records]
+            # with each record's sha256, so load does not hash the weights again
+            self.encoders = [encoders.load(r["entry"] | {"sha256": r["sha256"]}, device) for r in self.records]
         return encoders.encode(self.encoders, list(prompts), device)
 
 
@@ -71,6 +72,14 @@ def for_training(cfg_data, data, device) -> TextSource | None:
         raise UserError(f"{Path(data.path) / 'text.json'}: captions encoded by other text encoders (sha256 "
                         f"{', '.join(m[:12] for m in made)}; data.text_encoders has "
                         f"{', '.join(r['sha256'][:12] for r in records)}); rerun `diffrelay prepare` into a new folder")
+    key = _differs(opened.records, records)
+    if key:  # the same weights, other settings (layer, length, pooled, mask): other embeddings
+        raise UserError(f"{Path(data.path) / 'text.json'}: captions encoded with {key}; data.text_encoders says "
+                        "otherwise; set it as the dataset was made, or rerun `diffrelay prepare` into a new folder")
+    dtype = cfg_data.text_dtype if hasattr(cfg_data, "text_dtype") else cfg_data["text_dtype"]
+    if opened.info.get("dtype", dtype) != dtype:
+        raise UserError(f"{Path(data.path) / 'text.json'}: embeddings stored as {opened.info.get('dtype')}; "
+                        f"data.text_dtype is {dtype}; set it as the dataset was made, or rerun `diffrelay prepare`")
     return TextSource(_with_entries(records, entries), dims, cache=opened)
 
 
@@ -97,6 +106,34 @@ def for_sampling(meta: dict, data_cfg: dict | None, snapshot) -> TextSource | No
                             f"({want['path']}); {got['path']} is another ({got['sha256'][:12]}); point "
                             "data.text_encoders at the encoders it was trained with")
     return TextSource(_with_entries(now, entries), rec["dims"])
+
+
+def _differs(made: list, wanted: list) -> str | None:
+    """'encoder k: key=value' of the first setting by which two lists of encoder records differ, else None."""
+    from diffrelay.text import encoders
+
+    for k, (a, b) in enumerate(zip(encoders.fingerprint_part(made), encoders.fingerprint_part(wanted))):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return f"encoder {k + 1}: {key}={a.get(key)!r}"
+    return None
+
+
+def check_resume(path, meta: dict, source: "TextSource | None") -> None:
+    """A checkpoint continues only with the text encoders it was trained with (by sha256 and settings): with
+    data.text_cache false nothing else would notice a folder replaced by other weights."""
+    made = (meta.get("text") or {}).get("encoders")
+    if source is None or made is None:
+        if (made is None) != (source is None):
+            raise UserError(f"{path}: trained {'with' if made else 'without'} text encoders; this config is "
+                            f"{'not ' if made else ''}a text run; resume it with the config it was trained with")
+        return
+    shas = [r["sha256"] for r in made] != [r["sha256"] for r in source.records]
+    key = "sha256" if shas else _differs(made, source.records)
+    if key:
+        raise UserError(f"{path}: trained with other text encoders ({key} differs from data.text_encoders: "
+                        f"{', '.join(r['sha256'][:12] for r in made)}); point data.text_encoders at the encoders "
+                        "it was trained with, or start a new run.name")
 
 
 def _with_entries(records: list, entries: list) -> list:

@@ -73,8 +73,7 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
 
 
 def _check_resume(cfg, path, meta, data, traj: str) -> None:
-    """One line instead of a silent wrong run or a state-dict traceback."""
-    # Settings the network does not use (a UNet key in a DiT run) are no reason to refuse.
+    """One line instead of a silent wrong run or a state-dict traceback (a UNet key in a DiT run is no reason)."""
     model, made = config.applicable_model(cfg.to_dict()["model"]), config.applicable_model(meta.get("model") or {})
     key = config.first_difference(made, model)
     if key:
@@ -84,6 +83,7 @@ def _check_resume(cfg, path, meta, data, traj: str) -> None:
         raise UserError(f"{path}: trained on a dataset with fingerprint {str(meta.get('dataset_fingerprint'))[:12]}, "
                         f"but {data.path} now has {data.fingerprint[:12]} (images added, removed or changed); "
                         f"restore the images, or start a new run.name to train on the new set")
+    text_source.check_resume(path, meta, data.text)  # the same text encoders, by sha256 and settings
 
 
 def _check_writable(run_dir: Path) -> None:
