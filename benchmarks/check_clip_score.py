@@ -44,7 +44,6 @@ import torch
 from official import Gate, write_results
 
 from diffrelay.evaluation import clip_score
-from diffrelay.text.demo import clip_vocab
 
 HERE = Path(__file__).resolve().parent
 BOUND = 1e-4
@@ -57,25 +56,11 @@ MODEL_SEED = 2  # a random CLIP whose cosines on these images take both signs (1
 
 def tiny_clip(folder: Path, seed: int = MODEL_SEED) -> Path:
     """A CLIP BPE that spells every byte and knows WORDS whole, a seeded random CLIPModel and processor settings
-    for 32 px: everything save_pretrained writes, as a local CLIP folder holds it."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    for 32 px: everything save_pretrained writes, as a local CLIP folder holds it (the tests' builder)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import textmodels
 
-    vocab, merges = clip_vocab(WORDS)
-    merges = [tuple(m.split()) for m in merges]
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)  # v5: the vocabulary itself
-    if len(tokenizer) != len(vocab):
-        raise SystemExit(f"check_clip_score: the tokenizer has {len(tokenizer)} tokens, not {len(vocab)}")
-    eos = vocab["<|endoftext|>"]
-    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"], eos_token_id=eos, pad_token_id=eos)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    torch.manual_seed(seed)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(
-        folder, safe_serialization=True)
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
-    return folder
+    return textmodels.clip_model(folder, WORDS, seed)
 
 
 def noise_images(n: int, seed: int = 0) -> list[np.ndarray]:
