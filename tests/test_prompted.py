@@ -30,7 +30,9 @@ def test_guidance_needs_caption_dropout_and_a_negative_prompt_at_guidance_1_is_s
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    logs.get().addHandler(handler)
+    log, level = logs.get(), logs.get().level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # as logs.setup sets it in a stage; a test run alone has not called it
     try:
         trained = {"config": {"data": {"caption_dropout": 0.1}}}
         prompted.check(trained, items({"prompt": "a red circle", "negative_prompt": "blue"}), 2.0, "s")
@@ -40,7 +42,8 @@ def test_guidance_needs_caption_dropout_and_a_negative_prompt_at_guidance_1_is_s
         assert said == ["1 prompt(s) with a negative prompt at guidance 1 (e.g. prompt 1): unguided, the negative "
                         "prompt is not used"]
     finally:
-        logs.get().removeHandler(handler)
+        log.removeHandler(handler)
+        log.setLevel(level)
     # An entry's own guidance counts, not only sample.guidance.
     prompted.check(trained, items({"prompt": "a", "negative_prompt": "b", "guidance": 3.0}), 1.0, "s")
     with pytest.raises(UserError, match="trained without data.caption_dropout"):

@@ -21,7 +21,6 @@ Imports the base modules and evaluation.features (image decoding); torch and tra
 """
 
 import dataclasses
-import hashlib
 import re
 from pathlib import Path
 
@@ -180,17 +179,18 @@ def _config(folder: Path) -> dict:
 def _weights_sha256(folder: Path) -> str:
     """sha256 of model.safetensors; of a sharded model, of the lines 'shard sha256' of its shards, sorted.
     Pickled weights (.bin, .pt) are refused before anything reads them: unpickling can run code."""
+    from diffrelay.text.encoders import weights_sha256  # the text encoders' rule, so one folder has one sha256
+
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return io.sha256_file(single)
+        return weights_sha256([single])
     if index.is_file():
         shards = sorted(set(io.read_json(index, max_bytes=1 << 26).get("weight_map", {}).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if not shards or missing:
             raise UserError(f"{index}: shard {missing[0] if missing else '(none listed)'} missing; copy the "
                             "whole model folder")
-        lines = "".join(f"{s} {io.sha256_file(folder / s)}\n" for s in shards)
-        return hashlib.sha256(lines.encode()).hexdigest()
+        return weights_sha256([folder / s for s in shards])
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_WEIGHTS)
     if pickled:
         raise UserError(f"{folder}: only pickled weights ({', '.join(pickled[:3])}), which are never loaded here "

@@ -51,16 +51,15 @@ def for_training(cfg_data, data, device) -> TextSource | None:
     the ones the dataset's cache was made with (by sha256); without a cache they are loaded to encode live."""
     from diffrelay.text import cache, encoders
 
-    if getattr(data, "captions", None) is None:
+    if data.captions is None:
         return None
-    entries = [dict(e) for e in cfg_data.to_dict()["text_encoders"]] if hasattr(cfg_data, "to_dict") \
-        else [dict(e) for e in cfg_data["text_encoders"]]
+    entries = [dict(e) for e in cfg_data.to_dict()["text_encoders"]]
     if not entries:
         raise UserError(f"{data.path}: a captioned dataset; data.text_encoders is empty: name the text encoders "
                         "(local folders) the captions are encoded with")
     records = encoders.records(entries)
     dims = encoders.combined_dims(records)
-    use_cache = cfg_data.text_cache if hasattr(cfg_data, "text_cache") else cfg_data["text_cache"]
+    use_cache = cfg_data.text_cache
     if not use_cache:
         return TextSource(_with_entries(records, entries), dims, texts=list(data.captions.texts))
     opened = cache.open(data.path)
@@ -76,7 +75,7 @@ def for_training(cfg_data, data, device) -> TextSource | None:
     if key:  # the same weights, other settings (layer, length, pooled, mask): other embeddings
         raise UserError(f"{Path(data.path) / 'text.json'}: captions encoded with {key}; data.text_encoders says "
                         "otherwise; set it as the dataset was made, or rerun `diffrelay prepare` into a new folder")
-    dtype = cfg_data.text_dtype if hasattr(cfg_data, "text_dtype") else cfg_data["text_dtype"]
+    dtype = cfg_data.text_dtype
     if opened.info.get("dtype", dtype) != dtype:
         raise UserError(f"{Path(data.path) / 'text.json'}: embeddings stored as {opened.info.get('dtype')}; "
                         f"data.text_dtype is {dtype}; set it as the dataset was made, or rerun `diffrelay prepare`")
