@@ -2,7 +2,7 @@
 and the scaling of training from 1 to N GPUs.
 
   python benchmarks/bench_gpu.py [--steps 200] [--batch 256] [--fid-images 10000] [--extractor random]
-      [--cases unet,dit,eval,ditxl,scaling] [--device cuda]
+      [--cases unet,dit,eval,ditxl,ditxl-compile,scaling] [--device cuda]
 
 Without a CUDA device it prints one line and exits with status 2, writing nothing (run_all.py does not
 call it); --device cpu is a dry run of the same code at whatever sizes are given (no MFU). Imports only
@@ -15,6 +15,7 @@ bundle on PYTHONPATH, and every stage as `python -m diffrelay`. Cases, bf16 auto
     latents (4 x 32 x 32) that `diffrelay prepare` encodes with a small random AutoencoderKL (factor 8), with
     --ditxl-batch images a step; then `diffrelay sample` of it with 250 DDPM steps and CFG 1.5, TF32 on and
     off (sample.tf32).
+  - ditxl-compile: the ditxl training again with train.compile on, the bare loop compiled as well (after ditxl).
 For each case: `diffrelay train` (one segment, the train.* speed switches given by --fast) against a bare
 loop with the same network, batch, optimizer, clipping and EMA (no DDP, no logging, no checkpoint);
 model FLOP utilisation = FLOPs of one training step, counted by torch.utils.flop_counter.FlopCounterMode,
@@ -103,6 +104,7 @@ def bare_loop(cfg_dict, data_dir, args) -> tuple[float, int]:
     x = torch.randn(batch, *shape, device=device)
     labels = torch.randint(0, classes, (batch,), device=device) if classes else None
     flops = step_flops(cfg, net, x, labels)
+    model = speed.compile_model(net, t.compile, cfg.run.resources, t.threads)  # the same cache as the run's
     ema = optim.EMA(net, t.ema_decays)
     opt = optim.build_optimizer(net.parameters(), t, fused=DEVICE == "cuda")
     warm = args.steps // 4
@@ -112,7 +114,7 @@ def bare_loop(cfg_dict, data_dir, args) -> tuple[float, int]:
             t0 = time.perf_counter()
         rnd, noise = torch.randn(batch, device=device), torch.randn_like(x)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss = objectives.loss(cfg, net, x, labels, rnd, noise)
+            loss = objectives.loss(cfg, model, x, labels, rnd, noise)
         loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip)
@@ -197,6 +199,20 @@ def ditxl_case(tmp: Path, args, peak) -> dict:
     return row
 
 
+def ditxl_compile_case(tmp: Path, args, peak) -> dict:
+    """The ditxl case's training with train.compile on (the bare loop compiled too), on its prepared latents."""
+    if not (tmp / "ditxl_dataset" / "dataset.json").exists():
+        return {"note": "not measured: needs the ditxl case first (its latents)"}
+    data = {"kind": "shapes", "resolution": args.ditxl_res, "count": args.ditxl_images, "encoder": "sd-vae",
+            "encoder_path": str(tmp / "vae"), "latent_norm": "dit"}
+    model = {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
+    row = train_case("ditxl_compile", model, tmp, tmp / "ditxl_dataset", args, peak, data,
+                     {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False, "compile": True,
+                      "threads": args.compile_threads}, args.ditxl_batch)
+    row.pop("snapshot"), row.pop("config")
+    return row | {"model": model, "compile": True}
+
+
 def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
     """`diffrelay sample` of --fid-images images, then `diffrelay fid` on them, each timed."""
     out = tmp / "samples"
@@ -252,6 +268,7 @@ def main():
     ap.add_argument("--ditxl-images", type=int, default=1024, help="images encoded for the ditxl case")
     ap.add_argument("--ditxl-samples", type=int, default=32, help="images sampled, TF32 on and off")
     ap.add_argument("--ditxl-steps", type=int, default=250)
+    ap.add_argument("--compile-threads", type=int, default=8, help="inductor's compile workers (ditxl-compile)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the code")
     ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"), help="where the JSON goes")
     args = ap.parse_args()
@@ -287,6 +304,8 @@ def main():
                 result["eval"] = eval_case(snapshot, data_dir, tmp, args)
             elif case == "ditxl":
                 result["ditxl"] = ditxl_case(tmp, args, peak)
+            elif case == "ditxl-compile":
+                result["ditxl_compile"] = ditxl_compile_case(tmp, args, peak)
             save()
         if "scaling" in cases:
             result["scaling"] = (scaling_case(tmp, data_dir, args) if DEVICE == "cuda" and

@@ -100,7 +100,8 @@ def test_smoke_sequence_runs_from_torch_torchvision_and_the_bundle(tmp_path):
     failed = {k: v for k, v in checks.items() if v.get("passed") is False}
     assert p.returncode == 0 and not failed, (p.stdout[-3000:], p.stderr[-3000:], failed)
     assert checks["environment"]["torchvision"]["source"] == "machine"  # the venv's own, not the bundle's
-    assert checks["segments"]["det"]["bitwise"] and checks["sampling"]["byte_identical"] == 16
+    assert checks["segments"]["det"]["bitwise"] and checks["sampling"]["heun"]["byte_identical"] == 16
+    assert checks["sampling"]["churn"]["byte_identical"] == 16  # the stochastic path (noise asked a step ahead)
     assert checks["latent_encode"]["same_bytes"]
     assert checks["kill_one_rank"]["passed"] is None  # needs 2 GPUs
     bench = checks["bench_gpu"]["result"]
