@@ -21,9 +21,10 @@ from diffrelay.errors import UserError
 CLASS_NAMES = ["circle", "square", "triangle"]
 
 
-def make_snapshot(path, conditional=True, num_classes=3, seed=0):
+def make_snapshot(path, conditional=True, num_classes=3, seed=0, model=None):
     """A tiny model whose weights are seeded noise, so its images depend on every input bit."""
-    model = config.validate({"model": {"channels": 8, "channel_mult": [1, 2], "class_conditional": conditional}})
+    model = config.validate({"model": {"channels": 8, "channel_mult": [1, 2], "class_conditional": conditional,
+                                       **(model or {})}})
     net = edm.build(model["model"], 16, num_classes)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -6,6 +6,7 @@ only Snakemake's word, so a silent fallback to local execution fails the test.
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -182,15 +183,21 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
        (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
     3. `scontrol requeue` of the third try: SLURM ends it and starts it again under the same id.
     """
-    steps = 3000  # long enough that each stop lands mid-segment: a step takes 0.02-0.1 s here
+    # Inside SLURM a step of this network sleeps 0.15 s: each stop lands mid-segment (the timer's try lasts
+    # at most about 60 s, under 400 steps), yet the steps cost no CPU and the local reference run is quick.
+    steps = 500
     train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
-    cfg = write_config({"run": {"name": "stopped"}, "train": train}, name="stopped.yaml")
-    ref = write_config({"run": {"name": "whole"}, "train": train}, name="whole.yaml")
+    model = {"arch": "slow_net:slow_under_slurm", "kwargs": {"width": 8}}
+    cfg = write_config({"run": {"name": "stopped"}, "train": train, "model": model}, name="stopped.yaml")
+    ref = write_config({"run": {"name": "whole"}, "train": train, "model": model}, name="whole.yaml")
     results = tmp_path / "results"
     target = f"trained/step_{steps:07d}.json"
 
     work = tmp_path / "slurm"
     work.mkdir()
+    (tmp_path / "local").mkdir()
+    for where in (work, tmp_path / "local"):  # a network file beside each workflow, as a user keeps one
+        shutil.copy(REPO / "tests" / "fixtures" / "diffrelay_test_net.py", where / "slow_net.py")
     cmd = ["snakemake", results / "stopped" / target, "--snakefile", REPO / "Snakefile", "--directory", work,
            "--workflow-profile", PROFILE, "--retries", "2", "--set-resources",
            "train_segment:runtime=1 if attempt == 2 else 10",
@@ -239,7 +246,6 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     assert starts[2] <= starts[3] < steps, starts
 
     # Uninterrupted reference, run locally.
-    (tmp_path / "local").mkdir()
     run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
             "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
             timeout=TIMEOUT)

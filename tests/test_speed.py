@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from diffrelay import config
 from diffrelay.runtime import speed
 from diffrelay.sampling import sample
@@ -26,9 +26,9 @@ needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="torch.compile on a CPU needs
 COMPILE_TOL = 1e-4
 
 
-def prepared(write_config, overrides, name):
+def prepared(write_config, overrides, name, cwd=None):
     cfg = write_config(overrides, name=f"{name}.yaml")
-    run_cli("prepare", "--config", cfg)
+    run_cli("prepare", "--config", cfg, cwd=cwd)
     return cfg
 
 
@@ -37,17 +37,21 @@ def cache_files(resources):
 
 
 @needs_cxx
-@pytest.mark.slow  # 80-250 s here: one cold compile of forward and backward
+@pytest.mark.slow  # one cold compile of a small network's forward and backward
 def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(write_config, tmp_path):
-    small = {"model": {"channel_mult": [1]}, "train": {"total_steps": 4, "segment_steps": 2}}
-    eager = prepared(write_config, config_merge(small, {"run": {"name": "eager"}}), "eager")
-    run_cli("train", "--config", eager, "--until-step", 4)
-    comp = prepared(write_config, config_merge(small, {"run": {"name": "comp"}, "train": {"compile": True}}), "comp")
-    run_cli("train", "--config", comp, "--until-step", 2)
+    # A user's two-convolution network (tests/fixtures): what is tested is the compile and its cache, and a
+    # small graph keeps the cold compile short.
+    shutil.copy(REPO / "tests" / "fixtures" / "diffrelay_test_net.py", tmp_path / "my_net.py")
+    small = {"model": {"arch": "my_net:build", "kwargs": {"width": 8}}, "train": {"total_steps": 4, "segment_steps": 2}}
+    eager = prepared(write_config, config_merge(small, {"run": {"name": "eager"}}), "eager", cwd=tmp_path)
+    run_cli("train", "--config", eager, "--until-step", 4, cwd=tmp_path)
+    comp = prepared(write_config, config_merge(small, {"run": {"name": "comp"}, "train": {"compile": True}}), "comp",
+                    cwd=tmp_path)
+    run_cli("train", "--config", comp, "--until-step", 2, cwd=tmp_path)
     resources = tmp_path / "resources"
     after_first = cache_files(resources)
     assert after_first, "segment 1 wrote nothing to <run.resources>/compile-cache"
-    run_cli("train", "--config", comp, "--until-step", 4)
+    run_cli("train", "--config", comp, "--until-step", 4, cwd=tmp_path)
     assert cache_files(resources) == after_first, "segment 2 compiled again instead of reusing the cache"
 
     a = load_state(tmp_path / "results/eager/checkpoints/step_0000004")
@@ -58,15 +62,19 @@ def test_compiled_segments_agree_with_eager_and_the_second_reuses_the_cache(writ
 
 
 @needs_cxx
-@pytest.mark.slow  # 50-180 s here: one cold compile of the sampler's forward
+@pytest.mark.slow  # one cold compile of a small network's forward
 def test_compiled_sampling_compiles_once_for_a_short_last_batch_and_matches_eager(tmp_path, monkeypatch):
-    snap = make_snapshot(tmp_path / "step_0000040.safetensors")
+    shutil.copy(REPO / "tests" / "fixtures" / "diffrelay_test_net.py", tmp_path / "my_net.py")
+    monkeypatch.chdir(tmp_path)  # the user's network module beside the run, as a workflow keeps it
+    mine = {"arch": "my_net:build", "kwargs": {"width": 8}}
+    snap = make_snapshot(tmp_path / "step_0000040.safetensors", model=mine)
+    mine = config.validate({"model": {"class_conditional": True, **mine}})["model"]  # the run config's section
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch._dynamo.reset()
     base = sample.default_settings(num_images=20, steps=2, batch_size=16)  # batches of 16 and 4 (padded)
-    sample.run(snap, tmp_path / "eager", base)
+    sample.run(snap, tmp_path / "eager", base, model_cfg=mine)
     sample.run(snap, tmp_path / "comp", sample.default_settings(**{**vars(base), "compile": True}),
-               resources=tmp_path / "resources")
+               resources=tmp_path / "resources", model_cfg=mine)
     torch._dynamo.reset()
     for name in sorted(p.name for p in (tmp_path / "eager").glob("*.png")):
         x = sample._read_png(tmp_path / "eager" / name).astype(int)
