@@ -284,7 +284,7 @@ def test_scores_table_prints_the_papers_columns_with_counts_and_the_reference(tm
     text = tables.scores_table(pd.DataFrame(rows), "dit")
     assert ("| Snapshot | Guidance | FID-50k ↓ | sFID-50k ↓ | IS-50k ↑ | Precision-50k ↑ | Recall-50k ↑ | "
             "FD_DINOv2-50k ↓ |") in text
-    assert "| step 400 | 1.5 | 2.27 | 4.60 | 278.24 | 0.83 | 0.57 | 52.08 |" in text
+    assert "| step 400 | 1.5 | 2.27 | 4.60 | 278.24 | 0.831 | 0.574 | 52.08 |" in text  # >= 3 significant digits
     assert "FID-50k against VIRTUAL_imagenet256_labeled.npz (ADM evaluator, legacy_tensorflow mode)" in text
 
 

@@ -1,40 +1,65 @@
 """`diffrelay import` and a run that trains nothing: a published checkpoint in, samples and FID out.
 
-The checkpoints here are written by the tests in DiT's own layout (facebookresearch/DiT models.py names,
-restated below, and its fixed pos_embed), as DiT's released DiT-XL-2-256x256.pt is: a plain state dict."""
+The checkpoints here are written by the tests in DiT's own layout, as DiT's released DiT-XL-2-256x256.pt is: a
+plain state dict. Their names, shapes and fixed pos_embed are restated below from facebookresearch/DiT's
+models.py, not taken from diffrelay's DiT, so a wrong key mapping or position table in diffrelay fails here."""
 
 import pickle
 import re
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
 from conftest import REPO, TINY, deep_merge, run_cli
-from diffrelay.nets import dit
 from diffrelay.training import checkpoint
 
-KW = {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2, "out_channels": 6}
+# time_scale 1: DiT's code embeds its time input as it is (import refuses a DiT checkpoint for another scale).
+KW = {"patch": 4, "depth": 2, "hidden_size": 32, "num_heads": 2, "out_channels": 6, "time_scale": 1}
 MODEL = {"arch": "dit", "kwargs": KW, "class_conditional": True}
-# Our names -> DiT's (models.py): the mapping a published checkpoint is written in.
-DIT_NAMES = [("embed.", "x_embedder.proj."), ("noise_emb.mlp.", "t_embedder.mlp."),
-             ("class_emb.", "y_embedder.embedding_table."), ("ada_out.", "final_layer.adaLN_modulation.1."),
-             ("out.", "final_layer.linear."), (".qkv.", ".attn.qkv."), (".proj.", ".attn.proj."),
-             (".mlp.0.", ".mlp.fc1."), (".mlp.2.", ".mlp.fc2."), (".ada.", ".adaLN_modulation.1.")]
+
+
+def dit_shapes(classes=3, in_channels=3, resolution=16, patch=4, depth=2, hidden_size=32, out_channels=6,
+               mlp_ratio=4.0, **_) -> dict:
+    """DiT's models.py state dict, name -> shape: PatchEmbed's conv (x_embedder.proj), TimestepEmbedder's MLP on
+    256 frequencies (t_embedder.mlp.0/.2), LabelEmbedder's table with its null row (class_dropout_prob > 0), the
+    frozen pos_embed parameter, per block timm's Attention (qkv, proj) and Mlp (fc1, fc2) and adaLN_modulation.1,
+    and FinalLayer's linear and adaLN_modulation.1. Its LayerNorms have no weights (elementwise_affine=False).
+    classes 0 (no table) is diffrelay's unconditional network; DiT itself has none."""
+    h, p, f, o = hidden_size, patch, int(hidden_size * mlp_ratio), patch * patch * out_channels
+    shapes = {"pos_embed": (1, (resolution // p) ** 2, h),
+              "x_embedder.proj.weight": (h, in_channels, p, p), "x_embedder.proj.bias": (h,),
+              "t_embedder.mlp.0.weight": (h, 256), "t_embedder.mlp.0.bias": (h,),
+              "t_embedder.mlp.2.weight": (h, h), "t_embedder.mlp.2.bias": (h,)}
+    if classes:
+        shapes["y_embedder.embedding_table.weight"] = (classes + 1, h)
+    for i in range(depth):
+        shapes |= {f"blocks.{i}.{k}": s for k, s in {
+            "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,), "attn.proj.weight": (h, h),
+            "attn.proj.bias": (h,), "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,), "mlp.fc2.weight": (h, f),
+            "mlp.fc2.bias": (h,), "adaLN_modulation.1.weight": (6 * h, h), "adaLN_modulation.1.bias": (6 * h,)}.items()}
+    return shapes | {"final_layer.linear.weight": (o, h), "final_layer.linear.bias": (o,),
+                     "final_layer.adaLN_modulation.1.weight": (2 * h, h), "final_layer.adaLN_modulation.1.bias": (2 * h,)}
+
+
+def dit_pos_embed(hidden: int, grid: int) -> torch.Tensor:
+    """DiT's get_2d_sincos_pos_embed, tokens row by row: its meshgrid puts the width first, so the first half of
+    the features encodes the token's column and the second its row, each sin then cos of pos x 10000^(-j/(D/4));
+    float64 numpy, stored as float32."""
+    quarter = hidden // 4
+    omega = 1.0 / 10000 ** (np.arange(quarter, dtype=np.float64) / quarter)
+    row, col = np.divmod(np.arange(grid * grid), grid)
+    a, b = col[:, None] * omega, row[:, None] * omega
+    return torch.from_numpy(np.concatenate([np.sin(a), np.cos(a), np.sin(b), np.cos(b)], axis=1)).float()[None]
 
 
 def official_state(classes=3, seed=0, **kwargs) -> dict:
     """A tiny DiT's weights under DiT's names, every tensor random (so a wrong mapping shows)."""
     torch.manual_seed(seed)
-    net = dit.DiT(16, 3, classes, **(KW | kwargs))
-    out = {}
-    for key, value in net.state_dict().items():
-        for ours, theirs in DIT_NAMES:
-            if key.startswith(ours) or (ours.startswith(".") and ours in key):
-                key = key.replace(ours, theirs, 1)
-                break
-        out[key] = torch.randn_like(value)
-    out["pos_embed"] = net.pos.clone()
+    kw = KW | kwargs
+    out = {k: torch.randn(s) for k, s in dit_shapes(classes, **kw).items()}
+    out["pos_embed"] = dit_pos_embed(kw["hidden_size"], 16 // kw["patch"])
     return out
 
 
@@ -136,16 +161,8 @@ def test_an_unconditional_checkpoint_imports(setup, tmp_path):
 
 
 def test_a_latent_checkpoint_is_named_as_one(setup, tmp_path):
-    torch.manual_seed(0)
-    latent = dit.DiT(16, 4, 3, **(KW | {"out_channels": 8}))
-    state = {}
-    for key, value in latent.state_dict().items():  # the same names, 4-channel shapes
-        for ours, theirs in DIT_NAMES:
-            if key.startswith(ours) or (ours.startswith(".") and ours in key):
-                key = key.replace(ours, theirs, 1)
-                break
-        state[key] = value
-    line = bad(setup, tmp_path, state=state)
+    state = {k: torch.zeros(s) for k, s in dit_shapes(in_channels=4, **(KW | {"out_channels": 8})).items()}
+    line = bad(setup, tmp_path, state=state)  # the same names, 4-channel shapes
     assert "a latent model (4 input channels" in line
 
 

@@ -65,7 +65,8 @@ def test_validate_prints_the_papers_parameter_count(name, tmp_path):
         side, adm = d["data"]["resolution"], set(d["fid"]["metrics"] or ["fid"]) - {"fid", "fd_dinov2"}
         arrays = {"mu": np.zeros(2048, np.float32), "sigma": np.eye(2048, dtype=np.float32)}
         if adm:  # an ADM batch: the pictures and the spatial statistics too
-            arrays |= {"arr_0": np.zeros((2, side, side, 3), np.uint8), "mu_s": np.zeros(2023, np.float32),
+            # 4 images: precision/recall need more than their k = 3 neighbours, and validate counts them.
+            arrays |= {"arr_0": np.zeros((4, side, side, 3), np.uint8), "mu_s": np.zeros(2023, np.float32),
                        "sigma_s": np.eye(2023, dtype=np.float32)}
         np.savez(ref, **arrays)
     p = run_cli("validate", "--config", REPO / "config" / "config.yaml", "--config", EXAMPLES / f"{name}.yaml",

@@ -89,18 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
     _config(p, required=False)
     p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors)")
     p.add_argument("--out", required=True, help="output folder for PNGs, grid.png and manifest.json")
-    p.add_argument("--num-images", type=int)
-    p.add_argument("--first-seed", type=int)
-    p.add_argument("--steps", type=int)
+    p.add_argument("--num-images", type=int, help="how many images (sample.num_images)")
+    p.add_argument("--first-seed", type=int, help="image i gets seed first-seed + i (sample.first_seed)")
+    p.add_argument("--steps", type=int, help="sampler steps; heun makes 2 x steps - 1 network evaluations "
+                   "(sample.steps)")
     p.add_argument("--solver", choices=["heun", "euler", "sde", "ddpm", "ddim"],
                    help="sde: model.objective flow only; ddpm, ddim: model.objective ddpm only")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--weights", choices=["ema", "raw"])
+    p.add_argument("--batch-size", type=int, help="images per forward pass per process; the pixels do not "
+                   "depend on it (sample.batch_size)")
+    p.add_argument("--weights", choices=["ema", "raw"], help="the EMA of the weights or the weights as trained "
+                   "(sample.weights)")
     p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs (sample.ema_decay); default the first")
     p.add_argument("--class-labels", help="balanced or a class index")
-    p.add_argument("--precision", choices=["fp32", "bf16"])
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast the network's forward "
+                   "(sample.precision)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, help="sample.tf32: TF32 matmuls on CUDA")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, help="CPU threads of this process (sample.threads)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.add_argument("--prompts", metavar="FILE", help="a text run's prompt file (sample.prompts): one prompt a line, or "
                    "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images")
@@ -154,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fid-ref", help="reference statistics of a dataset (cached by fingerprint)")
     p.add_argument("--dataset", required=True, help="dataset folder made by `diffrelay prepare`")
     p.add_argument("--extractor", required=True, help="TorchScript extractor file")
-    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
+    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"],
+                   help="clean-fid's resize: clean (PIL) or legacy_tensorflow (ADM's, TF's) (fid.mode) [default: clean]")
     p.add_argument("--num", type=int, default=0, help="images to use; 0 = all")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64, help="images per extractor pass (fid.batch_size) [64]")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (fid.threads) [1]")
     p.add_argument("--cache-dir", help="reuse statistics cached here by (fingerprint, extractor, mode, device, count)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")
     p.add_argument("--out", required=True, help="statistics file (.npz)")
@@ -170,9 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", required=True, action="append",
                    help="reference statistics made with the --extractor before it (`diffrelay fid-ref`, or a .npz "
                    "with mu and sigma)")
-    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--mode", default="clean", choices=["clean", "legacy_tensorflow"],
+                   help="clean-fid's resize: clean (PIL) or legacy_tensorflow (ADM's, TF's) (fid.mode) [default: clean]")
+    p.add_argument("--batch-size", type=int, default=64, help="images per extractor pass (fid.batch_size) [64]")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (fid.threads) [1]")
     p.add_argument("--timeout-minutes", type=_minutes, default=60, help="kill the scoring child after this long")
     p.add_argument("--in-process", action="store_true", help="compute here instead of in a fresh subprocess")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="run.device [default: auto]")

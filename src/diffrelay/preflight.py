@@ -105,21 +105,28 @@ def check_inputs(cfg, source: str) -> None:
                                       "give an .npz with mu and sigma, or null to use the dataset's statistics")
             except UserError as e:
                 raise UserError(f"{source}: fid.reference={e}") from e
-            if fid.get("metrics"):  # an ADM batch's headers against the metrics asked for, before any job
-                from diffrelay.evaluation import scores
+            # The file as its scoring job will read it (headers, declared sizes, the metrics asked for), before any
+            # job: an ADM batch against fid.metrics, a file made elsewhere as its mu and sigma.
+            from diffrelay.evaluation import metrics as stats
+            from diffrelay.evaluation import scores
 
-                from diffrelay.evaluation.fid import is_statistics_file
+            from diffrelay.evaluation.fid import is_statistics_file
 
-                wanted, side = set(fid["metrics"]), cfg.data.resolution
-                try:
-                    if scores.is_adm(ref):
-                        scores.check_adm_file(ref, wanted, (side, side), f"data.resolution={side} images")
-                    elif wanted & scores.NEED_REFERENCE_FEATURES and not is_statistics_file(ref):
-                        raise UserError(f"{ref}: holds mu and sigma only, so no "
-                                        f"{', '.join(sorted(wanted & scores.NEED_REFERENCE_FEATURES))}; use an ADM "
-                                        "batch with arr_0 or the dataset's own statistics, or drop them from fid.metrics")
-                except UserError as e:
-                    raise UserError(f"{source}: fid.reference: {e}") from e
+            wanted, side = set(fid.get("metrics") or ()), cfg.data.resolution
+            try:
+                if scores.is_adm(ref) and name in protocol.BUILTIN and name != "inception":
+                    raise UserError(f"{ref}: an ADM reference batch holds Inception statistics, and the extractor "
+                                    f"is {name}; give it only for inception (fid.reference: {{inception: ...}})")
+                if wanted and scores.is_adm(ref):
+                    scores.check_adm_file(ref, wanted, (side, side), f"data.resolution={side} images")
+                elif wanted & scores.NEED_REFERENCE_FEATURES and not is_statistics_file(ref):
+                    raise UserError(f"{ref}: holds mu and sigma only, so no "
+                                    f"{', '.join(sorted(wanted & scores.NEED_REFERENCE_FEATURES))}; use an ADM "
+                                    "batch with arr_0 or the dataset's own statistics, or drop them from fid.metrics")
+                elif not is_statistics_file(ref):
+                    stats.load_foreign_ref(ref)
+            except UserError as e:
+                raise UserError(f"{source}: fid.reference: {e}") from e
     classes = num_classes(cfg)
     if cfg.model.class_conditional and not classes:
         raise UserError(f"{source}: model.class_conditional=true: the dataset has no classes (images must sit in "

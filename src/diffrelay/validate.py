@@ -8,6 +8,7 @@ import sys
 import yaml
 
 from diffrelay import config, preflight
+from diffrelay.training import settings
 from diffrelay.errors import UserError
 
 
@@ -123,4 +124,6 @@ def main(args) -> int:
     line = text_line(cfg)
     if line:
         print(line)
+    for note in settings.paper_notes(cfg.to_dict()):  # YAML comments, so stdout stays a valid config
+        print(f"# note: {note}")
     return 0

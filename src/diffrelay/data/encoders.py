@@ -16,7 +16,9 @@ Your own encoder (data.encoder: "package.module:Name"):
 
 The SD-VAE's two conventions (data.latent_norm), as their papers' code has them:
   dit    pixels in [-1, 1], latents x 0.18215 (DiT's and SiT's train.py; REPA's sd-vae-ft-ema path): the
-         scaling_factor Stable Diffusion chose for unit variance of its latents.
+         scaling_factor Stable Diffusion chose for unit variance of its latents. A save_pretrained folder's
+         config.json has its own (SDXL's VAE 0.13025; SD3's 1.5305 with shift_factor 0.0609): the latents are
+         then (z - shift_factor) x scaling_factor, as diffusers' pipelines scale them (scaling()).
   edm2   pixels in [0, 1], latents x 0.5 / raw_std - raw_mean x that, per channel: standard deviation 0.5,
          EDM's sigma_data (edm2 training/encoders.py StabilityVAEEncoder).
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from diffrelay import io
+from diffrelay import io, logs
 from diffrelay.errors import UserError
 
 SD_VAE = {"sd-vae": "sd-vae-ft-mse", "sd-vae-ft-mse": "sd-vae-ft-mse", "sd-vae-ft-ema": "sd-vae-ft-ema"}
@@ -151,14 +153,43 @@ class Norm:
     bias: tuple
 
 
-def norm(name: str, channels: int = SD_CHANNELS) -> Norm:
+def norm(name: str, channels: int = SD_CHANNELS, scaling: tuple = (DIT_SCALE, None)) -> Norm:
+    """`scaling`: the VAE's (scaling_factor, shift_factor or None), which dit uses and edm2 does not."""
     import numpy as np
 
     if name == "edm2":  # float32 arithmetic as edm2 does it, so the constants are its bits
         scale = np.float32(EDM2_FINAL_STD) / np.asarray(EDM2_RAW_STD, dtype=np.float32)
         bias = np.float32(0) - np.asarray(EDM2_RAW_MEAN, dtype=np.float32) * scale
         return Norm("edm2", 255.0, 0.0, tuple(map(float, scale)), tuple(map(float, bias)))
-    return Norm("dit", 127.5, 1.0, (DIT_SCALE,) * channels, (0.0,) * channels)
+    factor, shift = float(scaling[0]), float(scaling[1] or 0.0)
+    return Norm("dit", 127.5, 1.0, (factor,) * channels, (0.0 - shift * factor,) * channels)
+
+
+def scaling(path) -> tuple:
+    """(scaling_factor, shift_factor or None) of the AutoencoderKL at `path`, as diffusers reads them: a
+    save_pretrained folder's config.json (load_config), with AutoencoderKL's defaults for what it leaves out; a
+    bare .safetensors file is the SD-VAE (0.18215, no shift)."""
+    import inspect
+    import math
+
+    cfg = Path(path) / "config.json" if path is not None else None
+    if cfg is None or not cfg.is_file():
+        return DIT_SCALE, None
+    from diffusers import AutoencoderKL
+
+    try:
+        c = AutoencoderKL.load_config(str(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cfg}: diffusers cannot read it ({e}); {FIX}") from e
+    params = inspect.signature(AutoencoderKL.__init__).parameters
+    got = {k: c.get(k, params[k].default if k in params else None) for k in ("scaling_factor", "shift_factor")}
+    for key, v in got.items():
+        if (v is not None or key == "scaling_factor") and not (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                key == "shift_factor" or v > 0)):
+            raise UserError(f"{cfg}: {key}={v!r}; give a finite number{' > 0' * (key == 'scaling_factor')} (or "
+                            "leave it out for diffusers' default)")
+    return float(got["scaling_factor"]), None if got["shift_factor"] is None else float(got["shift_factor"])
 
 
 class StabilityVAE:
@@ -170,7 +201,7 @@ class StabilityVAE:
         self.vae = vae
         self.channels = vae.config.latent_channels
         self.factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.norm = norm(latent_norm, self.channels)
+        self.norm = norm(latent_norm, self.channels, (vae.config.scaling_factor, vae.config.get("shift_factor")))
         self.scale, self.bias = list(self.norm.scale), list(self.norm.bias)
 
     def encode(self, images):
@@ -211,6 +242,11 @@ def check_state(vae, state: dict, weights: Path) -> dict:
                 f"{len(extra)} unexpected keys (e.g. {extra[0]})" if extra else
                 f"{wrong[0]} is {list(got[wrong[0]])}, the VAE has {list(want[wrong[0]])}")
         raise UserError(f"{weights}: not the weights of this AutoencoderKL ({what}); {FIX}")
+    import torch
+
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:  # every latent would be NaN: one line now, not a dataset of NaN rows
+        raise UserError(f"{weights}: {bad} holds NaN or inf; the weights are damaged: fetch or copy them again")
     return state
 
 
@@ -269,7 +305,14 @@ def resolve(data, resources, fetch_missing: bool = True) -> dict | None:
         if channels != SD_CHANNELS and data.latent_norm == "edm2":
             raise UserError(f"data.latent_norm=edm2: edm2's constants are for the SD-VAE's 4 channels, and "
                             f"{path} has {channels}; use latent_norm dit")
-        n = norm(data.latent_norm, channels)  # the record needs no weights: geometry and scaling only
+        vae_scale, shift = scaling(path)  # the record needs no weights: geometry and scaling only
+        if (vae_scale, shift) != (DIT_SCALE, None):  # not the SD-VAE's: say which scaling applies, and why
+            own = f"{path}'s config.json sets scaling_factor {vae_scale:g}" + (f", shift_factor {shift:g}" if shift
+                                                                             is not None else "")
+            logs.get().info(f"data.encoder_path: {own}; the latents are (z - shift) x scale as diffusers scales "
+                            "them" if data.latent_norm == "dit" else f"data.latent_norm=edm2: {own}, which edm2's "
+                            "per-channel constants (measured on the SD-VAE) replace; use latent_norm dit for them")
+        n = norm(data.latent_norm, channels, (vae_scale, shift))
         enc = SimpleNamespace(channels=channels, factor=factor, scale=n.scale, bias=n.bias)
     else:
         if path is not None and not path.exists():
@@ -305,9 +348,10 @@ def _padded(x, rows: int):
     return torch.cat([x, x[:1].expand(rows - len(x), *x.shape[1:])]) if len(x) < rows else x
 
 
-def encode(enc, images, spec: str):
+def encode(enc, images, spec: str, names=None):
     """(mean, std) float32 (N, C, h, w) of uint8 (N, 3, H, W) `images`, ROWS at a time (the last padded), so a
-    row's bytes do not depend on how many there are; your encoder's output is checked first."""
+    row's bytes do not depend on how many there are; your encoder's output is checked first, and every call's
+    for NaN or inf (one host sync a call), naming the images (`names`: one per row) and the encoder."""
     import torch
 
     n, _, height, width = images.shape
@@ -326,9 +370,28 @@ def encode(enc, images, spec: str):
                        for t in (out if isinstance(out, tuple) else (out,))]
                 raise UserError(f"data.encoder={spec}: encode() of {ROWS} images returned {got}; it must return "
                                 f"(mean, std), two float32 tensors of shape {(ROWS, *want)}")
-            means.append(out[0][:len(chunk)].to(device))
-            stds.append(out[1][:len(chunk)].to(device))
+            mean, std = out[0][:len(chunk)], out[1][:len(chunk)]
+            if not bool(torch.isfinite(mean).all() & torch.isfinite(std).all()):
+                _non_finite(enc, spec, mean, std, [names[i] if names else f"row {i}"
+                                                   for i in range(start, start + len(chunk))])
+            means.append(mean.to(device))
+            stds.append(std.to(device))
     return torch.cat(means), torch.cat(stds)
+
+
+def _non_finite(enc, spec: str, mean, std, names: list) -> None:
+    """One line naming the images whose latents hold NaN or inf, and the encoder (a VAE's weights, or your code):
+    stored, they would make every training step non-finite."""
+    import torch
+
+    bad = [n for n, ok in zip(names, (torch.isfinite(mean) & torch.isfinite(std)).flatten(1).all(1).tolist())
+           if not ok]
+    what = f"{len(bad)} of these {len(names)} images ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    if isinstance(enc, StabilityVAE):
+        raise UserError(f"data.encoder={spec}: the VAE's latents of {what} hold NaN or inf; check data.encoder_path's "
+                        "weights (any NaN or inf in them?), or fetch them again")
+    raise UserError(f"data.encoder={spec}: encode() returned NaN or inf for {what}; fix the encoder (docs/data.md, "
+                    "latents): latents must be finite")
 
 
 def decode(enc, latents, spec: str, image_shape):

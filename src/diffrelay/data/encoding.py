@@ -5,6 +5,8 @@ resolution alone; rank r of w encodes chunks r, r + w, r + 2w, ... Each chunk is
 calls whatever the process count, and written as one file in the work folder beside the dataset
 (.<dataset>.encoding/chunk_000012.safetensors, renamed into place when whole): the bytes do not depend on the
 process count, a killed prepare keeps every finished chunk, and the next one encodes only the missing ones.
+Each chunk's header holds a sha256 of its data, its index and the plan's fingerprint (chunk_digest): a resumed
+prepare reads every chunk it would keep and encodes again, saying so in one line, one that fails it.
 When every rank is done, rank 0 joins the chunks into the dataset folder (atomically) and deletes the work
 folder, which only prepare writes.
 
@@ -14,6 +16,7 @@ resumed rank with little left waits for the others; a rank that dies makes torch
 """
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -91,26 +94,45 @@ def _shapes(p, rows: int) -> dict:
     return want
 
 
-def check_chunk(work: Path, p, index: int) -> np.ndarray | None:
-    """A finished chunk's kept-image mask, read with its header only; None when the chunk is missing or not what
-    this plan makes (then it is encoded again)."""
+def chunk_digest(p, index: int, arrays: dict) -> str:
+    """sha256 of a chunk's arrays (names, dtypes, shapes, bytes), its index and the plan's fingerprint: a flipped
+    byte, a NaN written into a row or one chunk copied over another all fail it."""
+    h = hashlib.sha256(f"{p.fingerprint}:{index};".encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def check_chunk(work: Path, p, index: int, verify: bool = False) -> np.ndarray | None:
+    """A finished chunk's kept-image mask, read with its header only (and with verify=True its data, against the
+    sha256 written in its header); None when the chunk is missing or not what this plan makes (then it is encoded
+    again, with one line when it was there)."""
     from safetensors import SafetensorError, safe_open
+    from safetensors.numpy import load_file
 
     path, rows = chunk_path(work, index), len(chunk_span(p, index))
     if not path.is_file():
         return None
-    want = _shapes(p, rows)
+    want, problem = _shapes(p, rows), "its arrays are not the ones this plan makes"
     try:
         with safe_open(path, framework="np") as f:
             if set(f.keys()) != set(want):
-                return None
-            kept = f.get_tensor("kept")
+                raise ValueError(problem)
+            kept, digest = f.get_tensor("kept"), (f.metadata() or {}).get("sha256")
             n = int(kept.sum()) if kept.shape == (rows,) else -1
             for name, (shape, dtype) in want.items():
                 s = f.get_slice(name)
                 if s.get_dtype() != dtype or tuple(s.get_shape()) != tuple(n if d is None else d for d in shape):
-                    return None
+                    raise ValueError(problem)
+        if verify and digest != chunk_digest(p, index, load_file(path)):
+            problem = ("it has no sha256 of its data (an older diffrelay wrote it)" if digest is None else
+                       "its data fail the sha256 written with it (changed since, or copied from another chunk)")
+            raise ValueError(problem)
     except (OSError, SafetensorError, ValueError):
+        if verify:
+            logs.get().warning(f"prepare: {path}: {problem}; encoding it again")
         return None
     return kept.astype(bool)
 
@@ -129,7 +151,7 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
     total, rows = p.total, chunk_rows(p.resolution)
     want = _shapes(p, rows)  # (only the trailing dimensions are read from it)
     mine = range(rank, math.ceil(total / rows), world)
-    todo = [c for c in mine if check_chunk(work, p, c) is None]
+    todo = [c for c in mine if check_chunk(work, p, c, verify=True) is None]
     if len(todo) < len(mine):
         logs.get().info(f"prepare: rank {rank} of {world} resumes: {len(mine) - len(todo)} of its {len(mine)} "
                         f"chunks are already encoded in {work}")
@@ -150,19 +172,28 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
                 arrays[name] = np.zeros((0, *want[name][0][1:]), np.float32)  # a chunk of skipped files
             if images:
                 x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).to(device)
+                names = [image_name(p, i) for i, (img, _) in zip(span, got) if img is not None]
                 for name, view in zip(("latents", "latents_xflip"), (x, x.flip(3)) if p.xflip else (x,)):
-                    mean, std = encoders.encode(enc, view.contiguous(), p.latent["encoder"])
+                    mean, std = encoders.encode(enc, view.contiguous(), p.latent["encoder"], names)
                     arrays[name] = torch.cat([mean, std], 1).cpu().numpy()
             # C order: the encoder's output keeps the channels-last strides of the permuted images, and safetensors
             # writes an array's memory as it lies.
-            io.write_bytes(chunk_path(work, c), save({k: np.ascontiguousarray(v) for k, v in arrays.items()}))
+            arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+            io.write_bytes(chunk_path(work, c), save(arrays, metadata={"sha256": chunk_digest(p, c, arrays)}))
             progress.update(progress.done + len(span))
     logs.get().info(progress.line(final=True))
+
+
+def image_name(p, index: int) -> str:
+    """Source image `index` as a user finds it: a folder's file, else its index in the source."""
+    return str(p.root / p.files[index][0]) if p.kind == "folder" and p.root is not None else \
+        f"image {index} of {p.source}"
 
 
 def join(p, work: Path, out: Path) -> tuple[list, list, list]:
     """Write the dataset's arrays into `out` from the chunks in order, one chunk in memory at a time;
     (labels, relative paths, skipped relative paths) of the images kept."""
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
     total, rows = p.total, chunk_rows(p.resolution)
@@ -181,8 +212,13 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
                                             dtype={"U8": np.uint8, "F32": np.float32}[want[name][1]])
             for name, file in names.items() if name in want}
     labels, done = [], 0
-    for path in paths:
+    for c, path in enumerate(paths):
         arrays = load_file(path)
+        with safe_open(path, framework="np") as f:
+            digest = (f.metadata() or {}).get("sha256")
+        if digest != chunk_digest(p, c, arrays):  # checked when resumed: changed while the ranks encoded
+            raise UserError(f"{path}: its data fail the sha256 written with it (changed after it was encoded); "
+                            "rerun prepare: it encodes that chunk again")
         n = len(arrays["labels"])
         for name, array in outs.items():
             array[done:done + n] = arrays[name]

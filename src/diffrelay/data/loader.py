@@ -14,7 +14,6 @@ and a thread cannot outlive its process, so no worker is ever left behind.
 """
 
 import dataclasses
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from diffrelay.data import augment, edm_augment
 from diffrelay.objectives import edm
 from diffrelay.errors import UserError
 from diffrelay.data.order import DataOrder, noise_seed
+from diffrelay.runtime import mapped
 
 # Bumped whenever the same checkpoint would go on to different noise: 1 = one generator per sample,
 # 2 = one generator per step drawing the whole global batch (this module).
@@ -57,20 +57,8 @@ def check_draws(path, meta: dict) -> None:
 
 
 def check_intact(array) -> None:
-    """A memory-mapped array's file must still hold all of it. Reading a page past the end of a file that was
-    truncated under the mapping is a SIGBUS: the process dies with "Bus error" and no word of which file."""
-    name = getattr(array, "filename", None)
-    if name is None:
-        return
-    want = array.offset + array.nbytes
-    try:
-        size = os.stat(name).st_size
-    except OSError as e:
-        raise UserError(f"{name}: gone while training ran ({e.strerror}); rebuild the dataset "
-                        "(diffrelay prepare) and rerun") from e
-    if size < want:
-        raise UserError(f"{name}: {size} bytes, {want} expected: the file was truncated or replaced while training "
-                        "ran; rebuild the dataset (diffrelay prepare) and rerun")
+    """A memory-mapped array's file must still hold all of it (runtime/mapped.py: else a SIGBUS, no file named)."""
+    mapped.check_intact(array, "training ran", "rebuild the dataset (diffrelay prepare) and rerun")
 
 
 def read_rows(data, idx: np.ndarray, pin: bool = False, flip: np.ndarray | None = None) -> tuple[torch.Tensor,

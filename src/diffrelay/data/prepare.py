@@ -21,7 +21,7 @@ from pathlib import Path
 from diffrelay import config, io, logs, preflight
 from diffrelay.data import datasets, encoders, encoding
 from diffrelay.errors import UserError
-from diffrelay.runtime import distributed, parallel
+from diffrelay.runtime import claims, distributed, parallel
 from diffrelay.text import cache
 from diffrelay.text import encoders as text_encoders
 
@@ -123,13 +123,16 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
                                            else None), cfg.data)
             if is_current(out, plan):
                 log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
-                encoding.remove_work(work)  # a kill after the dataset was renamed into place left them
-                cache.remove_work(text_work)
+                for w, remove in ((work, encoding.remove_work), (text_work, cache.remove_work)):
+                    if claims.claim(w, shared=False):  # a kill after the dataset was renamed into place left it;
+                        remove(w)  # one that another prepare holds is that one's work
                 verdict = CURRENT
             else:
                 if latent:
+                    claim_work(work, out)
                     encoding.write_plan(work, plan, device.type)
                 if plan.text:
+                    claim_work(text_work, out)
                     cache.write_plan(text_work, plan.texts, plan.text, cfg.data.text_dtype)
         except UserError as e:
             verdict, error = FAILED, e
@@ -177,8 +180,23 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
             cache.join(text_work, tmp, *text[:2], text[2], device)
     encoding.remove_work(work)
     cache.remove_work(text_work)
+    claims.release(work)
+    claims.release(text_work)
     done(cfg, out, plan, info, t0)
     return 0
+
+
+def claim_work(work: Path, out: Path) -> None:
+    """Hold prepare's work folder until this process ends (runtime/claims.py): a second prepare into the same
+    --out would otherwise delete this one's chunks (write_plan keeps only its own plan's) or overwrite its plan,
+    and its end would delete them all (remove_work)."""
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # write_plan says why, in one line
+    if not claims.claim(work, shared=False):
+        raise UserError(f"{out}: another `diffrelay prepare` is making it (it holds {work}); wait for it to "
+                        "finish, or give another --out")
 
 
 def encoded_on(device, processes: int) -> dict:

@@ -293,19 +293,6 @@ def precision_recall(real, fake, k: int = 3, row_batch_size: int = 10000, col_ba
 
 # ---------------------------------------------------------------------------- reference batches
 
-def _array_header(path: Path, key: str):
-    """(shape, dtype) of one array in an .npz from its .npy header alone: no data read, nothing unpickled."""
-    with zipfile.ZipFile(path) as z, z.open(f"{key}.npy") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            return None
-    return shape, dtype
-
-
 def _check_images(path: Path, shape, dtype) -> None:
     if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
         raise UserError(f"{path}: arr_0 is {dtype} of shape {tuple(shape)}; an ADM reference batch holds uint8 images "
@@ -315,36 +302,28 @@ def _check_images(path: Path, shape, dtype) -> None:
 def read_reference(path, images: bool = False) -> dict:
     """The arrays of an ADM reference batch `.npz` that are present, checked: mu (D,) / sigma (D, D) (pool_3,
     D = 2048), mu_s / sigma_s (spatial, 2023), and arr_0 (uint8 N x H x W x 3 images; loaded only with
-    images=True, always checked from its header). Never unpickles. "images_shape" holds arr_0's shape (or None)."""
+    images=True, always checked from its header). Every member's header is checked before any array is loaded
+    (npz.headers); never unpickles. "images_shape" holds arr_0's shape (or None), "members" the headers."""
+    from diffrelay.evaluation import metrics, npz
+
     path = Path(path)
     fix = "give an ADM reference batch .npz (e.g. VIRTUAL_imagenet256_labeled.npz)"
     if not path.is_file():
         raise UserError(f"{path}: ADM reference batch not found; check the path or {fix}")
-    out = {}
+    members = npz.headers(path, fix)
+    if "arr_0" in members:
+        _check_images(path, members["arr_0"].shape, members["arr_0"].dtype)
+    keys = [k for k in STAT_KEYS if k in members] + (["arr_0"] if images and "arr_0" in members else [])
+    npz.check_memory(path, "/".join(keys), sum(members[k].nbytes for k in keys),
+                     "give it to a job with more memory" + (" or store arr_0 uncompressed (np.savez: it is then "
+                                                            "memory-mapped)" if "arr_0" in keys else ""))
+    out = {"images_shape": members["arr_0"].shape if "arr_0" in members else None, "members": members}
     try:
-        if not zipfile.is_zipfile(path):  # np.load would also take a bare .npy and hand back one array
-            raise zipfile.BadZipFile("not a zip archive")
         with np.load(path, allow_pickle=False) as z:
-            keys = set(z.files)
-            if "arr_0" in keys:
-                header = _array_header(path, "arr_0")
-                if header is not None and header[1].hasobject:
-                    raise UserError(f"{path}: arr_0 holds pickled Python objects, which diffrelay never loads; {fix}")
-                if header is None or images:
-                    out["arr_0"] = z["arr_0"]
-                    header = (out["arr_0"].shape, out["arr_0"].dtype)
-                _check_images(path, *header)
-                out["images_shape"] = tuple(header[0])
-            for key in STAT_KEYS:
-                if key in keys:
-                    try:
-                        out[key] = z[key]
-                    except ValueError as e:  # numpy's refusal of an object array when allow_pickle=False
-                        raise UserError(f"{path}: {key} holds pickled Python objects, which diffrelay never "
-                                        f"loads; {fix}") from e
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+            for key in keys:
+                out[key] = z[key]
+    except (OSError, ValueError, EOFError, KeyError, MemoryError, zipfile.BadZipFile) as e:
         raise UserError(f"{path}: not a readable .npz ({type(e).__name__}: {e}); {fix}") from e
-    out.setdefault("images_shape", None)
     for mu, sigma in (("mu", "sigma"), ("mu_s", "sigma_s")):
         if (mu in out) != (sigma in out):
             raise UserError(f"{path}: {mu if mu in out else sigma} without {sigma if mu in out else mu}; {fix}")
@@ -355,10 +334,10 @@ def read_reference(path, images: bool = False) -> dict:
             if m.ndim != 1 or s.shape != (len(m), len(m)):
                 raise UserError(f"{path}: {mu} of shape {m.shape} and {sigma} of shape {s.shape}; expected (D,) "
                                 "and (D, D)")
-            if not (np.isfinite(m).all() and np.isfinite(s).all()):
-                raise UserError(f"{path}: {mu} or {sigma} holds NaN or inf; {fix}")
+            # The check of a plain statistics file too: finite, sigma symmetric and positive semi-definite.
+            metrics.check_statistics(m, s, path, fix, (mu, sigma))
     if out["images_shape"] is None and "mu" not in out:
-        raise UserError(f"{path}: neither arr_0 nor mu/sigma (found {', '.join(sorted(keys)) or 'nothing'}); {fix}")
+        raise UserError(f"{path}: neither arr_0 nor mu/sigma (found {', '.join(sorted(members)) or 'nothing'}); {fix}")
     return out
 
 
@@ -384,7 +363,11 @@ def images(path) -> np.ndarray:
                         raise UserError(f"{path}: arr_0's header declares {tuple(shape)} ({want} bytes) but the "
                                         f"archive holds {max(held, 0)} bytes of it; the file is damaged: copy or "
                                         "download the reference batch again")
-                    return np.memmap(path, np.uint8, "r", offset=offset, shape=shape)
+                    try:
+                        return np.memmap(path, np.uint8, "r", offset=offset, shape=shape)
+                    except (OSError, MemoryError) as e:  # ulimit -v counts a mapping's address space too
+                        raise UserError(f"{path}: arr_0 ({tuple(shape)}) cannot be memory-mapped ({e}); give the "
+                                        "job more (virtual) memory or score against fewer reference images") from e
     return read_reference(path, images=True)["arr_0"]
 
 

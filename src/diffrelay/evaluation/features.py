@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrelay.runtime import parallel
+from diffrelay.runtime import mapped, parallel
 from diffrelay.errors import UserError
 
 # clean-fid's image extensions; only numbered files (000000.png) count, so a sample folder's grid.png is skipped.
@@ -88,8 +88,15 @@ def file_images(files, views) -> Images:
 
 
 def array_images(images, index, views) -> Images:
-    """Rows `index` of an (N, H, W, 3) uint8 array (a memory-mapped images.npy)."""
-    return Images(lambda i: np.array(images[index[i]]), len(index), views)
+    """Rows `index` of an (N, H, W, 3) uint8 array (a memory-mapped images.npy, or an ADM batch's arr_0)."""
+
+    def row(i):
+        # One fstat a row (about a microsecond): a file truncated under the mapping is one line, not a SIGBUS.
+        mapped.check_intact(images, "its images were read",
+                            "make it again (`diffrelay prepare` for a dataset) or copy it again, and rerun")
+        return np.array(images[index[i]])
+
+    return Images(row, len(index), views)
 
 
 def features(items: Images, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:

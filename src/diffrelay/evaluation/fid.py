@@ -292,6 +292,8 @@ def score_all(images, pairs, mode="clean", batch_size=64, workers=1, device="aut
     for ext_path, ref_path, ref, sha in checked:
         # Heads for the first Inception only: sFID and IS are one metric each, not one per file.
         ext = extractor.load(ext_path, mode, device, sha256=sha, heads=heads and not any(e.heads for e in exts))
+        if scores.is_adm(ref_path):  # with fid.metrics or without: its mu/sigma are Inception's
+            scores.check_adm_extractor(ext, ref_path)
         if ref["settings"].get("foreign") and not ref["settings"].get("adm"):  # checked before the costly pass
             more.load_foreign_ref(ref_path, want_dim=extractor.check(ext))
         if wanted is not None:
@@ -328,7 +330,11 @@ def _distances_record(images, ext, label, feats, ref, ref_path) -> dict:
     fd, kid = distances(feats, ref)
     extra = {}
     if ref["features"] is None:
-        extra["note"] = f"{Path(ref_path).name} holds mu and sigma only: no KID, precision or recall"
+        from diffrelay.evaluation import scores
+
+        extra["note"] = (f"{Path(ref_path).name}: an ADM batch scored by its mu and sigma only (fid.metrics is unset): "
+                         "no KID, precision or recall; set fid.metrics to use its other arrays" if scores.is_adm(ref_path) else
+                         f"{Path(ref_path).name} holds mu and sigma only: no KID, precision or recall")
     elif min(len(feats), len(ref["features"])) > metrics.PR_NEIGHBOURS:
         extra["precision"], extra["recall"] = metrics.precision_recall(ref["features"], feats)
     return {"metric": metrics.metric_name(label, len(feats)), "fid": fd, "kid": kid, **extra,

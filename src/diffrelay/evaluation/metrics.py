@@ -71,39 +71,45 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS)
 # Reference statistics made elsewhere
 
 
-def check_statistics(mu: np.ndarray, sigma: np.ndarray, path, fix: str) -> None:
+def check_statistics(mu: np.ndarray, sigma: np.ndarray, path, fix: str, names=("mu", "sigma")) -> None:
     """mu and sigma must be finite and sigma a covariance (symmetric, positive semi-definite): otherwise FID is
-    NaN with exit 0, or scipy's sqrtm fails with a traceback, after the costly feature pass."""
+    NaN with exit 0, or scipy's sqrtm fails with a traceback, after the costly feature pass. The one check of
+    every statistics file: ours, another tool's, and an ADM batch's (`names`: its mu_s, sigma_s too)."""
     if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
-        what = "mu" if not np.isfinite(mu).all() else "sigma"
+        what = names[0] if not np.isfinite(mu).all() else names[1]
         raise UserError(f"{path}: {what} holds NaN or inf values; {fix}")
     scale = max(float(np.abs(sigma).max()), 1e-300)
     if np.abs(sigma - sigma.T).max() > 1e-6 * scale:
-        raise UserError(f"{path}: sigma is not symmetric, so it is no covariance matrix; {fix}")
+        raise UserError(f"{path}: {names[1]} is not symmetric, so it is no covariance matrix; {fix}")
     # PSD up to rounding: a Cholesky factor exists once a jitter far below any real variance is added (a
     # covariance of fewer images than features is singular but still PSD).
     jitter = 1e-6 * max(float(np.trace(sigma)) / len(sigma), 1e-300)
     try:
         np.linalg.cholesky(sigma + jitter * np.eye(len(sigma)))
     except np.linalg.LinAlgError as e:
-        raise UserError(f"{path}: sigma is not positive semi-definite, so it is no covariance matrix; {fix}") from e
+        raise UserError(f"{path}: {names[1]} is not positive semi-definite, so it is no covariance matrix; "
+                        f"{fix}") from e
 
 
 def load_foreign_ref(path, want_dim: int | None = None) -> dict:
     """mu and sigma of a `.npz` made by another tool (EDM, ADM, clean-fid). Never unpickles.
 
     Returns the same shape of dict as fid.load_ref, with features None (so no KID or precision/recall)."""
+    from diffrelay.evaluation import npz
+
     path = Path(path)
     fix = "give an .npz holding float arrays mu (D,) and sigma (D, D)"
+    members = npz.headers(path, fix)  # no array is loaded before its header and size are checked
+    if not {"mu", "sigma"} <= members.keys():
+        raise UserError(f"{path}: no mu and sigma arrays (found {', '.join(sorted(members)) or 'none'}); {fix}")
+    npz.check_memory(path, "mu/sigma", members["mu"].nbytes + members["sigma"].nbytes, "give it to a job with more "
+                     "memory, or check that the file holds the statistics of one extractor's features")
     try:
         with np.load(path, allow_pickle=False) as z:
-            keys = set(z.files)
-            if not {"mu", "sigma"} <= keys:
-                raise UserError(f"{path}: no mu and sigma arrays (found {', '.join(sorted(keys)) or 'none'}); {fix}")
             mu, sigma = np.asarray(z["mu"], np.float64), np.asarray(z["sigma"], np.float64)
     except ValueError as e:  # numpy's answer to an object array when allow_pickle=False
         raise UserError(f"{path}: holds pickled Python objects, which diffrelay never loads; {fix}") from e
-    except (OSError, EOFError, KeyError, zipfile.BadZipFile) as e:
+    except (OSError, EOFError, KeyError, MemoryError, zipfile.BadZipFile) as e:
         raise UserError(f"{path}: not a readable .npz ({type(e).__name__}); {fix}") from e
     if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise UserError(f"{path}: mu {mu.shape} and sigma {sigma.shape} do not fit together; {fix}")

@@ -233,7 +233,7 @@ def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
 
 def _save_png(fig: Figure, path: Path) -> None:
     buf = BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")  # no label cut at the edge
     io.write_bytes(path, buf.getvalue())
 
 
@@ -273,7 +273,22 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by
     _save_png(fig, path)
 
 
-def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: Path, evaluated=None) -> None:
+# The loss each model.objective trains (objectives/): loss.png's y-label names the run's one, short enough to fit.
+LOSS_NAMES = {"edm": "EDM's weighted MSE", "flow": "velocity MSE", "ddpm": "noise MSE (+ L_vlb if learned σ)"}
+
+
+def objective_of(run_dir: Path) -> str | None:
+    """model.objective recorded in the run's snapshots (their headers only); None when none can be read."""
+    for p in sorted((run_dir / "snapshots").glob("step_*.safetensors")):
+        try:
+            return io.signed_header(p, "snapshot", "")[1].get("model", {}).get("objective", "edm")
+        except (UserError, AttributeError):
+            continue
+    return None
+
+
+def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: Path, evaluated=None,
+              objective: str | None = None) -> None:
     fig = Figure(figsize=(6.4, 4), layout="constrained")
     ax = fig.add_subplot()
     if evaluated:
@@ -292,7 +307,8 @@ def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: 
                    label="window with skipped (non-finite) steps" if i == 0 else None)
     total = train.skipped.dropna().iloc[-1] if train.skipped.notna().any() else 0
     title = f"{run_name}: training loss" + (f" ({int(total)} steps skipped)" if total else "")
-    ax.set(xlabel="training step", ylabel="training loss (EDM: weighted MSE; flow: velocity MSE; ddpm: noise MSE + L_vlb)", title=title)
+    loss = LOSS_NAMES.get(objective)
+    ax.set(xlabel="training step", ylabel=f"training loss ({loss})" if loss else "training loss", title=title)
     ax.set_xlim(left=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     ax.grid(alpha=0.3)
@@ -350,7 +366,7 @@ def main(args) -> int:
     io.write_text(out / "metrics.csv", table[columns(table)].to_csv(index=False, float_format="%.6g"))
     io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name))
     plot_fid(table, best, run_dir.name, out / "fid.png", by_clip=getattr(args, "best_by", None) == "clip_score")
-    plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated)
+    plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated, objective_of(run_dir))
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
         "step": int(best.step), "guidance": float(best.guidance), "metric": best.metric, "fid": float(best.fid),

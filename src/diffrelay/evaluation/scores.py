@@ -22,7 +22,7 @@ from scipy.linalg import LinAlgWarning
 
 from diffrelay import io, logs
 from diffrelay.errors import UserError
-from diffrelay.evaluation import adm, features, metrics
+from diffrelay.evaluation import adm, features, metrics, npz
 
 # Names as the papers' tables print them (DiT Table 4, edm2 Table 2); the count is appended: FID-50k.
 LABELS = {"fid": "FID", "sfid": "sFID", "is": "IS", "kid": "KID", "precision": "Precision", "recall": "Recall",
@@ -68,6 +68,15 @@ def check_adm_file(path, wanted: set, side: tuple[int, int], what: str = "the sa
     if "sfid" in wanted and "mu_s" not in r and ("mu" in r or shape is None):
         adm.require(r, ["mu_s", "sigma_s"], path, "sfid needs them: use a reference that has them "
                     "(VIRTUAL_imagenet256_labeled.npz does) or drop sfid from fid.metrics")
+    # arr_0's images as the metrics use them, counted from its header: a pass over the samples is not paid for a
+    # reference that cannot score (statistics need 2 rows, precision/recall more than their k = 3 neighbours).
+    uses = [(4, m) for m in asked if m in ("precision", "recall")] + [(2, m) for m in asked if m == "kid"]
+    uses += [(2, "fid from its images (no mu/sigma)")] * ("mu" not in r)
+    uses += [(2, "sfid from its images (no mu_s/sigma_s)")] * ("sfid" in wanted and "mu_s" not in r)
+    if shape is not None and uses and shape[0] < max(n for n, _ in uses):
+        need = max(n for n, _ in uses)
+        raise UserError(f"{path}: arr_0 holds {shape[0]} image{'s' * (shape[0] != 1)}; {', '.join(m for n, m in uses if n == need)} need "
+                        f"at least {need}; use a reference batch with more images")
     return r
 
 
@@ -76,12 +85,24 @@ def adm_reference(path, files, wanted: set) -> dict:
     path = Path(path)
     r = check_adm_file(path, wanted, _image_side(files[0]), f"the samples ({files[0].name})")
     shape, asked = r["images_shape"], sorted(wanted & NEED_REFERENCE_FEATURES)
+    images = r["members"].get("arr_0")
+    if (asked or "mu" not in r) and images is not None and images.compressed:  # inflated whole, before any pass
+        npz.check_memory(path, "arr_0 (compressed)", images.nbytes, "store it uncompressed (np.savez: it is then "
+                         "memory-mapped) or give the job more memory")
     settings = {"adm": True, "foreign": True, "num_images": None if shape is None else int(shape[0]),
                 "source": path.name}
     return {**{k: r.get(k) for k in adm.STAT_KEYS}, "features": None, "images_shape": shape, "settings": settings,
             # What must come from arr_0's features: ADM computes mu/sigma (and mu_s/sigma_s) from them when the
             # file has no mu, as Evaluator.read_statistics does.
             "need_pool": bool(asked) or "mu" not in r, "need_spatial": "sfid" in wanted and "mu_s" not in r}
+
+
+def check_adm_extractor(ext, ref_path) -> None:
+    """An ADM batch is Inception's (its statistics, and the features its images are scored with), whatever
+    fid.metrics says: another extractor's distance to it would be a number of no meaning."""
+    if ext.kind != "inception":
+        raise UserError(f"{ref_path}: an ADM reference batch holds Inception statistics, but its extractor "
+                        f"{ext.path.name} is not clean-fid's Inception; give it only for inception")
 
 
 def check(ext, ref: dict, ref_path, wanted: set) -> None:
@@ -91,9 +112,7 @@ def check(ext, ref: dict, ref_path, wanted: set) -> None:
         raise UserError(f"--metrics={','.join(sorted(wanted))}: no {key} for the extractor {ext.path.name}; add "
                         f"{key} to fid.metrics or drop the extractor from fid.extractors")
     if ref["settings"].get("adm"):
-        if ext.kind != "inception":  # its statistics are of Inception features: another extractor's would not fit
-            raise UserError(f"{ref_path}: an ADM reference batch holds Inception statistics, but its extractor "
-                            f"{ext.path.name} is not clean-fid's Inception; give it only for inception")
+        check_adm_extractor(ext, ref_path)
         if ref["need_spatial"] and ext.heads is None:
             raise UserError(f"{ref_path}: sfid from arr_0 needs clean-fid's Inception as this reference's extractor")
         return

@@ -1,10 +1,11 @@
 """scores.md: the scores of each evaluated snapshot as the papers' tables print them.
 
 Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
-KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance, a text run's CLIP score; two decimals, as those
-tables round; every header carries its image count (FID-50k), and each table names the reference file,
-the protocol (ADM's evaluator arithmetic or clean-fid's) and the resize mode it was scored with. One table
-per image count: FID-2k of the first pass and FID-50k of the second are different metrics.
+KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance, a text run's CLIP score; two
+decimals, as those tables round (3 significant digits where two decimals show fewer); every header carries its
+image count (FID-50k), and each table names the reference file, the protocol (ADM's evaluator arithmetic or
+clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of the first pass and
+FID-50k of the second are different metrics.
 """
 
 import math
@@ -19,7 +20,12 @@ PRIMARY = (("fid", None, "↓"), ("sfid", "sFID", "↓"), ("is", "IS", "↑"), (
 
 
 def _cell(v) -> str:
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+    """Two decimals as the papers' tables (FID 2.27, IS 278.24), but never fewer than 3 significant digits:
+    random-feature FDs of 0.0055 to 0.0157 all printed as 0.01 or 0.02 and could not rank the checkpoints."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    digits = 2 if v == 0 or not math.isfinite(v) else max(2, 2 - math.floor(math.log10(abs(v))))
+    return f"{v:.{digits}f}"
 
 
 def _snapshot(r: dict) -> str:

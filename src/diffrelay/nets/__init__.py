@@ -49,8 +49,9 @@ TEXT_SET = {"diffusers-unet": ("sample_size", "cross_attention_dim"), "pixart": 
 DIT_LAYOUT = 2
 EDM2_SIZES = ("xs", "s", "m", "l", "xl", "xxl")  # edm2.PRESETS, named here for config checks without torch
 UNET_SETTINGS = ("channels", "channel_mult", "num_blocks", "attn_resolutions", "dropout")
-# Named UNet settings. cifar10 has the shape of EDM's CIFAR-10 network (DDPM++, about 56 M parameters):
-# 128 channels, multipliers [2, 2, 2], 4 blocks a level, attention at 16x16.
+# Named UNet settings. cifar10 is diffrelay's own UNet (nets/unet.py, 55.09 M parameters) given DDPM++'s CIFAR-10
+# sizes (score_sde's cifar10_ddpmpp, EDM's --arch=ddpmpp): 128 channels, multipliers [2, 2, 2], 4 blocks a level,
+# attention at 16x16, dropout 0.1 (EDM trains with 0.13). It is not DDPM++'s network: that is model.arch ddpmpp.
 UNET_PRESETS = {
     "cifar10": {"channels": 128, "channel_mult": [2, 2, 2], "num_blocks": 4, "attn_resolutions": [16],
                 "dropout": 0.1},

@@ -4,6 +4,10 @@ runs them). config.validate reports the first; each names the key and the fix.
 
 import json
 
+# The largest guidance scale: far beyond any useful one (the papers use 1-10, SD 7.5), as prompt files' (prompts.py).
+# Larger ones overflow float32 in the sampler: 1e39 is not a float32 at all, 1e30 turns every image to NaN.
+MAX_GUIDANCE = 100.0
+
 
 def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults: dict) -> list[tuple[str, str]]:
     """(key, message) pairs for sample settings that cannot work with the model and training chosen;
@@ -11,6 +15,9 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     bad, s, m, t = [], d["sample"], d["model"], d["train"]
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     guided = [g for g in scales if g != 1]
+    if max(scales) > MAX_GUIDANCE:
+        bad.append((f"sample.guidance={max(scales)}", f"must be at most {MAX_GUIDANCE:g}: far larger scales "
+                    "overflow float32 in the sampler (useful ones are 1 to 10); use a smaller scale"))
     if s.get("guide") is not None:
         guided = []  # autoguidance: the guide network replaces the null class, no label dropout needed
     text = d["data"].get("captions", "none") != "none"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from diffrelay import io
 from diffrelay.errors import UserError
+from diffrelay.runtime import claims
 
 MANIFEST_FORMAT = "diffrelay-samples/2"  # /2 added per-file sizes and hashes
 OLD_FORMATS = ("diffrelay-samples/1",)
@@ -100,7 +101,8 @@ def check_out(out: Path) -> None:
 
 
 def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = None) -> bool:
-    """Rank 0 makes the folder (clearing one left by other settings); the others wait until it matches.
+    """Rank 0 makes the folder (clearing one of other settings that no live process holds); the others wait until it
+    matches. Every process then claims it until it ends (_hold).
 
     False when `out` turned up to date meanwhile (another process finalized with markers of an earlier launch).
     seen: the manifest of the finished folder this launch remakes (damaged files, samples.npz to add or remove):
@@ -110,23 +112,23 @@ def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = 
     if rank == 0:
         if work.exists() and _read_json_or_none(settings_file) != key:
             io.check_replaceable(work, _is_work_folder, "a sample work folder", "move it aside and rerun")
-            stale = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".stale"))
-            os.replace(work, stale / "x")
-            shutil.rmtree(stale, ignore_errors=True)
+            _clear(work, out)
         if not work.exists():
             # Made whole, settings inside, in one rename: a second run into the same --out never sees it
-            # half-made (and so never clears it as a folder of other settings).
+            # half-made (and so never clears it as a folder of other settings). Claimed before it is seen.
             work.parent.mkdir(parents=True, exist_ok=True)
             fresh = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".new"))
             io.write_json(fresh / "settings.json", key)
+            claims.claim(fresh / "settings.json", name=settings_file)
             try:
                 os.rename(fresh, work)
+                return True
             except OSError:  # another process made it first
+                claims.release(settings_file)
                 shutil.rmtree(fresh, ignore_errors=True)
                 if _read_json_or_none(settings_file) != key:
-                    raise UserError(f"{out}: another run is sampling into it with other settings; wait for it to "
-                                    "finish or give another --out") from None
-        return True
+                    raise _busy(out) from None
+        return _hold(work, out, key, seen)
     deadline = time.monotonic() + WAIT_SECONDS
     while _read_json_or_none(settings_file) != key:
         if up_to_date(out, key) not in (None, seen):
@@ -135,7 +137,47 @@ def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = 
             raise UserError(f"{work}: process 0 did not set up the work folder in {WAIT_SECONDS} s; "
                             "check its log, delete the folder and rerun")
         time.sleep(0.05)
-    return True
+    return _hold(work, out, key, seen)
+
+
+def _busy(out: Path) -> UserError:
+    return UserError(f"{out}: another run is sampling into it with other settings; wait for it to finish or give "
+                     "another --out")
+
+
+def _hold(work: Path, out: Path, key: dict, seen: dict | None) -> bool:
+    """Claim the work folder (its settings.json, shared) for the rest of this process: every sampler holds one
+    while it runs, so a run with other settings never clears a folder in use. False when `out` turned up to date
+    meanwhile (finalized by another run of these settings)."""
+    settings_file = work / "settings.json"
+    if claims.claim(settings_file):
+        if _read_json_or_none(settings_file) == key:  # not replaced between reading it and claiming it
+            return True
+        claims.release(settings_file)
+    if up_to_date(out, key) not in (None, seen):
+        return False
+    raise _busy(out)
+
+
+def _clear(work: Path, out: Path) -> None:
+    """Move aside and delete a work folder of other settings, only when no live process uses it: a sampler holds
+    its settings.json from before the folder appears until it ends (_hold), and a finalizer the folder (_lock)."""
+    settings_file = work / "settings.json"
+    if os.path.lexists(settings_file) and not claims.claim(settings_file, shared=False):
+        raise _busy(out)
+    fd = _lock(work)
+    try:
+        if fd is None:
+            if os.path.lexists(work):
+                raise _busy(out)
+            return
+        stale = Path(tempfile.mkdtemp(dir=work.parent, prefix=f"{work.name}.", suffix=".stale"))
+        os.replace(work, stale / "x")
+        shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        claims.release(settings_file)
 
 
 def _reuse_intact(out: Path, work: Path, mine, damaged: set) -> None:

@@ -27,6 +27,7 @@ from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
 from diffrelay.sampling import export, guidance, prompted
+from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
@@ -326,7 +327,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
              s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.solver, world, device)
 
     try:
-        t0, last = time.time(), time.time()
+        progress = Progress(len(todo), s.batch_size)
         # One writer thread: the fsyncs of each atomic write (about 8% of the time on a local disk) then overlap
         # the next batch's compute. Errors surface at the next image and at the end.
         with ThreadPoolExecutor(max_workers=1) as writer:
@@ -338,12 +339,9 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
                     pending.append(writer.submit(_write_image, work / png_name(i), pixels, items and items[i].prompt))
                     while pending and pending[0].done():
                         pending.popleft().result()
-                    now = time.time()
-                    if now - last > 10 or n == len(todo):
-                        rate = n / max(now - t0, 1e-9)
-                        log.info("images %d/%d | %.1f img/s | eta %s", n, len(todo), rate,
-                                 logs.fmt_duration((len(todo) - n) / rate))
-                        last = now
+                    line = progress.update(n)
+                    if line:
+                        log.info("%s", line)
             except NonFiniteSamples as e:
                 raise UserError(f"{snapshot}: {e}") from e
             for f in pending:

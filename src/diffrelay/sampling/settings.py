@@ -9,6 +9,7 @@ from pathlib import Path
 
 from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
+from diffrelay.sampling.checks import MAX_GUIDANCE
 from diffrelay.objectives.edm import SamplerSettings
 from diffrelay.objectives.ddpm import SamplerSettings as DdpmSamplerSettings
 from diffrelay.objectives.flow import SamplerSettings as FlowSamplerSettings
@@ -81,8 +82,11 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
             continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
-    if not math.isfinite(over.get("guidance", 1)) or over.get("guidance", 1) < 0:
-        raise UserError(f"--guidance={over['guidance']}: must be a finite number, 0 or more (1 = off)")
+    if not math.isfinite(over.get("guidance", 1)) or not 0 <= over.get("guidance", 1) <= MAX_GUIDANCE:
+        # Checked before any folder: 1e308 is no float32 (the autoguided sampler raised a traceback) and huge ones
+        # overflow to NaN after the work folder is made.
+        raise UserError(f"--guidance={over['guidance']}: must be a finite number from 0 to {MAX_GUIDANCE:g} (1 = off; "
+                        "larger scales overflow float32 in the sampler)")
     if not 0 < over.get("ema_decay", 0.5) < 1:
         raise UserError(f"--ema-decay={over['ema_decay']}: a decay lies between 0 and 1; give one of train.ema_decays")
     if getattr(args, "npz", None) is not None:  # a bool: not range-checked above

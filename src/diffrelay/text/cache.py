@@ -24,6 +24,7 @@ import numpy as np
 
 from diffrelay import io, logs
 from diffrelay.errors import UserError
+from diffrelay.runtime import mapped
 from diffrelay.text import encoders
 
 FORMAT = "diffrelay-text-cache/1"
@@ -236,6 +237,9 @@ class Cache:
         from diffrelay.text.condition import Text
 
         ids = np.asarray(ids, dtype=np.int64)
+        for array in (self.states, self.mask, self.pooled):  # one fstat each: a truncated file is one line, not a SIGBUS
+            if array is not None:
+                mapped.check_intact(array, "its captions' embeddings were read", FIX)
 
         def load(array):
             a = np.ascontiguousarray(array[ids])

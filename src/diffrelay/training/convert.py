@@ -145,6 +145,13 @@ def convert(cfg, source: Path, out: Path, layout: str | None = None, step: int =
     layout = layout or DEFAULT_LAYOUT.get(m["arch"], "diffrelay")
     if layout not in LAYOUTS:
         raise UserError(f"--layout {layout}: choose one of {', '.join(LAYOUTS)}")
+    scale = m["kwargs"].get("time_scale", 1000)
+    if layout == "dit" and m["arch"] == "dit" and scale != 1:
+        # Refused, not defaulted: the config is the run's identity, and a quiet time_scale 1 here would give the
+        # snapshot another network than the config names. DiT's code embeds its time input as it is.
+        raise UserError(f"model.kwargs.time_scale={scale}: DiT's code embeds the time input as it is, so {source} "
+                        f"would compute another function under model.objective {m['objective']}; set "
+                        "model.kwargs.time_scale: 1")
     io.check_file_target(out, lambda p: _is_import(p), "a snapshot written by diffrelay import",
                          "choose another --out; nothing was overwritten")
     classes = preflight.num_classes(cfg) if m["class_conditional"] else 0

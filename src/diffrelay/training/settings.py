@@ -25,6 +25,28 @@ def trajectory(train: dict) -> dict:
     return out
 
 
+# (model.arch, model.objective) of a paper's recipe -> (its train.loss_reduction, who, where the official code reduces).
+PAPER_REDUCTION = {
+    **{(arch, "edm"): ("sum", "EDM", "training/training_loop.py:132") for arch in ("ddpmpp", "ncsnpp", "adm")},
+    ("edm2", "edm"): ("sum", "edm2", "training/training_loop.py:225"),
+    ("adm", "ddpm"): ("mean", "ADM", "guided_diffusion/gaussian_diffusion.py:809 mean_flat"),
+}
+
+
+def paper_notes(d: dict) -> list[str]:
+    """Notes, not errors: a papers' network trained with another loss reduction than its paper's. Either trains;
+    Adam's steps barely change, but the gradients and logged loss are C x H x W times apart, so Adam's eps,
+    train.grad_clip and the fp16 loss scale act at another scale than in the paper."""
+    m, mine = d["model"], d["train"]["loss_reduction"]
+    paper = PAPER_REDUCTION.get((m["arch"], m["objective"]))
+    if paper is None or paper[0] == mine:
+        return []
+    want, who, where = paper
+    return [f"train.loss_reduction is {mine}; {who} trains model.arch {m['arch']} with {want} ({where}): gradients "
+            f"and the logged loss are C x H x W times apart from the paper's; set train.loss_reduction: {want} to "
+            "train as the paper"]
+
+
 def check_config(d: dict) -> list[tuple[str, str]]:
     """(key, message) pairs for combinations of these keys that cannot work; empty when all is well."""
     t, s, bad = d["train"], d["sample"], []
