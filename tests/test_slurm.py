@@ -217,6 +217,13 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
             seen.add(third)
             wait_for_steps(results / "stopped", 3, 3, TIMEOUT / 2, proc)
             subprocess.run(["scontrol", "requeue", third], check=True)
+            # SLURM holds a requeued job for 120 s (EligibleTime); the test needs the requeue, not the wait.
+            for _ in range(120):
+                state = subprocess.run(["squeue", "-h", "-j", third, "-o", "%T"], capture_output=True, text=True).stdout
+                if state.strip() == "PENDING":
+                    subprocess.run(["scontrol", "update", f"JobId={third}", "StartTime=now"], check=True)
+                    break
+                time.sleep(0.5)
             rc = proc.wait(timeout=TIMEOUT)
         finally:
             if proc.poll() is None:
