@@ -4,7 +4,8 @@ runs them). config.validate reports the first; each names the key and the fix.
 
 import json
 
-# The largest guidance scale: far beyond any useful one (the papers use 1-10, SD 7.5), as prompt files' (prompts.py).
+# The largest guidance scale, for the config, --guidance and prompt files: far beyond any useful one (the papers
+# use 1-10, SD 7.5).
 # Larger ones overflow float32 in the sampler: 1e39 is not a float32 at all, 1e30 turns every image to NaN.
 MAX_GUIDANCE = 100.0
 

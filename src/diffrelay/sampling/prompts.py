@@ -31,10 +31,10 @@ from pathlib import Path
 from diffrelay import io
 from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
+from diffrelay.sampling.checks import MAX_GUIDANCE  # one limit for the config, the flag and prompt files
 
 KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "num_images")
 MAX_BYTES = 64 << 20  # 64 MiB: hundreds of thousands of prompts; anything bigger is a wrong path
-MAX_GUIDANCE = 100.0  # far beyond any useful scale (SD uses 7.5); a larger number is a typo
 MAX_STEPS = 10_000  # as sample.steps
 MAX_IMAGES = 10_000  # per entry
 MAX_TOTAL = 10_000_000  # images of a whole file, as sample.num_images
