@@ -97,3 +97,23 @@ def test_bad_reference_files_are_one_line(scored, case, expect):
     # Through the command: one line and status 2, before any scoring child is started.
     p = run_cli("fid", "--images", fake, "--ref", path, "--extractor", ext, "--out", root / "r.json", check=False)
     assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::scipy.linalg.LinAlgWarning")
+@pytest.mark.parametrize("n_ref, n_fake", [(300, 40), (50, 1200)])  # fewer samples than the subset cap, and more
+def test_fd_and_kid_equal_clean_fids_functions_and_keep_the_callers_random_state(n_ref, n_fake):
+    from cleanfid.fid import frechet_distance, kernel_distance
+
+    rng = np.random.default_rng(n_fake)
+    ref_feats = rng.normal(size=(n_ref, 24)).astype(np.float32)
+    feats = (rng.normal(size=(n_fake, 24)) * 1.1 + 0.2).astype(np.float32)
+    ref = {"mu": ref_feats.mean(0), "sigma": np.cov(ref_feats, rowvar=False), "features": ref_feats}
+    np.random.seed(7)
+    before = np.random.get_state()[1].copy()
+    ours = metrics.kernel_distance(feats, ref)
+    assert np.array_equal(np.random.get_state()[1], before)
+    np.random.seed(0)
+    assert ours == kernel_distance(ref_feats, feats)  # the same draws, the same arithmetic: equal, not close
+    mu, sigma = fid.statistics(feats)
+    assert metrics.frechet(mu, sigma, ref) == pytest.approx(frechet_distance(mu, sigma, ref["mu"], ref["sigma"]),
+                                                             rel=1e-12)

@@ -1,6 +1,8 @@
 """Speed switches: compile (with a cache shared by segments), TF32, fused Adam(W), channels_last."""
 
 import copy
+import subprocess
+import sys
 import os
 import shutil
 
@@ -264,3 +266,14 @@ def test_a_compile_failure_in_the_lazily_lowered_backward_is_the_same_one_line(t
             loss.backward()
     with speed.backward_errors(lambda x: x):  # no compile: nothing to name
         pass
+
+
+def test_determinism_off_imports_no_compiler_and_on_is_set():
+    # torch.use_deterministic_algorithms imports torch._inductor (about 1 s per segment) to store its flag.
+    code = ("import sys, torch; from diffrelay.runtime import speed; cpu = torch.device('cpu'); "
+            "speed.set_determinism(cpu, False); a = torch.are_deterministic_algorithms_enabled(); "
+            "lazy = 'torch._inductor.config' in sys.modules; speed.set_determinism(cpu, True); "
+            "b = torch.are_deterministic_algorithms_enabled(); speed.set_determinism(cpu, False); "
+            "print(a, lazy, b, torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True", "False", "False"]

@@ -41,17 +41,24 @@ def decode(path) -> np.ndarray:
 
 
 class CleanView:
-    """clean-fid's resize for `mode` and its tensor conversion, taken from a ResizeDataset it builds."""
+    """clean-fid's view of an image for `mode`: its resize (cleanfid.resize.build_resizer, what its ResizeDataset
+    applies) and then torchvision's ToTensor, restated. cleanfid.utils imports torchvision for ToTensor alone,
+    and torchvision's import pulls in torch._dynamo: about 1 s of every scoring job (docs/benchmarks.md#start-up).
+    tests/test_fid.py compares the tensors and the scores with clean-fid's own pipeline."""
 
     def __init__(self, mode: str):
-        from cleanfid.utils import ResizeDataset
+        from cleanfid.resize import build_resizer
 
-        self.clean = ResizeDataset([], mode=mode)
+        self.resize = build_resizer(mode)
 
     def __call__(self, pixels: np.ndarray):
-        out = self.clean.fn_resize(self.clean.custom_image_tranform(pixels))
-        # As clean-fid: ToTensor scales uint8 (legacy_tensorflow resizes nothing) to [0, 1]; float32 it keeps.
-        return self.clean.transforms(out) * 255 if out.dtype == np.uint8 else self.clean.transforms(out)
+        import torch
+
+        out = self.resize(pixels)
+        # ToTensor: HWC -> CHW; uint8 becomes float32 / 255, anything else keeps its dtype and values. clean-fid
+        # then multiplies uint8 input by 255 again (legacy_tensorflow resizes nothing); the same two roundings here.
+        t = torch.from_numpy(out.transpose((2, 0, 1))).contiguous()
+        return t.to(torch.float32).div(255) * 255 if out.dtype == np.uint8 else t
 
 
 def native_view(pixels: np.ndarray):
@@ -108,7 +115,6 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
     not DataLoader processes: PIL and torch release the GIL for this work, and a scorer killed at its
     timeout leaves no worker processes behind."""
     import torch
-    from cleanfid.fid import get_batch_features
 
     views = [view_of(e, mode) for e in exts]
     feats, batch = [[] for _ in exts], []
@@ -117,7 +123,8 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
         for out, ext, view in zip(feats, exts, views):
             x = torch.stack([item[view] for item in batch])
             if ext.heads is None:
-                out.append(get_batch_features(x, ext.fn, device))
+                with torch.no_grad():  # clean-fid's get_batch_features
+                    out.append(ext.fn(x.to(device)).detach().cpu().numpy())
             else:
                 with torch.no_grad():
                     out.append({k: v.cpu().numpy() for k, v in ext.heads(x.to(device)).items()})

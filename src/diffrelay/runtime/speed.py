@@ -128,7 +128,10 @@ def set_determinism(device: torch.device, deterministic: bool) -> None:
     runs before any matmul on the device."""
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(deterministic)
+    # Off is torch's own state in a fresh process; the public setter would import torch._inductor (about 1 s of
+    # every segment, torch 2.14) only to store the same False in inductor's config.
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic and device.type == "cuda"
 
