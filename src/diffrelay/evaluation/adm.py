@@ -4,7 +4,7 @@ The evaluator scores a sample batch against a reference batch (e.g. VIRTUAL_imag
 Inception-V3 features: FID on the 2048 pool_3 features, sFID on the first 7 channels of mixed_6/conv
 (17 x 17 x 7 = 2023 values), the Inception Score on the softmax of the pool features, and precision/recall
 with a k-nearest-neighbour manifold estimate on the pool features. This module is everything after the
-network: statistics, the Frechet distance with the evaluator's sqrtm fallback, the split Inception Score,
+network: statistics, the Frechet distance with the evaluator's sqrtm fallback (frechet.py), the split Inception Score,
 the manifold radii and precision/recall with the evaluator's batching, and the reference `.npz` reader. All of it
 is NumPy except precision/recall's distance blocks, which run in torch on the scoring device.
 Formulas follow the evaluator; the code is our own. Every problem with an input is one line of UserError.
@@ -12,18 +12,16 @@ Formulas follow the evaluator; the code is our own. Every problem with an input 
 
 import hashlib
 import struct
-import warnings
 import zipfile
 from pathlib import Path
 
 import numpy as np
-from scipy import linalg
 
 from diffrelay.errors import UserError
+from diffrelay.evaluation.frechet import IMAG_TOLERANCE, frechet_distance  # noqa: F401 (the evaluator's)
 
 POOL_DIM = 2048  # pool_3:0
 SPATIAL_DIM = 2023  # mixed_6/conv:0 sliced to [..., :7]: 17 x 17 x 7 for 299 x 299 inputs
-IMAG_TOLERANCE = 1e-3  # FIDStatistics.frechet_distance: largest |imag| allowed on sqrtm's diagonal
 FLOAT16_MAX = 65504.0
 STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 
@@ -37,49 +35,6 @@ def statistics(features) -> tuple[np.ndarray, np.ndarray]:
     if x.ndim != 2 or len(x) < 2:
         raise UserError(f"statistics: features of shape {x.shape}; give an N x D array with N >= 2 rows")
     return np.mean(x, axis=0), np.cov(x, rowvar=False)
-
-
-def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
-    """|mu1 - mu2|^2 + tr(sigma1) + tr(sigma2) - 2 tr(sqrtm(sigma1 sigma2)), term for term as
-    FIDStatistics.frechet_distance adds them (from TTUR's fid.py), with its two repairs of sqrtm:
-      - a non-finite sqrtm is computed again from (sigma1 + eps I)(sigma2 + eps I); the traces stay those of
-        the unshifted sigmas;
-      - a complex sqrtm is accepted when every imaginary part on its diagonal is within 1e-3, and its real
-        part is used; otherwise the evaluator raises, and so do we.
-    One departure: where the evaluator would return NaN (sqrtm still not finite after the shift), we raise."""
-    mu1, mu2 = np.atleast_1d(mu1), np.atleast_1d(mu2)
-    sigma1, sigma2 = np.atleast_2d(sigma1), np.atleast_2d(sigma2)
-    if mu1.shape != mu2.shape or mu1.ndim != 1:
-        raise UserError(f"frechet_distance: mean vectors of shapes {mu1.shape} and {mu2.shape}; both statistics "
-                        "must come from the same features (2048 pool_3 for FID, 2023 spatial for sFID)")
-    if not sigma1.shape == sigma2.shape == (len(mu1), len(mu1)):
-        raise UserError(f"frechet_distance: covariances of shapes {sigma1.shape} and {sigma2.shape} for means of "
-                        f"{len(mu1)} values; give D x D covariances of the same D features")
-    for name, a in (("mu", mu1), ("sigma", sigma1), ("mu", mu2), ("sigma", sigma2)):
-        if not np.isfinite(a).all():
-            raise UserError(f"frechet_distance: {name} holds NaN or inf; recompute the statistics from finite features")
-    diff = mu1 - mu2
-    # scipy's `disp` only adds an error estimate to the return value; the square root itself is the same.
-    covmean = linalg.sqrtm(sigma1.dot(sigma2))
-    if not np.isfinite(covmean).all():
-        # evaluator.py: "product might be almost singular" -> shift both diagonals by eps and try once more
-        warnings.warn(f"frechet_distance: sqrtm of the covariance product is not finite; adding {eps} to the "
-                      "diagonal of both covariances", RuntimeWarning, stacklevel=2)
-        shift = np.eye(sigma1.shape[0]) * eps
-        covmean = linalg.sqrtm((sigma1 + shift).dot(sigma2 + shift))
-    if np.iscomplexobj(covmean):
-        # np.allclose(diag.imag, 0, atol=1e-3) in the evaluator is |imag| <= 1e-3 entry by entry (NaN fails)
-        if not np.all(np.abs(np.diagonal(covmean).imag) <= IMAG_TOLERANCE):
-            worst = np.max(np.abs(covmean.imag))  # the evaluator reports the largest over the whole matrix
-            raise UserError(f"frechet_distance: sqrtm of the covariance product has imaginary parts up to {worst:.3g} "
-                            f"(more than {IMAG_TOLERANCE} on the diagonal); the covariances are not usable "
-                            "together: use more images for the sample statistics")
-        covmean = covmean.real
-    value = diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean)
-    if not np.isfinite(value):
-        raise UserError("frechet_distance: sqrtm is not finite even with the eps shift (the evaluator would "
-                        "print NaN); use more images so the covariances are not singular")
-    return float(value)
 
 
 # ---------------------------------------------------------------------------- Inception Score

@@ -139,12 +139,12 @@ def distances(feats, ref: dict) -> tuple[float, float]:
 
 
 def frechet(mu, sigma, ref) -> float:
-    """clean-fid's frechet_distance, which is TTUR's formula and repairs: adm.frechet_distance states them term for
-    term (imported from cleanfid.fid it would bring torchvision and torch._dynamo into every scoring job, about
+    """clean-fid's frechet_distance, which is TTUR's formula and repairs: frechet.frechet_distance states them term
+    for term (imported from cleanfid.fid it would bring torchvision and torch._dynamo into every scoring job, about
     1 s). One difference: where clean-fid would return NaN, this says so in one line."""
     from scipy.linalg import LinAlgWarning
 
-    from diffrelay.evaluation.adm import frechet_distance
+    from diffrelay.evaluation.frechet import frechet_distance
 
     with warnings.catch_warnings():
         # Too few images for the feature count make sigma singular; `score` logs that once, in plain words.
