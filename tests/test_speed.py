@@ -277,3 +277,11 @@ def test_determinism_off_imports_no_compiler_and_on_is_set():
             "print(a, lazy, b, torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "True", "False", "False"]
+
+
+def test_reading_the_config_of_a_new_run_does_not_import_torch(tmp_path):
+    # Every snakemake call reads the config (common.smk -> preflight.check); torch's import is 1.3 s of it.
+    code = (f"import sys; from pathlib import Path; from diffrelay import preflight; "
+            f"print(preflight._recorded(Path({str(tmp_path)!r})), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["None", "False"]

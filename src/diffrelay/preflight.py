@@ -232,6 +232,8 @@ def _recorded(run_dir: Path) -> tuple[dict, Path] | None:
         if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or not isinstance(d.get("trajectory"), dict):
             raise UserError(f"{record}: not a {RUN_FORMAT} file; restore it, or use a new run.name")
         return d["trajectory"], record
+    if not (run_dir / "checkpoints").is_dir():  # a new run: no need to import torch (about 1.3 s per snakemake call)
+        return None
     from diffrelay.training.checkpoint import list_checkpoints
 
     for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
@@ -311,6 +313,13 @@ def latent_model(cfg, side: int, source: str) -> None:
 
 def check(cfg, source: str) -> None:
     """Everything that can be checked before any job starts."""
+    from diffrelay.tracking import settings as tracking  # light: neither wandb nor mlflow
+
+    # Here, not in config.validate: credentials matter where the track jobs run (the submit host), not on the
+    # nodes that train.
+    bad = tracking.check_config(cfg.to_dict())
+    if bad:
+        raise UserError(f"{source}: {bad[0][0]}: {bad[0][1]}")
     check_latent(cfg, source)
     check_inputs(cfg, source)
     check_run_folder(cfg, source)
