@@ -10,7 +10,7 @@ CORES  ?= 2
 # constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e ".[test]"
+	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e ".[test,wandb,mlflow]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,6 +26,7 @@ include: "workflow/rules/fid.smk"
 include: "workflow/rules/final.smk"
 include: "workflow/rules/phema.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/track.smk"
 
 
 rule all:
@@ -34,6 +35,8 @@ rule all:
         get_final_output(),
         second_pass=get_second_pass_targets,
         phema=get_phema_targets(),
+        # The experiment trackers' jobs (track.smk): none without `track`.
+        track=get_track_targets(),
 
 
 onstart:

@@ -42,6 +42,7 @@ ALLOWED = {
     "evaluation": {"runtime", "data", "text"},
     "training": {"runtime", "nets", "objectives", "data", "text"},
     "sampling": {"runtime", "nets", "objectives", "data", "training", "text"},
+    "tracking": {"runtime", "evaluation"},
 }
 FRONT = {"config", "preflight"}
 

@@ -221,6 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(module="diffrelay.runtime.gpus")
 
+    p = sub.add_parser("track", help="send the run's training log, scores, grids and config to the trackers of "
+                       "track (W&B, MLflow) that they have not had yet; workflow and by hand")
+    _config(p)
+    p.add_argument("--step", type=int, help="the segment end this publish follows (recorded in --out)")
+    p.add_argument("--out", help="JSON record of what was sent and what is pending, per tracker")
+    p.add_argument("--log", help="write the output and the trackers' messages here; warnings go to stderr too")
+    p.add_argument("--final", action="store_true", help="the run's last publish: say how many records are pending")
+    p.add_argument("--wait-minutes", type=_minutes, default=10, help="wait this long for another track job's "
+                   "lock [10]")
+    p.set_defaults(module="diffrelay.tracking.publish")
+
     p = sub.add_parser("report", help="metrics.csv, fid.png, loss.png and best.json of a run")
     p.add_argument("--run-dir", required=True, help="results/<run>")
     p.add_argument("--out", required=True, help="report folder")

@@ -84,6 +84,8 @@ def _key_path(err) -> str:
 
 def _explain(err) -> str:
     """One line for a jsonschema error: where, what was found, what is allowed."""
+    if err.validator == "anyOf" and isinstance(err.instance, dict):  # a section or null (track.wandb): the section's
+        err = next((e for e in err.context if e.validator != "type"), err)
     where = _key_path(err)
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))

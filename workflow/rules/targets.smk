@@ -50,3 +50,39 @@ def get_segment_outputs(wildcards):
         run=wildcards.run,
         step=[step_name(s) for s in SEGMENT_ENDS],
     )
+
+
+# --- experiment trackers (track.smk) ----------------------------------------------------------
+TRACKERS = [t for t in ("wandb", "mlflow") if CFG.to_dict()["track"][t] is not None]
+
+
+def get_track_inputs(wildcards):
+    """This segment's record (when trained in this run) and every first-pass evaluation of its snapshots:
+    score files and sample folders (their grids). Waits for this segment's checkpoint only.
+    """
+    scores = get_segment_scores(wildcards)
+    steps = [step_name(s) for s in segment_snapshots(wildcards.run, wildcards.step)]
+    trained = expand(
+        rules.train_segment.output.trained, run=wildcards.run, step=wildcards.step
+    )
+    return {
+        "trained": [] if EVALUATED else trained,
+        "scores": scores,
+        "samples": expand(
+            rules.sample_snapshot.output.samples,
+            run=wildcards.run,
+            step=steps,
+            variant=FIRST_PASS,
+        ),
+    }
+
+
+def get_track_targets():
+    """The track records of every segment and the final one, when a tracker is configured."""
+    if not TRACKERS:
+        return []
+    return expand(rules.track_report.output.record, run=RUN) + expand(
+        rules.track_segment.output.record,
+        run=RUN,
+        step=[step_name(s) for s in SEGMENT_ENDS],
+    )

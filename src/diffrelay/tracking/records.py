@@ -1,0 +1,111 @@
+"""What a run folder holds for the trackers, read from the files its jobs wrote (never from a live process):
+
+- training records of metrics/train.jsonl up to the last finished segment (trained/step_X.json), one per step:
+  a killed and resumed segment logs its steps after the last recovery checkpoint again, and the last record of
+  a step (the run that went on) wins;
+- every evaluation's scores (metrics/fid/<folder>.json) and grid (samples/<folder>/grid.png), each under a
+  series named by the folder's variant suffix (evaluation/protocol.py): `main` for the plain folder, else the
+  suffix without its underscore (g1.5, ema0.08, n50000_g1.5_s1, p1 ...);
+- the snapshots' sha256 by step, from the sample folders' manifests (no snapshot is hashed again here).
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffrelay import logs
+from diffrelay.evaluation import protocol
+
+TRAIN_KEYS = ("loss", "lr", "grad_norm", "images_per_s", "steps_per_s", "skipped")
+EVAL_KEYS = ("fid", "kid", "precision", "recall", "is", "sfid", "fd_dinov2", "clip_score")
+
+
+@dataclass
+class Records:
+    train: dict = field(default_factory=dict)  # step -> {key: value}
+    evals: dict = field(default_factory=dict)  # (series, step) -> {metric: value}
+    grids: dict = field(default_factory=dict)  # (series, step) -> grid.png path
+    snapshots: dict = field(default_factory=dict)  # step -> sha256
+    trained_until: int = 0
+
+
+def series_of(variant: str) -> str:
+    return variant.lstrip("_") or "main"
+
+
+def _folder(stem: str):
+    """(series, step) of an evaluation's name (step_0000400_g1.5), or None for other files."""
+    m = protocol.STEP_STEM.match(stem)
+    return (series_of(m.group(2)), int(m.group(1))) if m else None
+
+
+def _number(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def trained_until(run_dir: Path) -> int:
+    """The last step of a finished segment of this run (its trained/step_X.json record), 0 before any."""
+    steps = [int(p.stem[5:]) for p in (run_dir / "trained").glob("step_*.json") if p.stem[5:].isdigit()]
+    return max(steps, default=0)
+
+
+def train_records(run_dir: Path, until: int) -> dict:
+    """step -> the tracked values of its last record, for steps <= until (finished segments only)."""
+    out = {}
+    for r in logs.read_jsonl(run_dir / "metrics" / "train.jsonl"):
+        step = r.get("step")
+        if "event" in r or not isinstance(step, int) or step > until or "loss" not in r:
+            continue
+        values = {k: _number(r.get(k)) for k in TRAIN_KEYS}
+        out[step] = {k: v for k, v in values.items() if v is not None}
+    return dict(sorted(out.items()))
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def score_values(result: dict) -> dict:
+    """metric -> value of one score file: the primary extractor's at the top level, another extractor's
+    distances as <metric>_<its reference file's stem> (fd_dinov2 and the like keep their own names)."""
+    out = {k: v for k in EVAL_KEYS if (v := _number(result.get(k))) is not None}
+    for other in (result.get("scores") or [])[1:]:
+        if not isinstance(other, dict):
+            continue
+        tag = _slug(Path(str(other.get("reference") or other.get("extractor") or "extra")).stem)
+        for k in EVAL_KEYS:
+            v = _number(other.get(k))
+            if v is not None:
+                out[k if k not in out else f"{k}_{tag}"] = v
+    return out
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # written atomically by its job: unreadable means not ours to publish yet
+
+
+def collect(run_dir, until: int | None = None) -> Records:
+    """Everything the trackers may get from `run_dir` now. `until` caps the training records (default: the
+    last finished segment)."""
+    run_dir = Path(run_dir)
+    rec = Records(trained_until=trained_until(run_dir) if until is None else until)
+    rec.train = train_records(run_dir, rec.trained_until)
+    for path in sorted((run_dir / "metrics" / "fid").glob("step_*.json")):
+        key, result = _folder(path.stem), _read_json(path)
+        if key and isinstance(result, dict) and (values := score_values(result)):
+            rec.evals[key] = values
+    for folder in sorted((run_dir / "samples").glob("step_*")):
+        key = _folder(folder.name)
+        manifest = _read_json(folder / "manifest.json") if key else None
+        if not isinstance(manifest, dict):
+            continue  # unfinished (no manifest yet)
+        if (folder / "grid.png").is_file():
+            rec.grids[key] = str(folder / "grid.png")
+        sha = manifest.get("snapshot_sha256")
+        if isinstance(sha, str) and not key[0].startswith("ema"):  # a post-hoc EMA file is not the snapshot
+            rec.snapshots.setdefault(key[1], sha)
+    return rec

@@ -1,0 +1,263 @@
+"""Experiment trackers (issue 41), in-process: what a run folder yields for them, the ledger that sends each thing
+once, a failing tracker (one warning, backlog kept, job succeeds), privacy, and the parse-time credentials check."""
+
+import glob
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import TINY, deep_merge
+
+from diffrelay import config, preflight
+from diffrelay.errors import UserError
+from diffrelay.tracking import ledger as ledgers
+from diffrelay.tracking import publish, records, settings, wandb_sink
+
+SECRET = "0123456789abcdef0123456789abcdef01234567"
+
+
+def read_wandb(path) -> list:
+    """The records of an offline W&B run file (run-<id>.wandb): a LevelDB-style log of 32 KiB blocks after a
+    7-byte header, each record a (crc, length, type) header and a piece of a serialized wandb Record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            r = pb.Record()
+            r.ParseFromString(buf)
+            out.append(r)
+            buf = b""
+    return out
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """Every history row of every offline run folder of a diffrelay run, in start-time order."""
+    rows = []
+    for f in sorted(glob.glob(str(run_dir / "track" / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        for r in read_wandb(f):
+            if r.WhichOneof("record_type") == "history":
+                rows.append(history_row(r))
+    return rows
+
+
+def history_row(record) -> dict:
+    """One W&B history row: key (a nested value, such as an image's fields, as a tuple) -> value."""
+    return {(i.key or (i.nested_key[0] if len(i.nested_key) == 1 else tuple(i.nested_key))): json.loads(i.value_json)
+            for i in record.history.item}
+
+
+def make_config(tmp_path, track, name="secret-run-name") -> config.Config:
+    d = deep_merge(TINY, {"run": {"name": name, "results": str(tmp_path / "results"),
+                                  "resources": str(tmp_path / "resources")}, "track": track})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return config.load(path)
+
+
+def fake_run(run_dir, resumed=True):
+    """A run folder as its jobs leave it: segment 1 (steps 1-4) killed after step 3 and resumed from step 2,
+    segment 2 half trained; two evaluations of step 4, one sample folder still being written."""
+    lines = [{"event": "segment_start", "step": 0}]
+    lines += [{"step": s, "loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "images_per_s": 9.0, "skipped": 0}
+              for s in (1, 2, 3)]
+    if resumed:
+        lines += [{"event": "segment_start", "step": 2}]
+    lines += [{"step": s, "loss": 10.0 + s, "lr": 0.1, "grad_norm": 2.0, "images_per_s": 9.0, "skipped": 0}
+              for s in (3, 4, 5)]
+    (run_dir / "metrics" / "fid").mkdir(parents=True)
+    (run_dir / "metrics" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "lo')
+    (run_dir / "trained").mkdir()
+    (run_dir / "trained" / "step_0000004.json").write_text('{"step": 4}')
+    for name, fid in (("step_0000004", 3.0), ("step_0000004_g2", 2.0)):
+        (run_dir / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
+            {"fid": fid, "kid": 0.1, "images": str(run_dir / "samples" / name), "scores": [{"fid": fid}]}))
+    from PIL import Image
+
+    for name, done in (("step_0000004", True), ("step_0000004_g2", False)):
+        folder = run_dir / "samples" / name
+        folder.mkdir(parents=True)
+        Image.new("RGB", (8, 8), (200, 10, 10)).save(folder / "grid.png")
+        if done:
+            (folder / "manifest.json").write_text(json.dumps({"snapshot_sha256": "ab" * 32}))
+
+
+def test_records_keep_the_last_record_of_a_resumed_step_and_only_finished_segments(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir)
+    rec = records.collect(run_dir)
+    assert list(rec.train) == [1, 2, 3, 4]  # step 5 belongs to the unfinished segment 2
+    assert rec.train[3]["loss"] == 13.0  # the resumed run's record wins
+    assert rec.evals == {("main", 4): {"fid": 3.0, "kid": 0.1}, ("g2", 4): {"fid": 2.0, "kid": 0.1}}
+    assert list(rec.grids) == [("main", 4)]  # the g2 folder has no manifest yet
+    assert rec.snapshots == {4: "ab" * 32}
+
+
+class Recorder:
+    def __init__(self, fail=()):
+        self.sent, self.fail = [], set(fail)
+
+    def __call__(self, name):
+        def send(cfg, ident, batch, where):
+            if name in self.fail:
+                raise ConnectionError("api.example: unreachable\nsecond line")
+            self.sent.append((name, ident, batch))
+        return send
+
+
+def test_publishing_twice_sends_nothing_the_second_time(tmp_path, monkeypatch):
+    cfg = make_config(tmp_path, {"wandb": {}, "mlflow": {}})
+    fake_run(config.run_dir(cfg))
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    warnings = []
+    first = publish.publish(cfg, "cmd", warnings.append)
+    assert [n for n, _, _ in rec.sent] == ["wandb", "mlflow"] and not warnings
+    assert first["wandb"]["sent"] == {"train_steps": 4, "scores": 2, "grids": 1, "config": True}
+    rec.sent.clear()
+    again = publish.publish(cfg, "cmd", warnings.append)
+    assert rec.sent == [] and again["wandb"]["pending"] == 0 and again["mlflow"]["sent"] is not None
+    # A new score arrives: only it is sent.
+    (config.run_dir(cfg) / "metrics" / "fid" / "step_0000004_g3.json").write_text('{"fid": 1.0}')
+    publish.publish(cfg, "cmd", warnings.append)
+    assert [list(b["evals"]) for _, _, b in rec.sent] == [[("g3", 4)]] * 2
+    assert all(not b["train"] and b["config"] is None for _, _, b in rec.sent)
+
+
+def test_a_failing_tracker_warns_once_keeps_its_backlog_and_the_next_job_sends_it(tmp_path, monkeypatch, capfd):
+    cfg = make_config(tmp_path, {"wandb": {}, "mlflow": {}})
+    fake_run(config.run_dir(cfg))
+    monkeypatch.setattr(publish, "sink", Recorder(fail={"wandb"}))
+    out = tmp_path / "step.json"
+    args = [*(["--config", str(tmp_path / "c.yaml")]), "--step", "4", "--out", str(out), "--final"]
+    from diffrelay import cli
+
+    assert cli.main(["track", *args]) == 0
+    err = capfd.readouterr().err.splitlines()
+    warns = [line for line in err if line.startswith("diffrelay: warning: wandb")]
+    assert len(warns) == 1 and "8 records not sent (ConnectionError: api.example: unreachable)" in warns[0]
+    assert "diffrelay track --config" in warns[0]
+    record = json.loads(out.read_text())
+    assert record["trackers"]["wandb"]["pending"] == 8 and record["trackers"]["mlflow"]["pending"] == 0
+    assert "diffrelay track --config" in record["send_with"]
+    assert any("8 tracker records are still pending" in line for line in err)
+    ledger = ledgers.load(config.run_dir(cfg) / "track" / "ledger.json")
+    assert "wandb" not in ledger and ledger["mlflow"]["train"] == [1, 2, 3, 4]
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    assert cli.main(["track", *args]) == 0
+    assert [(n, ledgers.count(b)) for n, _, b in rec.sent] == [("wandb", 8)]
+
+
+def test_no_tracker_configured_imports_neither_tracker(tmp_path):
+    make_config(tmp_path, {})
+    code = ("import sys; from diffrelay import cli; assert cli.main(['track', '--config', sys.argv[1]]) == 0; "
+            "assert not {'wandb', 'mlflow'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.yaml")], check=True, capture_output=True)
+
+
+def test_the_step_metrics_put_training_at_its_step_and_scores_and_grids_at_the_checkpoints():
+    calls = []
+
+    class Run:
+        def define_metric(self, name, step_metric=None):
+            calls.append((name, step_metric))
+
+    wandb_sink.define_metrics(Run())
+    assert ("train/*", "train/step") in calls and ("eval/*", "eval/step") in calls
+    assert ("samples/*", "eval/step") in calls and ("train/step", None) in calls and ("eval/step", None) in calls
+
+
+def test_nothing_sent_or_written_holds_the_run_name_a_path_or_the_api_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    cfg = make_config(tmp_path, {"wandb": {"tags": ["t1"]}})
+    run_dir = config.run_dir(cfg)
+    fake_run(run_dir)
+    sent = []
+    real = publish.sink
+
+    def spy(name):
+        def send(c, ident, batch, where):
+            sent.append((ident, batch))
+            return real(name)(c, ident, batch, where)
+        return send
+
+    monkeypatch.setattr(publish, "sink", spy)
+    result = publish.publish(cfg, "cmd", pytest.fail)
+    assert result["wandb"]["error"] is None
+    ident, batch = sent[0]
+    text = json.dumps({"ident": ident, "config": batch["config"], "train": batch["train"],
+                       "evals": {str(k): v for k, v in batch["evals"].items()}})
+    assert "secret-run-name" not in text and str(tmp_path) not in text and "results" not in batch["config"]["config"]
+    assert ident["name"] == f"diffrelay-{ident['id'][:8]}"
+    assert batch["config"]["trajectory"] == config.trajectory_hash(cfg)
+    assert batch["config"]["snapshots_sha256"] == {"4": "ab" * 32} and "diffrelay" in batch["config"]["versions"]
+    wandb_file = glob.glob(str(run_dir / "track" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(wandb_file) == 1
+    blob = open(wandb_file[0], "rb").read()
+    assert b"secret-run-name" not in blob and str(tmp_path).encode() not in blob
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            assert SECRET.encode() not in f.read_bytes(), f
+    rows = wandb_history(run_dir)
+    assert [r["train/step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert {(r["eval/step"], r.get("eval/g2/fid")) for r in rows if "eval/g2/fid" in r} == {(4, 2.0)}
+
+    named = settings.run_config({**cfg.to_dict(), "track": {"send_names": True}}, "t", {})
+    assert named["config"]["run"]["name"] == "secret-run-name" and named["config"]["run"]["results"]
+
+
+def test_an_online_wandb_run_without_credentials_is_refused_at_parse_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = make_config(tmp_path, {"wandb": {"mode": "online"}})
+    with pytest.raises(UserError) as e:
+        preflight.check(cfg, "c.yaml")
+    msg = str(e.value)
+    assert msg.startswith("c.yaml: track.wandb.mode=online: no W&B credentials") and "wandb login" in msg
+    assert "\n" not in msg
+    (tmp_path / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {SECRET}\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert settings.check_config(cfg.to_dict()) == []
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    assert settings.check_config(cfg.to_dict()) == []
+    assert settings.check_config(make_config(tmp_path, {"wandb": {}}).to_dict()) == []  # offline needs none
+
+
+def test_a_second_track_job_waits_for_the_lock_and_leaves_its_records_pending_when_it_cannot_have_it(
+        tmp_path, monkeypatch):
+    import fcntl
+
+    cfg = make_config(tmp_path, {"mlflow": {}})
+    fake_run(config.run_dir(cfg))
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    track = config.run_dir(cfg) / "track"
+    track.mkdir()
+    with open(track / ".lock", "a") as held:  # another job's publish
+        fcntl.flock(held, fcntl.LOCK_EX)
+        warnings = []
+        result = publish.publish(cfg, "cmd", warnings.append, wait_s=0.3)
+    assert rec.sent == [] and result["mlflow"]["pending"] == 8 and len(warnings) == 1 and "held" in warnings[0]
+    assert not (track / "ledger.json").exists()
+    assert publish.publish(cfg, "cmd", pytest.fail)["mlflow"]["sent"]["train_steps"] == 4
