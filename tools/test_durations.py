@@ -3,6 +3,7 @@
   .venv/bin/pytest -n 2 --dist loadgroup --junitxml=/tmp/tests.xml      # make test's run, with a report
   python tools/test_durations.py /tmp/tests.xml                          # write tests/durations.json
   python tools/test_durations.py /tmp/tests.xml --table                  # also print seconds per test file
+  python tools/test_durations.py /tmp/tests.xml /tmp/slurm.xml           # several reports (make test's two runs)
 
 tests/durations.json maps each test's node id to its seconds (setup, call and teardown) in that run. The
 conftest hands the longest tests out first and marks those at SLOW_SECONDS or more `slow`, which
@@ -42,13 +43,13 @@ def by_file(durations: dict[str, float]) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("junit", help="pytest --junitxml report")
+    p.add_argument("junit", nargs="+", help="pytest --junitxml reports")
     p.add_argument("--out", default=str(OUT), help=f"JSON to write [{OUT.relative_to(REPO)}]")
     p.add_argument("--table", action="store_true", help="print a markdown table of seconds per test file")
     args = p.parse_args(argv)
-    durations = dict(sorted(read_junit(args.junit).items()))
+    durations = dict(sorted({k: v for path in args.junit for k, v in read_junit(path).items()}.items()))
     if not durations:
-        print(f"{args.junit}: no test cases", file=sys.stderr)
+        print(f"{' '.join(args.junit)}: no test cases", file=sys.stderr)
         return 1
     tmp = Path(args.out).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(durations, indent=0) + "\n")
