@@ -16,6 +16,7 @@ from diffrelay import config_paths, nets
 from diffrelay.nets import checks
 from diffrelay import config_text as text_checks  # torch-free
 from diffrelay.training import settings  # torch-free
+from diffrelay.objectives import ddpm_options  # torch-free
 from diffrelay.yamlfile import read_yaml  # noqa: F401 -- config.read_yaml is the Snakefile's reader too
 from diffrelay.errors import UserError
 
@@ -163,7 +164,7 @@ def _check_combinations(d: dict) -> list[tuple[str, str]]:
     from diffrelay.sampling.checks import check_config as check_sampling  # light: no torch
     parts = load_schema()["properties"]["sample"]["properties"]
     edm, flow, ddpm = ({k: v.get("default") for k, v in parts[p]["properties"].items()} for p in ("edm", "flow", "ddpm"))
-    return bad + check_sampling(d, edm, flow, ddpm) + text_checks.check_config(d)
+    return bad + check_sampling(d, edm, flow, ddpm) + text_checks.check_config(d) + ddpm_options.check_config(d)
 
 
 def _check_latent(d: dict) -> list[tuple[str, str]]:
@@ -365,8 +366,7 @@ def _trajectory_of(d: dict) -> dict:
         model["objective"] = kind
         model["sigma_data"] = edm["model"]["sigma_data"]
         train.update({k: edm["train"][k] for k in ("p_mean", "p_std")})
-    if kind != "flow":
-        train.pop("flow", None)
+    ddpm_options.trajectory(kind, model, train)  # train.flow, model.ddpm: in their objective's runs only
     return {"run": {"seed": d["run"]["seed"]}, "data": data, "model": model, "train": train}
 
 

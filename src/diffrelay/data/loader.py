@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from diffrelay.data import augment, edm_augment
-from diffrelay.objectives import edm
+from diffrelay.objectives import ddpm, edm
 from diffrelay.errors import UserError
 from diffrelay.data.order import DataOrder, noise_seed
 from diffrelay.runtime import mapped
@@ -93,8 +93,9 @@ class BatchMaker:
 
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
                  label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
-                 caption_dropout: float = 0.0):
+                 caption_dropout: float = 0.0, noise_offset: float = 0.0):
         self.data, self.seed, self.global_batch = data, seed, global_batch
+        self.noise_offset = noise_offset  # model.ddpm.noise_offset (objectives.noise_offset)
         # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
         self.text, self.caption_dropout = text, caption_dropout
         self.label_dropout, self.xflip = label_dropout, xflip
@@ -136,6 +137,9 @@ class BatchMaker:
             eps = torch.randn((self.global_batch, *self.shape), generator=self.generator, device=self.device)
             mean, std = images.chunk(2, dim=1)
             images = ((mean + std * eps[self.rank::self.world]) * self.scale + self.bias).contiguous()
+        if self.noise_offset:  # diffusers' offset noise: noise + offset * randn(b, c, 1, 1), drawn last (0: no draw)
+            off = torch.randn((self.global_batch, self.shape[0], 1, 1), generator=self.generator, device=self.device)
+            noise = ddpm.offset_noise(noise, off[self.rank::self.world], self.noise_offset)
         parts = (x.tensor_split(self.grad_accum) for x in (images, labels, rnd, noise))
         # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))

@@ -40,8 +40,15 @@ def sample(model_cfg: dict, net, latents, labels, num_steps: int, solver: str, e
         return edm.sample(net, latents, labels, num_steps, solver, edm_settings, noise, unguided, interval)
     if kind == "ddpm":
         return ddpm.sample(net, latents, labels, num_steps, solver, ddpm_settings or ddpm.SamplerSettings(), noise,
-                           unguided, interval)
+                           unguided, interval, ddpm.Options.of(model_cfg.get("ddpm")))
     return flow.sample(net, latents, labels, num_steps, solver, flow_settings, noise, unguided, interval)
+
+
+def noise_offset(cfg) -> float:
+    """model.ddpm.noise_offset of a Config (0 where the section is absent): the loader adds the offset's draw."""
+    from diffrelay.objectives.ddpm_options import Options
+
+    return Options.of(getattr(cfg.model, "ddpm", None)).noise_offset
 
 
 def loss(cfg, net, images, labels, rnd_normal, noise, augment_labels=None):
@@ -52,7 +59,7 @@ def loss(cfg, net, images, labels, rnd_normal, noise, augment_labels=None):
 
     t = cfg.train
     if cfg.model.objective == "ddpm":
-        out = ddpm.loss(net, images, labels, rnd_normal, noise)
+        out = ddpm.loss(net, images, labels, rnd_normal, noise, ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
     elif cfg.model.objective == "flow":
         out = flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
     else:  # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).

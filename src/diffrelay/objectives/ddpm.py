@@ -19,6 +19,12 @@ Samplers, on the grid of `steps` timesteps respaced as DiT's space_timesteps(T, 
   ddim:  DDIM (Song et al. 2021) with eta (0: deterministic).
 Coefficients are computed in float64 and the sampler runs in float64 (DiT's in float32): the bound is in
 benchmarks/check_ddpm_equivalence.py's results.
+
+model.ddpm (objectives/ddpm_options.py) makes it the objective as diffusers trains Stable Diffusion and its kin:
+the scaled_linear schedule, zero-terminal-SNR rescaling, v- or x0-prediction (the target; the samplers convert
+the prediction to x0 and eps as diffusers' DDIMScheduler.step does), min-SNR-gamma weights and offset noise (the
+offset's draw is the loader's, data/loader.py). benchmarks/check_diffusers_objective.py compares each with
+diffusers. Its defaults are DiT's objective above, bit for bit.
 """
 
 import dataclasses
@@ -29,27 +35,45 @@ import numpy as np
 import torch
 from torch import nn
 
+from diffrelay.errors import UserError
 from diffrelay.objectives.draws import ahead
+from diffrelay.objectives.ddpm_options import DEFAULT, Options
 from diffrelay.text import condition
 
 T = 1000
 SOLVERS = ("ddpm", "ddim")
 
 
-def betas() -> torch.Tensor:
-    """DiT's linear schedule in float64 (get_named_beta_schedule("linear", 1000)); NumPy's linspace, whose
-    rounding differs from torch's in the last bit."""
-    scale = 1000 / T
-    return torch.from_numpy(np.linspace(scale * 1e-4, scale * 0.02, T, dtype=np.float64))
+def betas(options: Options = DEFAULT) -> torch.Tensor:
+    """The betas in float64. Default: DiT's linear schedule (get_named_beta_schedule("linear", 1000)); NumPy's
+    linspace, whose rounding differs from torch's in the last bit. scaled_linear is diffusers' (linspace of
+    sqrt(beta), squared), then rescale_betas_zero_snr its rescale_zero_terminal_snr; diffusers computes them in
+    float32."""
+    o = options
+    if o.beta_schedule == "scaled_linear":
+        out = np.linspace(o.beta_start**0.5, o.beta_end**0.5, T, dtype=np.float64) ** 2
+    else:
+        out = np.linspace(o.beta_start, o.beta_end, T, dtype=np.float64)
+    return torch.from_numpy(rescale_zero_terminal_snr(out) if o.rescale_betas_zero_snr else out)
 
 
-def alphas_cumprod() -> torch.Tensor:
-    return torch.from_numpy(np.cumprod(1 - betas().numpy()))
+def rescale_zero_terminal_snr(beta: np.ndarray) -> np.ndarray:
+    """Lin et al. 2024, Algorithm 1, as diffusers' scheduling_ddpm.rescale_zero_terminal_snr: sqrt(abar) shifted
+    to end at 0 and scaled to keep its first value; the last beta is then 1 and the last abar exactly 0."""
+    root = np.sqrt(np.cumprod(1 - beta))
+    first, last = root[0], root[-1]
+    abar = ((root - last) * (first / (first - last))) ** 2
+    return 1 - np.append(abar[:1], abar[1:] / abar[:-1])
 
 
-def sigma_of(t) -> torch.Tensor:
-    """The EDM noise level of timestep t: x_t / sqrt(abar_t) = x + sigma eps (the unit of sample.guidance_interval)."""
-    a = alphas_cumprod()[torch.as_tensor(t)]
+def alphas_cumprod(options: Options = DEFAULT) -> torch.Tensor:
+    return torch.from_numpy(np.cumprod(1 - betas(options).numpy()))
+
+
+def sigma_of(t, options: Options = DEFAULT) -> torch.Tensor:
+    """The EDM noise level of timestep t: x_t / sqrt(abar_t) = x + sigma eps (the unit of sample.guidance_interval;
+    infinite where abar is 0, the last timestep of a zero-terminal-SNR schedule)."""
+    a = alphas_cumprod(options)[torch.as_tensor(t)]
     return ((1 - a) / a).sqrt()
 
 
@@ -128,8 +152,8 @@ class _Chain:
     """The posterior q(x_prev | x_t, x_0) of a chain of timesteps: the full 0..T-1 one for training, or a
     respaced one for sampling (whose betas are 1 - abar_t / abar_prev, as respace.py makes them)."""
 
-    def __init__(self, steps: list[int] | None = None):
-        abar = alphas_cumprod().numpy()
+    def __init__(self, steps: list[int] | None = None, options: Options = DEFAULT):
+        abar = alphas_cumprod(options).numpy()
         if steps is not None:
             abar = abar[steps]
         # As respace.py: the chain's betas, and abar made again from them (equal up to the last bit).
@@ -144,6 +168,7 @@ class _Chain:
         self.log_var_large = torch.cat([var[1:2], self.beta[1:]]).log()  # DiT's variance without learned sigma
         self.coef_x0 = self.beta * prev.sqrt() / (1 - abar)
         self.coef_xt = (1 - prev) * (1 - self.beta).sqrt() / (1 - abar)
+        self.snr = abar / (1 - abar)  # compute_snr's (sqrt(abar) / sqrt(1 - abar))^2; 0 where abar is 0
 
     def to(self, device) -> "_Chain":
         for name, value in vars(self).items():
@@ -152,6 +177,17 @@ class _Chain:
 
     def x0_from_eps(self, x, i, eps):
         return _gather((1 / self.abar).sqrt(), i, x) * x - _gather((1 / self.abar - 1).sqrt(), i, x) * eps
+
+    def x0_eps(self, x, i, pred, prediction: str):
+        """(x0, eps) from a v_prediction or sample prediction, as diffusers' DDIMScheduler.step; finite where abar
+        is 0 (no division by sqrt(abar), which epsilon's x0 needs)."""
+        a, s = _gather(self.abar.sqrt(), i, x), _gather((1 - self.abar).sqrt(), i, x)
+        if prediction == "v_prediction":
+            return a * x - s * pred, a * pred + s * x
+        return pred, (x - a * pred) / s
+
+    def eps_from_x0(self, x, i, x0):
+        return (x - _gather(self.abar.sqrt(), i, x) * x0) / _gather((1 - self.abar).sqrt(), i, x)
 
     def posterior_mean(self, x0, x, i):
         return _gather(self.coef_x0, i, x) * x0 + _gather(self.coef_xt, i, x) * x
@@ -167,20 +203,49 @@ class _Chain:
 
 
 @functools.lru_cache(maxsize=16)
-def _chain(steps: tuple | None, device: str) -> _Chain:
+def _chain(steps: tuple | None, device: str, options: Options = DEFAULT) -> _Chain:
     """The chain's tables on `device`, made once (a training step or a sampling step then copies nothing)."""
-    return _Chain(None if steps is None else list(steps)).to(device)
+    return _Chain(None if steps is None else list(steps), options).to(device)
 
 
-def loss(net, images, labels, rnd_normal, noise):
-    """DiT's training loss at timesteps drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller."""
+def target(images, noise, chain, t, prediction: str):
+    """What the network learns to predict: eps, diffusers' get_velocity sqrt(abar) eps - sqrt(1 - abar) x0,
+    or x0."""
+    if prediction == "v_prediction":
+        return _gather(chain.abar.sqrt(), t, images) * noise - _gather((1 - chain.abar).sqrt(), t, images) * images
+    return images if prediction == "sample" else noise
+
+
+def offset_noise(noise, draw, offset: float):
+    """Offset noise (Guttenberg 2023) as diffusers' training scripts add it: noise + offset * draw, with draw
+    ~ N(0, 1) of shape (B, C, 1, 1), one number per sample and channel (data/loader.py draws it)."""
+    return noise + offset * draw
+
+
+def snr_weights(chain, t, gamma: float, prediction: str, like):
+    """Min-SNR-gamma (Hang et al. 2023) as diffusers' training scripts weight each sample's mean squared error:
+    min(SNR, gamma), divided by SNR for epsilon and by SNR + 1 for v_prediction (x0 untouched for sample)."""
+    snr = chain.snr[t]
+    w = snr.clamp(max=gamma)
+    w = w / snr if prediction == "epsilon" else w / (snr + 1) if prediction == "v_prediction" else w
+    return w.to(like.dtype)
+
+
+def loss(net, images, labels, rnd_normal, noise, options: Options = DEFAULT):
+    """DiT's training loss at timesteps drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller (with
+    model.ddpm.noise_offset's offset in it already: data/loader.py); model.ddpm's target and weights."""
     t = (0.5 * (1 + torch.erf(rnd_normal.double() / math.sqrt(2))) * T).long().clamp(0, T - 1)
-    chain = _chain(None, str(images.device))
+    chain = _chain(None, str(images.device), options)
     x_t = _gather(chain.abar.sqrt(), t, images) * images + _gather((1 - chain.abar).sqrt(), t, images) * noise
     out = net(x_t, t, labels)
-    c = images.shape[1]
+    c, kind = images.shape[1], options.prediction_type
     eps = out[:, :c]
-    per_sample = ((noise - eps) ** 2).mean(dim=(1, 2, 3))
+    per_sample = ((target(images, noise, chain, t, kind) - eps) ** 2).mean(dim=(1, 2, 3))
+    if options.snr_gamma is not None:
+        per_sample = per_sample * snr_weights(chain, t, options.snr_gamma, kind, per_sample)
+    if out.shape[1] == 2 * c and kind != "epsilon":  # a network of one's own (config validation catches DiT's)
+        raise UserError(f"the network returns {2 * c} channels (learned sigma, L_vlb), which is defined for "
+                        f"model.ddpm.prediction_type epsilon, not {kind}; make it return {c} channels")
     if out.shape[1] == 2 * c:  # learned sigma (read off the output: `net` may be a DDP wrapper)
         # L_vlb trains the variance only: the mean comes from eps with its gradient stopped (iDDPM Sec. 3.1).
         log_var = chain.log_var(t, out[:, c:], images)
@@ -194,14 +259,15 @@ def loss(net, images, labels, rnd_normal, noise):
 
 @torch.no_grad()
 def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm",
-           settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None):
+           settings: SamplerSettings = SamplerSettings(), noise=None, unguided=None, interval=None,
+           options: Options = DEFAULT):
     """From latents ~ N(0, 1) at t = T - 1 to images: `num_steps` respaced steps of DDPM or DDIM. net(x, t, labels)
-    is an EpsModel (or its guided form); noise(shape) gives the draws (float64, one stream per image), each asked
-    for a step ahead (draws.ahead).
+    is an EpsModel (or its guided form) predicting options.prediction_type; noise(shape) gives the draws (float64,
+    one stream per image), each asked for a step ahead (draws.ahead).
     interval = (lo, hi) in EDM's sigma of the step's timestep (sigma_of): `net` there, `unguided` elsewhere."""
     steps = respaced(num_steps)
-    chain, c, dev = _chain(tuple(steps), str(latents.device)), latents.shape[1], latents.device
-    sigmas = sigma_of(steps).tolist()  # the gate's Python floats: an `if` on a tensor would read it every step
+    chain, c, dev = _chain(tuple(steps), str(latents.device), options), latents.shape[1], latents.device
+    sigmas = sigma_of(steps, options).tolist()  # the gate's Python floats: an `if` on a tensor would read it each step
     guided = net
     x = latents.to(torch.float64)
     draws = ahead(noise, x.shape, len(steps) - 1 if solver == "ddpm" or settings.eta > 0 else 0)
@@ -211,10 +277,14 @@ def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm"
         t = torch.full((x.shape[0],), steps[i], device=dev)
         out = net(x.float(), t, labels).double()
         idx = torch.full((x.shape[0],), i, device=dev)
-        eps, v = out[:, :c], (out[:, c:] if out.shape[1] > c else None)
-        x0 = chain.x0_from_eps(x, idx, eps)
+        pred, v = out[:, :c], (out[:, c:] if out.shape[1] > c else None)
+        if options.prediction_type == "epsilon":
+            x0, eps = chain.x0_from_eps(x, idx, pred), None  # eps re-derived below, as DiT does
+        else:
+            x0, eps = chain.x0_eps(x, idx, pred, options.prediction_type)
         if settings.clip_denoised:
             x0 = x0.clamp(-1, 1)
+            eps = None if eps is None else chain.eps_from_x0(x, idx, x0)  # diffusers' DDIM: eps of the clipped x0
         if solver == "ddpm":
             x = chain.posterior_mean(x0, x, idx)
             if i > 0:
@@ -222,7 +292,8 @@ def sample(net, latents, labels=None, num_steps: int = 250, solver: str = "ddpm"
             continue
         # DDIM: eps re-derived from x_0 (as DiT's ddim_sample), then the eta-scaled step to abar_prev.
         a, a_prev = _gather(chain.abar, idx, x), _gather(chain.abar_prev, idx, x)
-        eps = (_gather((1 / chain.abar).sqrt(), idx, x) * x - x0) / _gather((1 / chain.abar - 1).sqrt(), idx, x)
+        if eps is None:
+            eps = (_gather((1 / chain.abar).sqrt(), idx, x) * x - x0) / _gather((1 / chain.abar - 1).sqrt(), idx, x)
         sd = settings.eta * ((1 - a_prev) / (1 - a)).sqrt() * (1 - a / a_prev).sqrt()
         x = x0 * a_prev.sqrt() + (1 - a_prev - sd**2).sqrt() * eps
         if i > 0 and settings.eta > 0:

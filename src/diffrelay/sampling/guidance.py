@@ -75,11 +75,13 @@ def load_guide(path, meta: dict, weights: str, device):
     from pathlib import Path
 
     from diffrelay.objectives import objective
+    from diffrelay.objectives.ddpm_options import Options
 
     path = Path(path)
     _, guide_meta = checkpoint.read_snapshot(path)
     ours, theirs = meta["model"], guide_meta.get("model", {})
     checks = [("model.objective", objective(ours), objective(theirs)),
+              ("model.ddpm", Options.of(ours.get("ddpm")).sampled(), Options.of(theirs.get("ddpm")).sampled()),
               ("model.arch", ours.get("arch", "unet"), theirs.get("arch", "unet")),
               ("image shape", meta["image_shape"], guide_meta.get("image_shape")),
               # latents of another encoder or scaling mean other numbers in the same shape

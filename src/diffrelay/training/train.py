@@ -169,7 +169,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment,
-                              text=data.text, caption_dropout=cfg.data.caption_dropout)
+                              text=data.text, caption_dropout=cfg.data.caption_dropout,
+                              noise_offset=objectives.noise_offset(cfg))
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
@@ -181,8 +182,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
              f" | {device.type} | {t.precision}")
 
     # ---- Loop -----------------------------------------------------------------------------------
-    window = _new_window()
-    seg_t0 = time.perf_counter()
+    window, seg_t0 = _new_window(), time.perf_counter()
     while step < until:
         step_t0 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.run.seed, step, rank))  # dropout draws from the global generator
