@@ -3,6 +3,8 @@ once, a failing tracker (one warning, backlog kept, job succeeds), privacy, and 
 
 import glob
 import json
+import os
+import re
 import struct
 import subprocess
 import sys
@@ -261,3 +263,180 @@ def test_a_second_track_job_waits_for_the_lock_and_leaves_its_records_pending_wh
     assert rec.sent == [] and result["mlflow"]["pending"] == 8 and len(warnings) == 1 and "held" in warnings[0]
     assert not (track / "ledger.json").exists()
     assert publish.publish(cfg, "cmd", pytest.fail)["mlflow"]["sent"]["train_steps"] == 4
+
+
+# --- review fixes (issue 41) -------------------------------------------------------------------------------------
+
+def _rule(text: str, name: str) -> str:
+    start = text.index(f"rule {name}:")
+    end = text.find("\nrule ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_training_numbers_have_their_own_track_job_ahead_of_the_next_segment_and_every_track_job_sees_the_section():
+    from conftest import REPO
+
+    track = (REPO / "workflow" / "rules" / "track.smk").read_text()
+    train = _rule(track, "track_train")
+    inputs = train[train.index("input:"):train.index("output:")]
+    assert inputs.split() == ["input:", "trained=rules.train_segment.output.trained,"]  # no evaluation
+    priority = int(re.search(r"priority: (\d+)", train).group(1))
+    segment = (REPO / "workflow" / "rules" / "train.smk").read_text()
+    assert priority > int(re.search(r"priority: (\d+)", segment).group(1))
+    assert "track_train," in track[:track.index("rule ")]  # a local rule
+    for name in ("track_train", "track_segment", "track_report"):
+        assert "trackers=TRACK_DIGEST" in _rule(track, name), name  # a changed track section reruns it
+    assert "get_track_train_records" in _rule(track, "track_report")
+    d = {"track": {"wandb": {}}}
+    assert settings.section_digest(d) != settings.section_digest({"track": {"wandb": {"project": "q"}}})
+
+
+def test_the_track_command_never_fails_its_job(tmp_path, capfd):
+    from diffrelay import cli
+
+    out = tmp_path / "rec.json"
+    assert cli.main(["track", "--config", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    assert len([line for line in err.splitlines() if "warning: nothing published" in line]) == 1
+    record = json.loads(out.read_text())
+    assert record["pending"] is None and "missing.yaml" in record["error"] and record["send_with"]
+
+
+def test_the_run_folder_is_read_under_the_lock(tmp_path, monkeypatch):
+    cfg = make_config(tmp_path, {"mlflow": {}})
+    fake_run(config.run_dir(cfg))
+    monkeypatch.setattr(publish, "sink", Recorder())
+    order, real_lock, real_collect = [], publish.lock, records.collect
+    monkeypatch.setattr(publish, "lock", lambda *a: order.append("lock") or real_lock(*a))
+    monkeypatch.setattr(records, "collect", lambda *a: order.append("collect") or real_collect(*a))
+    publish.publish(cfg, "cmd", pytest.fail)
+    assert order == ["lock", "collect"]
+
+
+def test_trackers_are_imported_with_telemetry_off_and_bounded_requests(monkeypatch):
+    for key in publish.TRACKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")  # the user's own setting wins
+    publish.sink("mlflow")
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true" and os.environ["WANDB_ERROR_REPORTING"] == "false"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"
+    wandb = pytest.importorskip("wandb")
+    s = wandb_sink.settings(wandb)
+    assert s.init_timeout <= 60 and s.finish_timeout > 0 and s.finish_timeout_raises
+
+
+def test_a_password_in_a_url_never_reaches_a_warning_or_the_record(tmp_path, monkeypatch):
+    cfg = make_config(tmp_path, {"mlflow": {}})
+    fake_run(config.run_dir(cfg))
+
+    def sink(name):
+        def send(*a):
+            raise ConnectionError("POST https://alice:s3cret@mlflow.example/api failed; also postgresql://bob:pw@db/x")
+        return send
+
+    monkeypatch.setattr(publish, "sink", sink)
+    warnings = []
+    result = publish.publish(cfg, "cmd", warnings.append)
+    text = json.dumps(result) + "\n".join(warnings)
+    assert "s3cret" not in text and "bob:pw" not in text and "https://***@mlflow.example/api" in text
+    assert "postgresql://***@db/x" in text
+
+
+def test_a_new_destination_gets_the_whole_backlog(tmp_path, monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    cfg = make_config(tmp_path, {"mlflow": {"experiment": "a"}})
+    fake_run(config.run_dir(cfg))
+    assert publish.publish(cfg, "cmd", pytest.fail)["mlflow"]["sent"]["train_steps"] == 4
+    assert publish.publish(cfg, "cmd", pytest.fail)["mlflow"]["sent"]["train_steps"] == 0
+    cfg = make_config(tmp_path, {"mlflow": {"experiment": "b"}})
+    assert publish.publish(cfg, "cmd", pytest.fail)["mlflow"]["sent"] == {"train_steps": 4, "scores": 2, "grids": 1,
+                                                                          "config": True}
+    entry = ledgers.load(config.run_dir(cfg) / "track" / "ledger.json")["mlflow"]
+    assert entry["run_id"] == rec.sent[-1][1]["id"] and entry["destination"] == settings.destination(
+        "mlflow", {"experiment": "b"})
+
+
+def test_a_new_run_folder_is_a_new_tracker_run(tmp_path, monkeypatch):
+    import shutil
+
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    cfg = make_config(tmp_path, {"wandb": {}})
+    run_dir = config.run_dir(cfg)
+    ids = []
+    for created in (1000.5, 2000.25):
+        fake_run(run_dir)
+        (run_dir / "run.json").write_text(json.dumps({"created": created}))
+        for _ in range(2):
+            publish.publish(cfg, "cmd", pytest.fail)
+        ids.append([ident["id"] for _, ident, _ in rec.sent])
+        rec.sent.clear()
+        shutil.rmtree(run_dir)
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]  # the new folder sent its whole backlog again
+
+
+def test_an_unreadable_grid_is_named_skipped_and_kept_pending(tmp_path, monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    cfg = make_config(tmp_path, {"wandb": {}, "mlflow": {}})
+    run_dir = config.run_dir(cfg)
+    fake_run(run_dir)
+    grid = run_dir / "samples" / "step_0000004" / "grid.png"
+    grid.write_bytes(b"\x89PNG broken")
+    warnings = []
+    result = publish.publish(cfg, "cmd", warnings.append)
+    assert len(warnings) == 1 and str(grid) in warnings[0]  # once, not once per tracker
+    assert [b["grids"] for _, _, b in rec.sent] == [{}, {}] and all(b["train"] for _, _, b in rec.sent)
+    assert result["mlflow"]["pending"] == 1 and result["mlflow"]["sent"]["train_steps"] == 4
+    assert ledgers.load(run_dir / "track" / "ledger.json")["mlflow"]["grids"] == []
+
+
+def test_mlflow_metrics_carry_the_time_of_their_record_so_a_resend_is_an_exact_duplicate(tmp_path, monkeypatch):
+    import types
+
+    run_dir = tmp_path / "run"
+    fake_run(run_dir)
+    lines = [json.loads(x) for x in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()[:-1]]
+    (run_dir / "metrics" / "train.jsonl").write_text("".join(json.dumps({**r, "time": 100.0 + r["step"]}) + "\n"
+                                                             for r in lines))
+    score = run_dir / "metrics" / "fid" / "step_0000004.json"
+    score.write_text(json.dumps({**json.loads(score.read_text()), "finished": 500.5}))
+    rec = records.collect(run_dir)
+    batch = ledgers.pending(ledgers.empty(), rec, {})
+    batch["grids"], batch["config"] = {}, None
+    logged = []
+
+    class Client:
+        def __init__(self, tracking_uri):
+            pass
+
+        def log_batch(self, run_id, metrics, synchronous):
+            logged.extend(metrics)
+
+    monkeypatch.setitem(sys.modules, "mlflow.entities", types.SimpleNamespace(Metric=lambda *a: a))
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", types.SimpleNamespace(MlflowClient=Client))
+    from diffrelay.tracking import mlflow_sink
+
+    monkeypatch.setattr(mlflow_sink, "find_run", lambda *a: "r")
+    for _ in range(2):
+        mlflow_sink.send({}, {"id": "x", "trajectory": "t"}, batch, tmp_path)
+    first, second = logged[:len(logged) // 2], logged[len(logged) // 2:]
+    assert first == second  # identical rows: MLflow's SQL store skips them
+    assert ("train/loss", 13.0, 103000, 3) in first and ("eval/main/fid", 3.0, 500500, 4) in first
+
+
+def test_the_credentials_check_runs_only_where_asked_and_reads_the_wandb_host_from_its_settings(tmp_path, monkeypatch):
+    for var in ("WANDB_API_KEY", "NETRC", "WANDB_BASE_URL", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = make_config(tmp_path, {"wandb": {"mode": "online"}})
+    preflight.check(cfg, "c.yaml", credentials=False)  # a job's parse on a compute node
+    (tmp_path / ".config" / "wandb").mkdir(parents=True)
+    (tmp_path / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
+    assert settings.wandb_host() == "wandb.corp.example"
+    with pytest.raises(UserError, match="wandb.corp.example"):
+        preflight.check(cfg, "c.yaml")
+    (tmp_path / ".netrc").write_text(f"machine wandb.corp.example\n  login user\n  password {SECRET}\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert settings.check_config(cfg.to_dict()) == []

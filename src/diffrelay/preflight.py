@@ -311,13 +311,14 @@ def latent_model(cfg, side: int, source: str) -> None:
         raise UserError(f"{source}: {key}: {why} (the network sees {side}x{side} latents)")
 
 
-def check(cfg, source: str) -> None:
-    """Everything that can be checked before any job starts."""
+def check(cfg, source: str, credentials: bool = True) -> None:
+    """Everything that can be checked before any job starts; `credentials`: also the trackers' (only where the
+    track jobs run: the Snakefile's main process and `diffrelay validate`, not a job's parse on a node)."""
     from diffrelay.tracking import settings as tracking  # light: neither wandb nor mlflow
 
     # Here, not in config.validate: credentials matter where the track jobs run (the submit host), not on the
     # nodes that train.
-    bad = tracking.check_config(cfg.to_dict())
+    bad = tracking.check_config(cfg.to_dict()) if credentials else []
     if bad:
         raise UserError(f"{source}: {bad[0][0]}: {bad[0][1]}")
     check_latent(cfg, source)

@@ -22,6 +22,9 @@ from diffrelay import logs as drlogs  # noqa: E402
 from diffrelay import io as drio  # noqa: E402
 from diffrelay.errors import UserError  # noqa: E402
 
+# tracking.settings imports neither wandb nor mlflow
+from diffrelay.tracking import settings as drtracking  # noqa: E402
+
 # envs/diffrelay.yaml installs this checkout into the conda env through this variable.
 os.environ.setdefault("DIFFRELAY_HOME", str(workflow.basedir))
 
@@ -97,7 +100,8 @@ def load_run_config():
                 f"read only the config files, so put the change in a YAML file and pass it with --configfile"
             )
     try:
-        preflight.check(cfg, source)
+        # The trackers' credentials only where the track jobs run (local jobs: the main process).
+        preflight.check(cfg, source, credentials=workflow.is_main_process)
     except UserError as e:
         fail(str(e))
     return files, cfg

@@ -54,6 +54,7 @@ def get_segment_outputs(wildcards):
 
 # --- experiment trackers (track.smk) ----------------------------------------------------------
 TRACKERS = [t for t in ("wandb", "mlflow") if CFG.to_dict()["track"][t] is not None]
+TRACK_DIGEST = drtracking.section_digest(CFG.to_dict())
 
 
 def get_track_inputs(wildcards):
@@ -77,12 +78,29 @@ def get_track_inputs(wildcards):
     }
 
 
+def get_track_train_records(wildcards):
+    """Every segment's training publish (none when the run trains nothing: sample.snapshot)."""
+    if EVALUATED:
+        return []
+    return expand(
+        rules.track_train.output.record,
+        run=wildcards.run,
+        step=[step_name(s) for s in SEGMENT_ENDS],
+    )
+
+
 def get_track_targets():
-    """The track records of every segment and the final one, when a tracker is configured."""
+    """The track records of every segment (training and evaluations) and the final one, when a tracker is
+    configured."""
     if not TRACKERS:
         return []
-    return expand(rules.track_report.output.record, run=RUN) + expand(
-        rules.track_segment.output.record,
-        run=RUN,
-        step=[step_name(s) for s in SEGMENT_ENDS],
+    steps = [step_name(s) for s in SEGMENT_ENDS]
+    return (
+        expand(rules.track_report.output.record, run=RUN)
+        + expand(rules.track_segment.output.record, run=RUN, step=steps)
+        + (
+            []
+            if EVALUATED
+            else expand(rules.track_train.output.record, run=RUN, step=steps)
+        )
     )

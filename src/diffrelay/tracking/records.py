@@ -28,6 +28,9 @@ class Records:
     grids: dict = field(default_factory=dict)  # (series, step) -> grid.png path
     snapshots: dict = field(default_factory=dict)  # step -> sha256
     trained_until: int = 0
+    # When each value was recorded, ms since the epoch: ("train", step) -> train.jsonl's time, (series, step) ->
+    # the score file's `finished`. MLflow stamps metrics with them, so a re-sent metric is an exact duplicate.
+    times: dict = field(default_factory=dict)
 
 
 def series_of(variant: str) -> str:
@@ -50,16 +53,23 @@ def trained_until(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def train_records(run_dir: Path, until: int) -> dict:
-    """step -> the tracked values of its last record, for steps <= until (finished segments only)."""
+def train_records(run_dir: Path, until: int, times: dict | None = None) -> dict:
+    """step -> the tracked values of its last record, for steps <= until (finished segments only); `times`
+    gets ("train", step) -> that record's time in ms."""
     out = {}
+    times = {} if times is None else times
     for r in logs.read_jsonl(run_dir / "metrics" / "train.jsonl"):
         step = r.get("step")
         if "event" in r or not isinstance(step, int) or step > until or "loss" not in r:
             continue
         values = {k: _number(r.get(k)) for k in TRAIN_KEYS}
         out[step] = {k: v for k, v in values.items() if v is not None}
+        times[("train", step)] = _ms(r.get("time"))
     return dict(sorted(out.items()))
+
+
+def _ms(seconds) -> int:
+    return int(round(_number(seconds) * 1000)) if _number(seconds) is not None else 0
 
 
 def _slug(text: str) -> str:
@@ -93,11 +103,12 @@ def collect(run_dir, until: int | None = None) -> Records:
     last finished segment)."""
     run_dir = Path(run_dir)
     rec = Records(trained_until=trained_until(run_dir) if until is None else until)
-    rec.train = train_records(run_dir, rec.trained_until)
+    rec.train = train_records(run_dir, rec.trained_until, rec.times)
     for path in sorted((run_dir / "metrics" / "fid").glob("step_*.json")):
         key, result = _folder(path.stem), _read_json(path)
         if key and isinstance(result, dict) and (values := score_values(result)):
             rec.evals[key] = values
+            rec.times[key] = _ms(result.get("finished"))
     for folder in sorted((run_dir / "samples").glob("step_*")):
         key = _folder(folder.name)
         manifest = _read_json(folder / "manifest.json") if key else None

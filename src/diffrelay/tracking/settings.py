@@ -4,7 +4,9 @@ stable tracker id and display name, and the config a tracker is sent (private by
 Plain Python (no wandb, no mlflow, no torch): preflight reads it at Snakefile parse time.
 """
 
+import configparser
 import hashlib
+import json
 import netrc
 import os
 from importlib import metadata
@@ -22,8 +24,21 @@ def trackers(d: dict) -> list[str]:
     return [t for t in TRACKERS if track.get(t) is not None]
 
 
+def wandb_base_url() -> str:
+    """WANDB_BASE_URL, else base_url of wandb's settings file (what `wandb login --host` writes), else W&B's."""
+    if os.environ.get("WANDB_BASE_URL"):
+        return os.environ["WANDB_BASE_URL"]
+    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(folder / "settings")
+        return parser.get("default", "base_url", fallback="") or "https://api.wandb.ai"
+    except (OSError, configparser.Error):
+        return "https://api.wandb.ai"
+
+
 def wandb_host() -> str:
-    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    return urlparse(wandb_base_url()).hostname or "api.wandb.ai"
 
 
 def has_wandb_credentials() -> bool:
@@ -47,9 +62,36 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     return []
 
 
-def run_id(name: str, trajectory: str) -> str:
-    """One tracker run per diffrelay run: derived from its name and trajectory, the same in every job."""
-    return hashlib.sha256(f"diffrelay:{name}:{trajectory}".encode()).hexdigest()[:16]
+def run_id(name: str, trajectory: str, created: str = "") -> str:
+    """One tracker run per run folder: derived from its name, trajectory and run.json's creation time
+    (`created`), the same in every job of the folder; a new folder (deleted and started again, or another
+    user's copy of the same config) is a new tracker run."""
+    return hashlib.sha256(f"diffrelay:{name}:{trajectory}:{created}".encode()).hexdigest()[:16]
+
+
+def section_digest(d: dict) -> str:
+    """Digest of the track section: a param of the track rules, so changing it reruns them (cheap: the ledger
+    sends only what the new settings have not had)."""
+    return hashlib.sha256(json.dumps(d.get("track"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def created(run_dir: Path) -> str:
+    """run.json's `created` time (preflight.write_run_record), '' before the run folder has one."""
+    try:
+        value = json.loads((Path(run_dir) / "run.json").read_text()).get("created")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return repr(value) if value is not None else ""
+
+
+def destination(name: str, cfg: dict) -> str:
+    """Digest of where tracker `name` sends (W&B: entity, project, mode; MLflow: tracking URI, experiment):
+    a ledger entry holds only for the destination it was sent to."""
+    if name == "wandb":
+        where = [cfg.get("entity"), cfg.get("project") or "diffrelay", cfg.get("mode") or "offline"]
+    else:
+        where = [cfg.get("tracking_uri") or "sqlite:///mlflow.db", cfg.get("experiment") or "diffrelay"]
+    return hashlib.sha256(json.dumps([name, *where]).encode()).hexdigest()[:16]
 
 
 def display_name(d: dict, rid: str) -> str:

@@ -8,13 +8,19 @@ Offline (the default) W&B writes a run folder under results/<run>/track/wandb/ p
 console capture, no code, git state or requirements, so no path and no host name leave it.
 """
 
+# Bounds on the network waits of an online run, so an unreachable server holds the run's lock for minutes, not
+# for ever: wandb.init gives up after INIT_TIMEOUT_S, each request after REQUEST_TIMEOUT_S, and run.finish raises
+# after FINISH_TIMEOUT_S of uploading (the batch then stays pending; the run's files stay on disk).
+INIT_TIMEOUT_S, REQUEST_TIMEOUT_S, FINISH_TIMEOUT_S = 60.0, 30.0, 300.0
 STEP_METRICS = {"train/*": "train/step", "eval/*": "eval/step", "samples/*": "eval/step"}
 
 
 def settings(wandb):
     return wandb.Settings(x_disable_meta=True, x_disable_machine_info=True, x_disable_stats=True, console="off",
                           x_save_requirements=False, disable_git=True, save_code=False, disable_code=True,
-                          silent=True, host="diffrelay", program="diffrelay track")
+                          silent=True, host="diffrelay", program="diffrelay track", init_timeout=INIT_TIMEOUT_S,
+                          x_graphql_timeout_seconds=REQUEST_TIMEOUT_S, x_file_transfer_timeout_seconds=REQUEST_TIMEOUT_S,
+                          finish_timeout=FINISH_TIMEOUT_S, finish_timeout_raises=True)
 
 
 def define_metrics(run) -> None:
