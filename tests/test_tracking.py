@@ -440,3 +440,27 @@ def test_the_credentials_check_runs_only_where_asked_and_reads_the_wandb_host_fr
     (tmp_path / ".netrc").write_text(f"machine wandb.corp.example\n  login user\n  password {SECRET}\n")
     (tmp_path / ".netrc").chmod(0o600)
     assert settings.check_config(cfg.to_dict()) == []
+
+
+def test_the_track_command_never_replaces_a_file_it_did_not_write(tmp_path, monkeypatch):
+    import argparse
+
+    pub = publish
+
+    mine, log = tmp_path / "mine.json", tmp_path / "notes.txt"
+    mine.write_text('{"a user": "file"}')
+    log.write_text("a user's notes\n")
+    monkeypatch.setattr(pub, "publish", lambda *a, **k: {})
+    monkeypatch.setattr(pub.config, "load", lambda paths: None)
+    args = argparse.Namespace(config=["c.yaml"], step=4, out=str(mine), log=None, final=False, wait_minutes=0)
+    assert pub.main(args) == 0
+    assert mine.read_text() == '{"a user": "file"}'  # refused with a warning, the job still succeeds
+    ours = tmp_path / "record.json"
+    assert pub.main(argparse.Namespace(**{**vars(args), "out": str(ours)})) == 0
+    assert pub.main(argparse.Namespace(**{**vars(args), "out": str(ours)})) == 0  # its own record: replaced
+    assert json.loads(ours.read_text())["pending"] == 0
+    code = ("import argparse, sys; from diffrelay.tracking import publish as p; p.publish = lambda *a, **k: {}; "
+            "p.config.load = lambda c: None; sys.exit(p.main(argparse.Namespace(config=['c.yaml'], step=None, "
+            f"out=None, log={str(log)!r}, final=False, wait_minutes=0)))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert log.read_text().startswith("a user's notes\n") and "diffrelay track" in log.read_text()

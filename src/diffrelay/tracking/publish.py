@@ -150,7 +150,8 @@ def _redirect(log: str):
     """Our output and the trackers' chatter to `log`; returns a stream to the original stderr for warnings."""
     console = os.fdopen(os.dup(2), "w", buffering=1)
     Path(log).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # Appended, never truncated: a file given by hand keeps what it held (Snakemake removes a job's old log itself).
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -191,7 +192,9 @@ def main(args) -> int:
         warn(f"diffrelay: warning: {record['pending']} tracker records are still pending; send them with: {command}")
     print(json.dumps(record, sort_keys=True), file=sys.stderr, flush=True)
     if args.out:
-        try:
+        try:  # only a record of ours is replaced (the project's check for every --out)
+            io.check_file_target(args.out, lambda q: io.is_json_object(q, ("trackers", "pending")),
+                                 "a record written by `diffrelay track`")
             io.write_json(args.out, record)
         except Exception as e:
             warn(f"diffrelay: warning: {args.out}: record not written ({_one_line(e)})")
