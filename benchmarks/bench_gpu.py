@@ -2,7 +2,7 @@
 and the scaling of training from 1 to N GPUs.
 
   python benchmarks/bench_gpu.py [--steps 200] [--batch 256] [--fid-images 10000] [--extractor random]
-      [--cases unet,dit,eval,ditxl,ditxl-compile,scaling] [--device cuda]
+      [--cases unet,dit,eval,ditxl,ditxl-sample,ditxl-compile,scaling] [--device cuda]
 
 Without a CUDA device it prints one line and exits with status 2, writing nothing (run_all.py does not
 call it); --device cpu is a dry run of the same code at whatever sizes are given (no MFU). Imports only
@@ -15,7 +15,8 @@ bundle on PYTHONPATH, and every stage as `python -m diffrelay`. Cases, bf16 auto
     latents (4 x 32 x 32) that `diffrelay prepare` encodes with a small random AutoencoderKL (factor 8), with
     --ditxl-batch images a step; then `diffrelay sample` of it with 250 DDPM steps and CFG 1.5, TF32 on and
     off (sample.tf32).
-  - ditxl-compile: the ditxl training again with train.compile on, the bare loop compiled as well (after ditxl).
+  - ditxl-sample: the ditxl case's sampling alone, of a random DiT-XL/2 made a snapshot by `diffrelay import`;
+  - ditxl-compile: the ditxl training again with train.compile on, the bare loop compiled as well.
 For each case: `diffrelay train` (one segment, the train.* speed switches given by --fast) against a bare
 loop with the same network, batch, optimizer, clipping and EMA (no DDP, no logging, no checkpoint);
 model FLOP utilisation = FLOPs of one training step, counted by torch.utils.flop_counter.FlopCounterMode,
@@ -172,45 +173,88 @@ def tiny_vae(folder: Path) -> Path:
     return folder
 
 
-def ditxl_case(tmp: Path, args, peak) -> dict:
-    """DiT-XL/2 on 256 px latents: training against the bare loop, then 250-step DDPM sampling with CFG, TF32
-    on and off."""
+def ditxl_data(tmp: Path, args) -> tuple[dict, dict]:
+    """(data config, its record) of the DiT cases: a random VAE and --ditxl-images images encoded by `diffrelay
+    prepare`, once for every case that needs them."""
     data = {"kind": "shapes", "resolution": args.ditxl_res, "count": args.ditxl_images, "encoder": "sd-vae",
-            "encoder_path": str(tiny_vae(tmp / "vae")), "latent_norm": "dit"}
+            "encoder_path": str(tmp / "vae"), "latent_norm": "dit"}
+    if (tmp / "ditxl_dataset" / "dataset.json").exists():
+        return data, {}
+    tiny_vae(tmp / "vae")
     prep = write_config(tmp, "ditxl_data", run_config("ditxl_data", DITXL, tmp, args, data))
     t0 = time.perf_counter()
     run("prepare", "--config", prep, "--out", tmp / "ditxl_dataset")
-    encode_s = time.perf_counter() - t0
-    model = {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
-    row = train_case("ditxl", model, tmp, tmp / "ditxl_dataset", args, peak, data,
-                     {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False}, args.ditxl_batch)
-    row |= {"model": model, "encode_images": args.ditxl_images, "prepare_seconds": round(encode_s, 2)}
+    return data, {"encode_images": args.ditxl_images, "prepare_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def ditxl_model(args) -> dict:
+    return {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
+
+
+def ditxl_sampling(config, snapshot, tmp: Path, args, name: str) -> dict:
+    """`diffrelay sample` of a DiT-XL/2 snapshot: --ditxl-steps DDPM steps with CFG 1.5, TF32 on and off."""
+    row = {}
     for tf32 in (True, False):
-        out = tmp / f"ditxl_samples_tf32_{tf32}"
-        run("sample", "--config", row["config"], "--snapshot", row["snapshot"], "--out", out, "--num-images",
+        out = tmp / f"{name}_samples_tf32_{tf32}"
+        run("sample", "--config", config, "--snapshot", snapshot, "--out", out, "--num-images",
             args.ditxl_samples, "--batch-size", args.ditxl_samples, "--steps", args.ditxl_steps, "--solver", "ddpm",
             "--guidance", 1.5, "--ddpm-guided-channels", 3, "--tf32" if tf32 else "--no-tf32")
         m = json.loads((out / "manifest.json").read_text())
         row[f"sample_images_per_s_tf32_{'on' if tf32 else 'off'}"] = m["images_per_s"]
-        print(f"ditxl sampling ({args.ditxl_steps} DDPM steps, CFG 1.5, tf32 {tf32}): {m['images_per_s']:.3f} img/s",
+        print(f"{name} sampling ({args.ditxl_steps} DDPM steps, CFG 1.5, tf32 {tf32}): {m['images_per_s']:.3f} img/s",
               flush=True)
-    row["sample"] = {"images": args.ditxl_samples, "steps": args.ditxl_steps, "guidance": 1.5, "precision": "fp32"}
+    return row | {"sample": {"images": args.ditxl_samples, "steps": args.ditxl_steps, "guidance": 1.5,
+                             "precision": "fp32"}}
+
+
+def ditxl_case(tmp: Path, args, peak) -> dict:
+    """DiT-XL/2 on 256 px latents: training against the bare loop, then 250-step DDPM sampling with CFG, TF32
+    on and off."""
+    data, prepared = ditxl_data(tmp, args)
+    model = ditxl_model(args)
+    row = train_case("ditxl", model, tmp, tmp / "ditxl_dataset", args, peak, data,
+                     {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False}, args.ditxl_batch)
+    row |= {"model": model, **prepared} | ditxl_sampling(row["config"], row["snapshot"], tmp, args, "ditxl")
     row.pop("snapshot"), row.pop("config")
     return row
 
 
-def ditxl_compile_case(tmp: Path, args, peak) -> dict:
-    """The ditxl case's training with train.compile on (the bare loop compiled too), on its prepared latents."""
-    if not (tmp / "ditxl_dataset" / "dataset.json").exists():
-        return {"note": "not measured: needs the ditxl case first (its latents)"}
+def ditxl_sample_case(tmp: Path, args) -> dict:
+    """Sampling alone: a randomly initialised DiT-XL/2 made a snapshot by `diffrelay import` (no training, no
+    10.8 GB checkpoint), then the ditxl case's sampling. Only the VAE needs to exist: nothing is encoded."""
+    from diffrelay import config, preflight
+    from diffrelay.nets import registry
+    from safetensors.torch import save_file
+
     data = {"kind": "shapes", "resolution": args.ditxl_res, "count": args.ditxl_images, "encoder": "sd-vae",
             "encoder_path": str(tmp / "vae"), "latent_norm": "dit"}
-    model = {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
+    if not (tmp / "vae").exists():
+        tiny_vae(tmp / "vae")
+    model = ditxl_model(args)
+    cfg_dict = run_config("ditxl_sample", model, tmp, args, data, {"label_dropout": 0.1})  # CFG needs it
+    path = write_config(tmp, "ditxl_sample", cfg_dict)
+    cfg = config.Config(config.validate(cfg_dict))
+    channels, side = preflight.net_geometry(cfg)
+    torch.manual_seed(0)
+    net = registry.build_network("dit", model["kwargs"], side, channels, preflight.num_classes(cfg))
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, tmp / "ditxl_random.safetensors")
+    del net
+    snapshot = tmp / "ditxl_sample.safetensors"
+    run("import", "--config", path, "--checkpoint", tmp / "ditxl_random.safetensors", "--out", snapshot,
+        "--layout", "diffrelay")
+    return {"model": model, "weights": "random (torch.manual_seed(0))"} | ditxl_sampling(path, snapshot, tmp, args,
+                                                                                        "ditxl_sample")
+
+
+def ditxl_compile_case(tmp: Path, args, peak) -> dict:
+    """The ditxl case's training with train.compile on (the bare loop compiled too), on the same latents."""
+    data, prepared = ditxl_data(tmp, args)
+    model = ditxl_model(args)
     row = train_case("ditxl_compile", model, tmp, tmp / "ditxl_dataset", args, peak, data,
                      {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False, "compile": True,
                       "threads": args.compile_threads}, args.ditxl_batch)
     row.pop("snapshot"), row.pop("config")
-    return row | {"model": model, "compile": True}
+    return row | {"model": model, "compile": True, **prepared}
 
 
 def eval_case(snapshot, data_dir, tmp: Path, args) -> dict:
@@ -304,6 +348,8 @@ def main():
                 result["eval"] = eval_case(snapshot, data_dir, tmp, args)
             elif case == "ditxl":
                 result["ditxl"] = ditxl_case(tmp, args, peak)
+            elif case == "ditxl-sample":
+                result["ditxl_sample"] = ditxl_sample_case(tmp, args)
             elif case == "ditxl-compile":
                 result["ditxl_compile"] = ditxl_compile_case(tmp, args, peak)
             save()

@@ -20,7 +20,7 @@ import gpu_bundle  # noqa: E402
 import gpu_smoke  # noqa: E402
 
 # What bench_gpu runs inside the smoke: every case, at sizes the CPU does in seconds.
-BENCH = ("--steps 4 --cases ditxl --ditxl-size S --ditxl-batch 4 --ditxl-res 64 --ditxl-images 32 --ditxl-samples 2 "
+BENCH = ("--steps 4 --cases ditxl,ditxl-sample --ditxl-size S --ditxl-batch 4 --ditxl-res 64 --ditxl-images 32 --ditxl-samples 2 "
          "--ditxl-steps 3")
 
 
@@ -107,3 +107,5 @@ def test_smoke_sequence_runs_from_torch_torchvision_and_the_bundle(tmp_path):
     bench = checks["bench_gpu"]["result"]
     assert "ditxl" in bench and bench["ditxl"]["ratio"] > 0
     assert bench["ditxl"]["sample_images_per_s_tf32_on"] > 0 and (out / "gpu_bench_smoke.json").is_file()
+    # Sampling alone: a random network made a snapshot by `diffrelay import`, then sampled with TF32 on and off.
+    assert bench["ditxl_sample"]["sample_images_per_s_tf32_off"] > 0
