@@ -13,9 +13,9 @@ bundle on PYTHONPATH, and every stage as `python -m diffrelay`. Cases, bf16 auto
   - dit:  DiT-S/2 (model.arch: dit, kwargs {size: S, patch: 2}), the same data;
   - ditxl: DiT-XL/2 as config/examples/dit-xl2-imagenet256.yaml (ddpm objective, learned sigma), on 256 px
     latents (4 x 32 x 32) that `diffrelay prepare` encodes with a small random AutoencoderKL (factor 8), with
-    --ditxl-batch images a step; then `diffrelay sample` of it with 250 DDPM steps and CFG 1.5, TF32 on and
-    off (sample.tf32).
-  - ditxl-sample: the ditxl case's sampling alone, of a random DiT-XL/2 made a snapshot by `diffrelay import`;
+    --ditxl-batch images a step;
+  - ditxl-sample: `diffrelay sample` of a random DiT-XL/2 made a snapshot by `diffrelay import` (no training, no
+    checkpoint to write first), 250 DDPM steps and CFG 1.5, TF32 on and off (sample.tf32);
   - ditxl-compile: the ditxl training again with train.compile on, the bare loop compiled as well.
 For each case: `diffrelay train` (one segment, the train.* speed switches given by --fast) against a bare
 loop with the same network, batch, optimizer, clipping and EMA (no DDP, no logging, no checkpoint);
@@ -191,37 +191,35 @@ def ditxl_model(args) -> dict:
     return {**DITXL, "kwargs": {**DITXL["kwargs"], "size": args.ditxl_size}}
 
 
-def ditxl_sampling(config, snapshot, tmp: Path, args, name: str) -> dict:
+def ditxl_sampling(config, snapshot, tmp: Path, args) -> dict:
     """`diffrelay sample` of a DiT-XL/2 snapshot: --ditxl-steps DDPM steps with CFG 1.5, TF32 on and off."""
     row = {}
     for tf32 in (True, False):
-        out = tmp / f"{name}_samples_tf32_{tf32}"
+        out = tmp / f"samples_tf32_{tf32}"
         run("sample", "--config", config, "--snapshot", snapshot, "--out", out, "--num-images",
             args.ditxl_samples, "--batch-size", args.ditxl_samples, "--steps", args.ditxl_steps, "--solver", "ddpm",
             "--guidance", 1.5, "--ddpm-guided-channels", 3, "--tf32" if tf32 else "--no-tf32")
         m = json.loads((out / "manifest.json").read_text())
         row[f"sample_images_per_s_tf32_{'on' if tf32 else 'off'}"] = m["images_per_s"]
-        print(f"{name} sampling ({args.ditxl_steps} DDPM steps, CFG 1.5, tf32 {tf32}): {m['images_per_s']:.3f} img/s",
+        print(f"ditxl sampling ({args.ditxl_steps} DDPM steps, CFG 1.5, tf32 {tf32}): {m['images_per_s']:.3f} img/s",
               flush=True)
     return row | {"sample": {"images": args.ditxl_samples, "steps": args.ditxl_steps, "guidance": 1.5,
                              "precision": "fp32"}}
 
 
 def ditxl_case(tmp: Path, args, peak) -> dict:
-    """DiT-XL/2 on 256 px latents: training against the bare loop, then 250-step DDPM sampling with CFG, TF32
-    on and off."""
+    """DiT-XL/2 on 256 px latents: training against the bare loop (its sampling is the ditxl-sample case)."""
     data, prepared = ditxl_data(tmp, args)
     model = ditxl_model(args)
     row = train_case("ditxl", model, tmp, tmp / "ditxl_dataset", args, peak, data,
                      {"label_dropout": 0.1, "grad_clip": 0.0, "channels_last": False}, args.ditxl_batch)
-    row |= {"model": model, **prepared} | ditxl_sampling(row["config"], row["snapshot"], tmp, args, "ditxl")
     row.pop("snapshot"), row.pop("config")
-    return row
+    return row | {"model": model, **prepared}
 
 
 def ditxl_sample_case(tmp: Path, args) -> dict:
     """Sampling alone: a randomly initialised DiT-XL/2 made a snapshot by `diffrelay import` (no training, no
-    10.8 GB checkpoint), then the ditxl case's sampling. Only the VAE needs to exist: nothing is encoded."""
+    10.8 GB checkpoint), then --ditxl-steps DDPM steps with CFG 1.5, TF32 on and off. Nothing is encoded."""
     from diffrelay import config, preflight
     from diffrelay.nets import registry
     from safetensors.torch import save_file
@@ -242,8 +240,7 @@ def ditxl_sample_case(tmp: Path, args) -> dict:
     snapshot = tmp / "ditxl_sample.safetensors"
     run("import", "--config", path, "--checkpoint", tmp / "ditxl_random.safetensors", "--out", snapshot,
         "--layout", "diffrelay")
-    return {"model": model, "weights": "random (torch.manual_seed(0))"} | ditxl_sampling(path, snapshot, tmp, args,
-                                                                                        "ditxl_sample")
+    return {"model": model, "weights": "random (torch.manual_seed(0))"} | ditxl_sampling(path, snapshot, tmp, args)
 
 
 def ditxl_compile_case(tmp: Path, args, peak) -> dict:
@@ -305,7 +302,7 @@ def main():
     ap.add_argument("--images", type=int, default=50000, help="synthetic training images")
     ap.add_argument("--fid-images", type=int, default=10000)
     ap.add_argument("--extractor", default="random", help="random (offline) or inception (downloads once)")
-    ap.add_argument("--cases", default="unet,dit,eval,ditxl,scaling", help="which measurements, comma-separated")
+    ap.add_argument("--cases", default="unet,dit,eval,ditxl,ditxl-sample,scaling", help="which measurements, comma-separated")
     ap.add_argument("--ditxl-size", default="XL", help="DiT size of the ditxl case (S for a dry run)")
     ap.add_argument("--ditxl-batch", type=int, default=128)
     ap.add_argument("--ditxl-res", type=int, default=256, help="pixels; latents are a factor 8 smaller")

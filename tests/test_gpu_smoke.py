@@ -106,6 +106,6 @@ def test_smoke_sequence_runs_from_torch_torchvision_and_the_bundle(tmp_path):
     assert checks["kill_one_rank"]["passed"] is None  # needs 2 GPUs
     bench = checks["bench_gpu"]["result"]
     assert "ditxl" in bench and bench["ditxl"]["ratio"] > 0
-    assert bench["ditxl"]["sample_images_per_s_tf32_on"] > 0 and (out / "gpu_bench_smoke.json").is_file()
+    assert (out / "gpu_bench_smoke.json").is_file()
     # Sampling alone: a random network made a snapshot by `diffrelay import`, then sampled with TF32 on and off.
-    assert bench["ditxl_sample"]["sample_images_per_s_tf32_off"] > 0
+    assert min(bench["ditxl_sample"][f"sample_images_per_s_tf32_{s}"] for s in ("on", "off")) > 0
