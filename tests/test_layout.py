@@ -40,7 +40,8 @@ ALLOWED = {
     "objectives": {"nets", "text"},
     "data": {"runtime", "nets", "objectives", "text"},
     "evaluation": {"runtime", "data", "text"},
-    "training": {"runtime", "nets", "objectives", "data", "text"},
+    "pretrained": {"nets", "objectives", "text"},
+    "training": {"runtime", "nets", "objectives", "data", "text", "pretrained"},
     "sampling": {"runtime", "nets", "objectives", "data", "training", "text"},
     "tracking": {"runtime", "evaluation"},
 }

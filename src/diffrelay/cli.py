@@ -57,6 +57,17 @@ def _minutes(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> float:
+    """GPU memory in GiB: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a number of GiB") from e
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of GiB above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a config and print it with defaults filled in")
     _config(p)
+    p.add_argument("--gpu-memory-gib", type=_gib, metavar="GIB", help="compare the training memory estimate with "
+                   "GPUs of this many GiB instead of this machine's (planning on a CPU machine, e.g. 80)")
     p.set_defaults(module="diffrelay.validate")
 
     p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, dataset.json)")
@@ -95,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(sample.steps)")
     p.add_argument("--solver", choices=["heun", "euler", "sde", "ddpm", "ddim"],
                    help="sde: model.objective flow only; ddpm, ddim: model.objective ddpm only")
+    p.add_argument("--scheduler", metavar="CLASS", help="a diffusers scheduler instead of --solver, e.g. "
+                   "DPMSolverMultistepScheduler, UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler "
+                   "(sample.scheduler)")
+    p.add_argument("--scheduler-kwargs", metavar="JSON", help="its other config keys as a JSON object, e.g. "
+                   "'{\"use_karras_sigmas\": true}' (sample.scheduler_kwargs)")
     p.add_argument("--batch-size", type=int, help="images per forward pass per process; the pixels do not "
                    "depend on it (sample.batch_size)")
     p.add_argument("--weights", choices=["ema", "raw"], help="the EMA of the weights or the weights as trained "

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from diffrelay import config_paths, nets
+from diffrelay import config_paths, nets, pretrained
 from diffrelay.nets import checks
 from diffrelay import config_text as text_checks  # torch-free
 from diffrelay.training import settings  # torch-free
@@ -215,7 +215,7 @@ def validate(raw: dict, source: str = "config") -> dict:
     if errors:
         # Report the first problem only: one actionable line beats a wall of text.
         raise UserError(f"{source}: {_explain(errors[0])}")
-    bad = _check_combinations(d)
+    bad = pretrained.expand(d) or _check_combinations(d)  # model.pretrained's keys first (docs/pretrained.md)
     if bad:
         key, msg = bad[0]
         raise UserError(f"{source}: {key}: {msg}")
@@ -324,7 +324,7 @@ def applicable(t: dict) -> dict:
 def applicable_model(model: dict) -> dict:
     """A `model` section with the UNet's top-level settings at their defaults where they do not apply: in
     any other network, and where model.kwargs (or its preset) sets the same keyword (nets.unet_settings)."""
-    out, defaults = dict(model), _default_trajectory()["model"]
+    out, defaults = pretrained.trajectory(model), _default_trajectory()["model"]  # its sha256s, not its path
     for key in nets.unused_keys(out) & set(out):
         out[key] = defaults[key]
     if out.get("objective", "edm") == "edm":
@@ -354,7 +354,7 @@ def _trajectory_of(d: dict) -> dict:
     text_checks.trajectory(data)
     if _latent(data) and ":" in data["encoder"]:
         data.pop("latent_norm", None)  # your own encoder brings its own scaling
-    model = dict(d["model"])
+    model = pretrained.trajectory(d["model"])  # a copy; its sha256s, not its path, and nothing without one
     if model.get("arch") == "dit":  # a checkpoint of the earlier DiT is another run (nets.DIT_LAYOUT)
         model["dit_layout"] = nets.DIT_LAYOUT
     # The objective's keys apply to its runs only; EDM runs read as they did before objectives existed.

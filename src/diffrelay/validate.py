@@ -124,6 +124,9 @@ def main(args) -> int:
     line = text_line(cfg)
     if line:
         print(line)
+    from diffrelay import validate_memory  # `# memory:` lines, and a warning when the GPUs are too small
+
+    validate_memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))
     for note in settings.paper_notes(cfg.to_dict()):  # YAML comments, so stdout stays a valid config
         print(f"# note: {note}")
     return 0

@@ -174,6 +174,13 @@ def get_sample_settings(wildcards):
         edm_flags += f" --guide {shlex.quote(guide[0])}"
     if decay is not None:
         edm_flags += f" --ema-decay {decay!r}"
+    # sample.scheduler, only when set (other runs keep their command): changing it resamples
+    scheduler = CFG.to_dict()["sample"].get("scheduler")
+    if scheduler:
+        edm_flags += f" --scheduler {shlex.quote(scheduler)}"
+        kwargs = json.dumps(CFG.to_dict()["sample"]["scheduler_kwargs"], sort_keys=True)
+        if kwargs != "{}":
+            edm_flags += f" --scheduler-kwargs {shlex.quote(kwargs)}"
     # A text run's prompt file: the variant's of sample.prompts (_p<k>).
     prompts = protocol.prompt_files(CFG.to_dict()["sample"])
     if prompts:

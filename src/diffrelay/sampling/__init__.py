@@ -1,5 +1,6 @@
 """Sampling: images from a snapshot in a standalone process (`sample`, the `sample` stage), the sample
-folder and its manifest (`folder`) and classifier-free guidance (`guidance`).
+folder and its manifest (`folder`), classifier-free guidance (`guidance`) and diffusers' schedulers
+(`schedulers`, sample.scheduler).
 
 Imports the base modules, config, runtime, nets, objectives, text, data (the seed range) and training (to read
 snapshots).

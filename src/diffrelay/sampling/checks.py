@@ -4,6 +4,8 @@ runs them). config.validate reports the first; each names the key and the fix.
 
 import json
 
+from diffrelay.sampling.schedulers import problems
+
 # The largest guidance scale, for the config, --guidance and prompt files: far beyond any useful one (the papers
 # use 1-10, SD 7.5).
 # Larger ones overflow float32 in the sampler: 1e39 is not a float32 at all, 1e30 turns every image to NaN.
@@ -41,10 +43,14 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     if not flow and s["solver"] == "sde":
         bad.append(("sample.solver=sde", "a flow sampler (model.objective: flow); EDM's stochastic sampler is "
                     "heun with sample.edm.S_churn > 0"))
-    if ddpm and s["solver"] not in ("ddpm", "ddim"):
+    # sample.scheduler replaces sample.solver (sampling/schedulers.py; pure Python, no diffusers here)
+    bad += problems(s.get("scheduler"), s.get("scheduler_kwargs"), kind, s["ddpm"]["eta"] if ddpm else 0.0,
+                    s["guidance_interval"] if max(scales) != 1 or min(scales) != 1 else None)
+    chain = s.get("scheduler") is None  # the objective's own sampler: its solver must fit
+    if chain and ddpm and s["solver"] not in ("ddpm", "ddim"):
         bad.append((f"sample.solver={s['solver']}", "model.objective: ddpm samples with its own chain; set "
                     "sample.solver: ddpm (DiT's sampler, with sample.steps: 250) or ddim"))
-    if not ddpm and s["solver"] in ("ddpm", "ddim"):
+    if chain and not ddpm and s["solver"] in ("ddpm", "ddim"):
         bad.append((f"sample.solver={s['solver']}", f"a sampler of model.objective: ddpm; for {kind} use heun or "
                     f"euler{' or sde' if flow else ''}"))
     if ddpm and s["steps"] > 1000:
@@ -60,7 +66,7 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     if wide and have and wide > have:
         bad.append((f"sample.{kind}.guided_channels={wide}", f"the network sees {have} channels; use at most {have} "
                     "(or null for all)"))
-    if ddpm and s["solver"] == "ddpm" and s["ddpm"]["eta"]:
+    if chain and ddpm and s["solver"] == "ddpm" and s["ddpm"]["eta"]:
         bad.append((f"sample.ddpm.eta={s['ddpm']['eta']}", "eta is DDIM's; set sample.solver: ddim or remove it"))
     if e["sigma_min"] >= e["sigma_max"]:
         bad.append((f"sample.edm.sigma_min={e['sigma_min']}", f"must be below sample.edm.sigma_max={e['sigma_max']}"))

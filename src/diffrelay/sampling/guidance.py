@@ -31,9 +31,11 @@ def _first(channels, guided, plain):
     return guided if channels is None else torch.cat([guided[:, :channels], plain[:, channels:]], 1)
 
 
-def guided(denoise, scale: float, null: int, channels: int | None = None):
+def guided(denoise, scale: float, null: int, channels: int | None = None, uncond_first: bool = False):
     """denoise(x, sigma, labels) with guidance `scale`; scale 1 (or no labels) is `denoise` itself, untouched.
-    channels: extrapolate only the first so many output channels (None: all)."""
+    channels: extrapolate only the first so many output channels (None: all). uncond_first: the unconditional
+    rows first in the batch, as diffusers' pipelines concatenate them (sample.scheduler): the network's numbers
+    are then theirs bit for bit (a row's last bits may depend on its place in the batch)."""
     if scale == 1:
         return denoise
 
@@ -43,8 +45,11 @@ def guided(denoise, scale: float, null: int, channels: int | None = None):
         # Conditional and unconditional rows in one batch, then extrapolate from the unconditional one.
         both_labels = labels.with_null() if isinstance(labels, Text) else \
             torch.cat([labels, torch.full_like(labels, null)])
+        if uncond_first:
+            n = len(x)
+            both_labels = both_labels[torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(x.device)]
         both = denoise(torch.cat([x, x]), torch.cat([sigma, sigma]), both_labels)
-        cond, uncond = both.chunk(2)
+        cond, uncond = both.chunk(2)[::-1] if uncond_first else both.chunk(2)
         return _first(channels, uncond + scale * (cond - uncond), cond)
 
     return fn

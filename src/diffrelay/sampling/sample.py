@@ -26,7 +26,7 @@ from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import export, guidance, prompted
+from diffrelay.sampling import export, guidance, prompted, schedulers
 from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
@@ -103,7 +103,8 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
     kind = objectives.objective(meta["model"])
     channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
         else None
-    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels)  # the contract's null class
+    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels,  # the contract's null class
+                              uncond_first=s.scheduler is not None)
     if guide is not None and s.guidance != 1:
 
         def reference(x, sigma, labels):
@@ -112,6 +113,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
 
         denoise = guidance.autoguided(plain, reference, s.guidance, channels)
     interval = s.guidance_interval if s.guidance != 1 else None
+    scheduler = None if s.scheduler is None else schedulers.build(s, meta["model"], "sample.scheduler")
 
     indices, rows = list(indices), forward_rows(s)
     for start in range(0, len(indices), s.batch_size):
@@ -133,8 +135,11 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
             labels = prompted.condition(text, [items[i] for i in padded], device, labels, s.guidance != 1,
                                         meta.get("num_classes", 0))
         with torch.inference_mode():
-            images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
-                                       noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
+            if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
+                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta)
+            else:
+                images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
+                                           noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
             finite = torch.isfinite(images).flatten(1).all(1)[:len(batch)]
@@ -147,7 +152,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
             bad = [s.first_seed + i if items is None else items[i].seed for i, ok in zip(batch, finite) if not ok]
             raise NonFiniteSamples(
                 f"sampling gave NaN or inf for seed(s) {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
-                f"(guidance {s.guidance:g}, precision {s.precision}, {s.steps} {s.solver} steps); likely a guidance "
+                f"(guidance {s.guidance:g}, precision {s.precision}, {s.steps} {s.scheduler or s.solver} steps); likely a guidance "
                 "scale too large, a bf16 overflow, or a network that returns NaN in eval mode; nothing was written "
                 "for these images")
         yield from zip(batch, pixels)
@@ -156,7 +161,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
 def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
     """The sampler and its settings against a snapshot's objective (the config's checks, for a hand-run)."""
     ours = s.solver in ("ddpm", "ddim")
-    if (kind == "ddpm") != ours:
+    if (kind == "ddpm") != ours and s.scheduler is None:  # a scheduler replaces the solver (schedulers.check)
         fix = "ddpm (or ddim)" if kind == "ddpm" else "heun or euler"
         raise UserError(f"--solver {s.solver}: {snapshot} is a model.objective {kind} network; use {fix}")
     if kind == "ddpm" and s.steps > 1000:
@@ -169,7 +174,7 @@ def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
     if kind == "ddpm" and (s.edm.changed() or s.flow.changed()):
         raise UserError(f"sample.edm/sample.flow {s.edm.changed() | s.flow.changed()}: {snapshot} is a model.objective "
                         "ddpm network; these are the other objectives' sampler settings; remove them")
-    if kind == "ddpm" and s.solver == "ddpm" and s.ddpm.eta:
+    if kind == "ddpm" and s.solver == "ddpm" and s.ddpm.eta and s.scheduler is None:
         raise UserError(f"sample.ddpm.eta={s.ddpm.eta}: eta is DDIM's; use --solver ddim or remove it")
     if kind != "ddpm" and s.ddpm.changed():
         raise UserError(f"sample.ddpm {s.ddpm.changed()}: {snapshot} is a model.objective {kind} network; these "
@@ -279,6 +284,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         raise UserError(f"sample.edm {s.edm.changed()}: {snapshot} is a model.objective flow network and these are "
                         "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
     _check_ddpm(kind, s, snapshot, shape)
+    scheduler = None if s.scheduler is None else schedulers.build(s, meta["model"], snapshot)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(latent_data.output_shape(meta))}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
@@ -297,6 +303,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["tf32"] = True
     if items is not None:
         key["prompts"] = prompted.fingerprint(items)
+    if scheduler is not None:  # only then: folders of the objectives' samplers keep the key they had
+        key["scheduler"] = schedulers.record(scheduler)
     done = up_to_date(out, key)
     damaged, changed = export.check(out, done, s.npz) if done else ([], [])  # changed: samples.npz to add/remove
     if done and not damaged and not changed:
@@ -324,7 +332,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         log.info("resuming: %d of %d images of this process already in %s; skipping them",
                  len(mine) - len(todo), len(mine), work)
     log.info("sampling %d images (%d here) from %s, step %s, %s weights, %d %s steps, %d process(es), device %s",
-             s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.solver, world, device)
+             s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.scheduler or s.solver, world,
+             device)
 
     try:
         progress = Progress(len(todo), s.batch_size)

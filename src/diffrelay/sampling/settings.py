@@ -4,6 +4,7 @@ Imports the base modules and objectives (each objective's sampler settings).
 """
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -45,6 +46,8 @@ class Settings:
     ema_decay: float | None = None  # which of train.ema_decays's EMAs; None = the first
     npz: bool = False  # also samples.npz (export.py); not a pixel setting
     prompts: str | None = None  # text runs: the prompt file (sampling/prompted.py); None = the held-out captions
+    scheduler: str | None = None  # a diffusers scheduler's class (sampling/schedulers.py); None = `solver`
+    scheduler_kwargs: dict = dataclasses.field(default_factory=dict)  # its other config keys
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
@@ -52,6 +55,7 @@ class Settings:
         values["edm"] = SamplerSettings(**values["edm"])
         values["flow"] = FlowSamplerSettings(**values["flow"])
         values["ddpm"] = DdpmSamplerSettings(**values["ddpm"])
+        values["scheduler_kwargs"] = dict(values["scheduler_kwargs"] or {})
         values["guidance_interval"] = None if values["guidance_interval"] is None else tuple(values["guidance_interval"])
         g = values["guidance"]
         if isinstance(g, list):  # a sweep: the workflow passes one value a job with --guidance
@@ -74,11 +78,11 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     validate: config.validate, to check the flags like the config file's values."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
                                           "weights", "precision", "guidance", "guide", "ema_decay", "tf32",
-                                          "prompts")
+                                          "prompts", "scheduler")
             if getattr(args, k, None) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
-        if name in ("guide", "ema_decay", "tf32", "prompts"):
+        if name in ("guide", "ema_decay", "tf32", "prompts", "scheduler"):
             continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
@@ -89,6 +93,14 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
                         "larger scales overflow float32 in the sampler)")
     if not 0 < over.get("ema_decay", 0.5) < 1:
         raise UserError(f"--ema-decay={over['ema_decay']}: a decay lies between 0 and 1; give one of train.ema_decays")
+    if getattr(args, "scheduler_kwargs", None) is not None:  # a JSON object of the scheduler's config keys
+        try:
+            over["scheduler_kwargs"] = json.loads(args.scheduler_kwargs)
+        except ValueError:
+            over["scheduler_kwargs"] = None
+        if not isinstance(over["scheduler_kwargs"], dict):
+            raise UserError(f"--scheduler-kwargs={args.scheduler_kwargs}: not a JSON object; give e.g. "
+                            "'{\"use_karras_sigmas\": true}'")
     if getattr(args, "npz", None) is not None:  # a bool: not range-checked above
         over["npz"] = args.npz
     if args.class_labels is not None:

@@ -10,6 +10,7 @@ from diffrelay.data import loader
 from diffrelay.data.order import DataOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
+from diffrelay.pretrained import weights
 from diffrelay.runtime import speed
 from diffrelay.training import optim, phema
 
@@ -34,6 +35,8 @@ class TrainState:
         text = getattr(data, "text", None)  # a text run's TextSource: the network is built for its dims
         net = objectives.build(cfg.to_dict()["model"], side, data.num_classes, channels,
                                text=text.dims if text else None).to(device)
+        if cfg.model.pretrained is not None:  # step 0 starts from the pipeline's weights; a resume loads over them
+            weights.load_initial(net, cfg.to_dict()["model"]["pretrained"])
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match

@@ -1,0 +1,259 @@
+"""sample.scheduler (diffrelay.sampling.schedulers) against diffusers' own pipelines: same weights, prompts, negative
+prompts, seeds, steps, guidance and scheduler; the latents compared.
+
+  python benchmarks/check_diffusers_sampling.py [--diffusers-src /path/to/diffusers/src] [--schedulers A,B]
+
+--diffusers-src is the `src` folder of a diffusers checkout, put first on sys.path (the script checks that
+diffusers.__file__ is under it); without it the installed diffusers is the reference. Nothing is downloaded: the
+models are tiny, built here from configs with seeded weights.
+
+  sd/<case>/<Scheduler>:  a tiny StableDiffusionPipeline in memory (UNet2DConditionModel, AutoencoderKL, and a
+      CLIPTextModel with its tokenizer written by diffrelay.text.demo.clip_text), called as a user calls it:
+      pipe(prompts, negative_prompt=..., num_inference_steps, guidance_scale, generator=[one per image],
+      output_type="latent"), its scheduler Scheduler.from_config(<case's config>), the way diffusers' docs swap
+      schedulers. Against diffrelay's side: the prompts encoded by diffrelay's text encoders (text/encoders.py)
+      into a Text with the negative prompts as its null rows, the pipeline's UNet under diffrelay's network
+      contract (nets/text_nets.TextNet in ddpm.EpsModel), diffrelay's guidance (sampling/guidance.py) and
+      schedulers.build/sample with model.ddpm and sample.scheduler_kwargs set to the case; the initial noise is
+      generate()'s, randn of each image's own generator (the pipeline's prepare_latents draws the same numbers).
+      The comparison is at the sampling loop's level: generate()'s batching, padding and PNG writing are left out
+      (tests/test_sample_scheduler.py checks those). Cases: sd15 (Stable Diffusion 1.5's scheduler config:
+      scaled_linear, epsilon, steps_offset 1) with every DDPM-family scheduler; vzsnr (v_prediction, zero terminal
+      SNR, trailing spacing) with those that take rescale_betas_zero_snr; karras-sde (DPM-Solver++ SDE on Karras
+      sigmas: noise drawn in every step); ddim-eta (DDIM with eta 0.5).
+  sd3/FlowMatchEulerDiscreteScheduler (and FlowMatchHeun): a tiny StableDiffusion3Pipeline given the prompt
+      embeddings (no text encoders), shift 3, against TextNet("sd3") in flow.VelocityModel.
+  config/...: the scheduler diffrelay builds has the reference's config, key for key.
+Bound: max |latent difference| = 0, equal bit for bit: the same float32 arithmetic on the same batches (with
+sample.scheduler diffrelay's guidance puts the unconditional rows first, as the pipelines do; the other order
+moves the last bits, 8e-5 on latents of size 48 with EulerDiscreteScheduler). Exit status 1 with one FAIL line per
+figure outside its bound. Writes benchmarks/results/diffusers_sampling.json.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SEEDS = [5, 6, 7]
+PROMPTS = ["a red circle top left", "a photo of a blue square", "a green triangle"]
+NEGATIVE = ["a blue square", "", "a photo"]
+STEPS, GUIDANCE = 4, 3.0
+BOUND = 0.0  # bit for bit (see the docstring)
+SD15 = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+        "prediction_type": "epsilon", "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1,
+        "skip_prk_steps": True, "trained_betas": None}
+VZSNR = {**SD15, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
+# The keys diffrelay takes from model.ddpm (the rest of a case's config goes to sample.scheduler_kwargs).
+MODEL_KEYS = ("beta_schedule", "beta_start", "beta_end", "prediction_type", "rescale_betas_zero_snr")
+
+
+def import_diffusers(src: Path | None):
+    if src is not None:
+        sys.path.insert(0, str(src))
+        for name in [m for m in sys.modules if m == "diffusers" or m.startswith("diffusers.")]:
+            del sys.modules[name]  # another diffusers was imported first: import this one
+    import diffusers
+
+    if src is not None and not Path(diffusers.__file__).resolve().is_relative_to(src.resolve()):
+        raise SystemExit(f"diffusers imported from {diffusers.__file__}, not from {src}")
+    return diffusers
+
+
+def cases(diffusers, names=None) -> list[tuple[str, str, dict, float]]:
+    """(case, scheduler class, reference config, eta)."""
+    import inspect
+
+    from diffrelay.sampling.schedulers import DDPM_FAMILY
+
+    out = [("sd15", n, SD15, 0.0) for n in DDPM_FAMILY]
+    out += [("vzsnr", n, VZSNR, 0.0) for n in DDPM_FAMILY
+            if "rescale_betas_zero_snr" in inspect.signature(getattr(diffusers, n).__init__).parameters]
+    out += [("karras-sde", "DPMSolverMultistepScheduler",
+             {**SD15, "use_karras_sigmas": True, "algorithm_type": "sde-dpmsolver++"}, 0.0),
+            ("ddim-eta", "DDIMScheduler", SD15, 0.5)]
+    return [c for c in out if names is None or c[1] in names]
+
+
+def sd_pipeline(diffusers, folder: Path):
+    """A tiny StableDiffusionPipeline: 8x8 latents (a one-level VAE), a 2-level UNet, diffrelay's demo CLIP."""
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    from diffrelay.text.demo import clip_text
+
+    clip_text(folder, hidden=32)
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    with torch.no_grad():  # seeded weights large enough that every input bit matters (zero-init out conv)
+        for p in unet.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    vae = diffusers.AutoencoderKL(block_out_channels=(32,), latent_channels=4, norm_num_groups=32,
+                                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
+    pipe = diffusers.StableDiffusionPipeline(
+        vae=vae, text_encoder=CLIPTextModel.from_pretrained(folder, local_files_only=True),
+        tokenizer=AutoTokenizer.from_pretrained(folder, local_files_only=True), unet=unet,
+        scheduler=diffusers.DDIMScheduler.from_config(SD15), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _settings(name: str, config: dict, eta: float, kind: str, accepted, **extra):
+    from diffrelay.objectives.ddpm import SamplerSettings
+    from diffrelay.sampling import sample
+
+    skip = set(MODEL_KEYS) | {"num_train_timesteps", "clip_sample", "trained_betas", "shift"}
+    kwargs = {k: v for k, v in config.items() if k not in skip and k in accepted}
+    return sample.default_settings(steps=STEPS, guidance=GUIDANCE, scheduler=name, scheduler_kwargs=kwargs,
+                                   ddpm=SamplerSettings(eta=eta), **extra)
+
+
+def _same(ours, reference: dict, accepted) -> bool:
+    """diffrelay's scheduler has the reference config on every key of the class (from_config keeps foreign keys
+    too)."""
+    return all(ours.config.get(k) == reference.get(k) for k in accepted if k not in ("self", "kwargs"))
+
+
+def _noise(shape) -> tuple[list, torch.Tensor]:
+    """generate()'s draw: one generator per image, its latent first (sample.generate)."""
+    gens = [torch.Generator().manual_seed(s) for s in SEEDS]
+    return gens, torch.stack([torch.randn(shape, generator=g) for g in gens])
+
+
+def compare_sd(diffusers, pipe, text, case: str, name: str, config: dict, eta: float) -> tuple[float, bool]:
+    """(max |diffrelay - pipeline| of the latents, whether the two schedulers' configs are equal)."""
+    import inspect
+
+    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.objectives import ddpm
+    from diffrelay.sampling import guidance, prompted, schedulers
+
+    cls = getattr(diffusers, name)
+    pipe.scheduler = cls.from_config(config)
+    reference = dict(pipe.scheduler.config)  # before the call: set_timesteps may rewrite it (DPMSolverSinglestep)
+    want = pipe(PROMPTS, negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=GUIDANCE, eta=eta,
+                generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent").images
+    accepted = inspect.signature(cls.__init__).parameters
+    s = _settings(name, config, eta, "ddpm", accepted)
+    model = {"objective": "ddpm", "ddpm": {k: config[k] for k in MODEL_KEYS if k in config}}
+    scheduler = schedulers.build(s, model, f"{case}/{name}")
+    same = _same(scheduler, reference, accepted)
+    net = ddpm.EpsModel(TextNet("diffusers-unet", pipe.unet, 4, 0, 1.0, False, 8), 4)
+    items = [types.SimpleNamespace(prompt=p, negative_prompt=n) for p, n in zip(PROMPTS, NEGATIVE)]
+    cond = prompted.condition(text, items, "cpu", None, True, 0)
+    gens, x = _noise((4, 8, 8))
+    got = schedulers.sample(guidance.guided(net, GUIDANCE, 0, uncond_first=True), x, cond, STEPS, scheduler, gens,
+                            eta)
+    return float((got - want).abs().max()), same
+
+
+def sd3_pipeline(diffusers):
+    torch.manual_seed(0)
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=4,
+        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=8)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    vae = diffusers.AutoencoderKL(block_out_channels=(32,), latent_channels=4, norm_num_groups=32,
+                                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None,
+        tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def compare_sd3(diffusers, pipe, name: str) -> tuple[float, bool]:
+    """FlowMatch* on SD3's pipeline, given the same prompt embeddings (random: the text encoders are not the
+    subject here; benchmarks/check_text_encoding.py compares those)."""
+    import inspect
+
+    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.objectives.flow import SamplerSettings, VelocityModel
+    from diffrelay.sampling import guidance, schedulers
+    from diffrelay.text.condition import Text
+
+    g = torch.Generator().manual_seed(1)
+    states, null_states = torch.randn(3, 6, 32, generator=g), torch.randn(3, 6, 32, generator=g)
+    pooled, null_pooled = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    cls = getattr(diffusers, name)
+    config = {"num_train_timesteps": 1000, "shift": 3.0}
+    pipe.scheduler = cls.from_config(config)
+    reference = dict(pipe.scheduler.config)
+    want = pipe(prompt_embeds=states, negative_prompt_embeds=null_states, pooled_prompt_embeds=pooled,
+                negative_pooled_prompt_embeds=null_pooled, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                height=8, width=8, generator=[torch.Generator().manual_seed(s) for s in SEEDS],
+                output_type="latent").images
+    s = _settings(name, config, 0.0, "flow", inspect.signature(cls.__init__).parameters,
+                  flow=SamplerSettings(shift=3.0))
+    scheduler = schedulers.build(s, {"objective": "flow"}, f"sd3/{name}")
+    same = _same(scheduler, reference, inspect.signature(cls.__init__).parameters)
+    net = VelocityModel(TextNet("sd3", pipe.transformer, 4, 0, 1000.0, False, 8))
+    ones = torch.ones(3, 6, dtype=torch.int64)
+    cond = Text(states, ones, pooled, null=Text(null_states, ones, null_pooled))
+    gens, x = _noise((4, 8, 8))
+    got = schedulers.sample(guidance.guided(net, GUIDANCE, 0, uncond_first=True), x, cond, STEPS, scheduler, gens)
+    return float((got - want).abs().max()), same
+
+
+def run(diffusers, names=None) -> dict:
+    """{case: (max difference, configs equal)} of every case (names: only these scheduler classes)."""
+    from diffrelay.sampling.schedulers import FLOW_FAMILY
+    from diffrelay.text import encoders
+    from diffrelay.text.source import TextSource
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        chosen = cases(diffusers, names)
+        if chosen:
+            pipe = sd_pipeline(diffusers, Path(tmp) / "clip")
+            recs = encoders.records([{"path": str(Path(tmp) / "clip")}])
+            text = TextSource(recs, encoders.combined_dims(recs),
+                              encoders=[encoders.load({"path": str(Path(tmp) / "clip")}, "cpu")])
+            for case, name, config, eta in chosen:
+                out[f"sd/{case}/{name}"] = compare_sd(diffusers, pipe, text, case, name, config, eta)
+    flows = [n for n in FLOW_FAMILY if names is None or n in names]
+    if flows:
+        pipe = sd3_pipeline(diffusers)
+        for name in flows:
+            out[f"sd3/{name}"] = compare_sd3(diffusers, pipe, name)
+    return out
+
+
+def main(argv=None) -> None:
+    sys.path.insert(0, str(HERE))
+    from official import Gate, write_results
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--diffusers-src", type=Path, help="the src folder of a diffusers checkout (default: the "
+                    "installed diffusers)")
+    ap.add_argument("--schedulers", help="comma-separated scheduler classes (default: every supported one)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "diffusers_sampling.json")
+    a = ap.parse_args(argv)
+    diffusers = import_diffusers(a.diffusers_src)
+    started = time.time()
+    g = Gate()
+    for case, (diff, same) in run(diffusers, a.schedulers.split(",") if a.schedulers else None).items():
+        print(f"{case:60s} max |diff| {diff:.3g}")
+        g.at_most(case, diff, BOUND)
+        g.equal(f"config/{case}", same, True)
+    write_results(a.out, "diffrelay's sample.scheduler against diffusers' StableDiffusionPipeline and "
+                  "StableDiffusion3Pipeline (latents, same weights, prompts, seeds and scheduler)",
+                  diffusers=diffusers.__version__, diffusers_file=diffusers.__file__, steps=STEPS, guidance=GUIDANCE,
+                  seeds=SEEDS, bound=BOUND, seconds=round(time.time() - started, 1), **g.to_json())
+    g.finish("check_diffusers_sampling")
+
+
+if __name__ == "__main__":
+    main()

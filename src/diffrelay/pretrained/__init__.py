@@ -1,0 +1,120 @@
+"""model.pretrained: a local diffusers pipeline folder, resolved here once into the config keys of its parts
+(docs/pretrained.md). Config validation calls expand (torch-free, JSON and sha256 only); training's first step
+loads the network's weights with weights.load_initial.
+
+  network         model.arch and model.kwargs from unet/ or transformer/ config.json (parts.network)
+  objective       model.objective and model.ddpm (or train.flow.shift) from scheduler/scheduler_config.json
+  VAE             data.encoder sd-vae, data.encoder_path the vae/ folder (its config.json's scaling_factor)
+  text encoders   data.text_encoders, each family's settings (parts.text_encoders); tokenizers from tokenizer*/
+  identity        model.pretrained.sha256: {file: sha256} of model_index.json and every file of those parts.
+                  It is part of the trajectory (the folder's path is not), so a changed file is refused on
+                  resume (preflight.check_run_folder names it) and every checkpoint and snapshot records it.
+
+Keys a user sets beside model.pretrained: a key at its schema default counts as not given and takes the
+pipeline's value; one that contradicts the pipeline is refused in one line, except the fine-tuning choices
+(model.ddpm prediction_type, rescale_betas_zero_snr, snr_gamma and noise_offset; train.flow and sample.flow's
+shift; model.kwargs use_mask and pixel_size; data.encoder_path, another VAE), which are the user's.
+
+Imports the base modules, nets, objectives (ddpm_options) and text.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from diffrelay.errors import UserError
+
+ENCODER_DEFAULTS = {"max_length": None, "layer": "last", "pooled": False, "use_mask": True}
+OWN_KWARGS = ("use_mask", "pixel_size")  # diffrelay's keys that a user may set beside the pipeline's config
+DDPM_CHOICES = ("prediction_type", "rescale_betas_zero_snr", "snr_gamma", "noise_offset")
+
+
+def path_of(spec) -> str | None:
+    return None if spec is None else spec["path"] if isinstance(spec, dict) else spec
+
+
+def expand(d: dict) -> list[tuple[str, str]]:
+    """Fill a schema-validated config (in place) from model.pretrained; (key, message) pairs of what is wrong,
+    the first of which config.validate reports. Nothing to do without model.pretrained."""
+    spec = d["model"].get("pretrained")
+    if spec is None:
+        return []
+    try:
+        return _expand(d, spec)
+    except UserError as e:
+        return [(f"model.pretrained={path_of(spec)}", str(e))]
+
+
+def _conflict(key: str, value, want, fix: str = "drop it") -> tuple[str, str]:
+    return (f"{key}={value}", f"contradicts model.pretrained, whose pipeline gives {want}; {fix}")
+
+
+def _expand(d: dict, spec) -> list[tuple[str, str]]:
+    from diffrelay.objectives import ddpm_options
+    from diffrelay.pretrained import folder, parts
+
+    pipe = folder.read(spec)
+    arch, kwargs = parts.network(pipe)
+    kind, schedule = parts.objective(pipe)
+    encoders = [ENCODER_DEFAULTS | e for e in parts.text_encoders(pipe)]
+    vae = parts.vae(pipe)
+    parts.check_dims(pipe, arch, encoders)
+    m, data, bad = d["model"], d["data"], []
+    if data["captions"] == "none":
+        bad.append(("data.captions=none", "model.pretrained is a text-to-image pipeline: caption the dataset "
+                    "(data.captions: auto, or a caption table)"))
+    if m["arch"] not in ("unet", arch):
+        bad.append(_conflict("model.arch", m["arch"], arch))
+    kwargs["time_scale"] = 1 if kind == "ddpm" else 1000  # ddpm's integer steps; SD3's sigma x 1000
+    if arch == "pixart" or parts.sdxl(pipe):
+        kwargs["pixel_size"] = data["resolution"]  # SDXL's time ids and PixArt's resolution are in pixels
+    for key, value in m["kwargs"].items():
+        if key in OWN_KWARGS:
+            kwargs[key] = value
+        elif kwargs.get(key, ...) != value:
+            bad.append(_conflict(f"model.kwargs.{key}", value, kwargs.get(key, "no such key"),
+                                 f"drop it ({pipe.net}/config.json is the network's config)"))
+    if m["objective"] not in ("edm", kind):
+        bad.append(_conflict("model.objective", m["objective"], kind, "drop it (its scheduler says)"))
+    m.update(arch=arch, kwargs=kwargs, objective=kind)
+    if kind == "ddpm":
+        given = m.get("ddpm") or {}
+        for key in ("beta_schedule", "beta_start", "beta_end"):
+            value = given.get(key, getattr(ddpm_options.DEFAULT, key))
+            if value not in (getattr(ddpm_options.DEFAULT, key), schedule[key]):
+                bad.append(_conflict(f"model.ddpm.{key}", value, schedule[key], "drop it (the weights were trained "
+                                     "on the scheduler's schedule)"))
+        default = dataclasses.asdict(ddpm_options.DEFAULT)
+        m["ddpm"] = default | schedule | {k: given[k] for k in DDPM_CHOICES if k in given and given[k] != default[k]}
+    else:
+        for section in (d["train"]["flow"], d["sample"].get("flow", {})):
+            if section.get("shift", 1.0) == 1.0:
+                section["shift"] = schedule["shift"]
+    if data["encoder"] not in ("none", "sd-vae", "sd-vae-ft-mse", "sd-vae-ft-ema"):
+        bad.append(_conflict("data.encoder", data["encoder"], "sd-vae (its vae/)", "drop it, or give data.encoder_path "
+                             "another AutoencoderKL folder"))
+    if data["latent_norm"] != "dit":
+        bad.append(_conflict("data.latent_norm", data["latent_norm"], "dit (latents x its scaling_factor)"))
+    data["encoder"], data["encoder_path"] = "sd-vae", data["encoder_path"] or vae
+    if data["text_encoders"] and data["text_encoders"] != encoders:
+        bad.append(("data.text_encoders", f"contradicts model.pretrained, whose pipeline gives its own "
+                    f"({', '.join(Path(e['path']).name for e in encoders)}); drop it"))
+    data["text_encoders"] = encoders
+    sums = folder.manifest(pipe)
+    pinned = spec.get("sha256") if isinstance(spec, dict) else None
+    if pinned and pinned != sums:
+        name = next(k for k in sorted(set(sums) | set(pinned)) if sums.get(k) != pinned.get(k))
+        bad.insert(0, ("model.pretrained.sha256", f"{pipe.root / name}: sha256 {str(sums.get(name))[:12]}..., but "
+                       f"this config records {str(pinned.get(name))[:12]}...: the pipeline folder changed; restore "
+                       "it, or start a new run.name (and drop model.pretrained.sha256)"))
+    m["pretrained"] = {"path": str(path_of(spec)), "config": None, "sha256": sums}
+    return bad
+
+
+def trajectory(model: dict) -> dict:
+    """A `model` section with model.pretrained as it enters a run's identity: the files' sha256, not where the
+    folder lies; absent without a pipeline, so runs from before it keep their hash."""
+    out = dict(model)
+    spec = out.pop("pretrained", None)
+    if spec is not None:
+        out["pretrained"] = {"sha256": spec.get("sha256")} if isinstance(spec, dict) else spec
+    return out

@@ -1,0 +1,130 @@
+"""A diffusers pipeline folder (model.pretrained) read without torch: model_index.json, the parts diffrelay uses and
+their classes, pickled weights refused before anything opens them, and the sha256 of every file of those parts.
+
+Raises UserError with the message alone; pretrained.expand puts the config key in front.
+"""
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffrelay import io
+from diffrelay.errors import UserError
+
+PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline",
+             "PixArtAlphaPipeline", "PixArtSigmaPipeline")
+NETWORKS = {"UNet2DConditionModel": "diffusers-unet", "PixArtTransformer2DModel": "pixart",
+            "SD3Transformer2DModel": "sd3"}
+VAES = ("AutoencoderKL",)
+TEXT = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+FIX = ("give model.pretrained a local folder written by DiffusionPipeline.save_pretrained(folder, "
+       "safe_serialization=True); nothing is downloaded")
+_SHA: dict = {}  # (path, size, mtime_ns) -> sha256: each file is hashed once a process
+
+
+@dataclass
+class Pipeline:
+    root: Path
+    cls: str  # model_index.json's _class_name
+    parts: dict = field(default_factory=dict)  # component name -> class, those present (unet, vae, text_encoder...)
+
+    @property
+    def net(self) -> str:
+        return "unet" if "unet" in self.parts else "transformer"
+
+
+def sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA:
+        _SHA[key] = io.sha256_file(path)
+    return _SHA[key]
+
+
+def _root(spec) -> Path:
+    path = spec["path"] if isinstance(spec, dict) else spec
+    root = Path(path).expanduser()
+    if isinstance(spec, dict) and spec.get("config") is not None or root.is_file():
+        # diffusers' from_single_file converts the original checkpoints' key layouts; diffrelay does not load them.
+        raise UserError(f"{root}: a single-file checkpoint is not loaded; convert it once with diffusers, e.g. "
+                        "StableDiffusionPipeline.from_single_file(file, config=folder, local_files_only=True)"
+                        ".save_pretrained(out, safe_serialization=True), and give model.pretrained that folder")
+    if not root.is_dir():
+        raise UserError(f"{root}: no such folder; model.pretrained must be a local folder written by "
+                        "DiffusionPipeline.save_pretrained (not a Hub id: nothing is downloaded)")
+    if not (root / "model_index.json").is_file():
+        raise UserError(f"{root / 'model_index.json'}: not found, so {root} is no pipeline folder; {FIX}")
+    return root
+
+
+def read(spec) -> Pipeline:
+    """The pipeline at model.pretrained (a path, or {path, config}); refused in one line when diffrelay cannot
+    use it. Reads JSON files only."""
+    root = _root(spec)
+    index = io.read_json(root / "model_index.json")
+    cls = index.get("_class_name") if isinstance(index, dict) else None
+    if cls not in PIPELINES:
+        raise UserError(f"{root / 'model_index.json'}: _class_name {cls}: not supported; diffrelay fine-tunes "
+                        f"{', '.join(PIPELINES)}")
+    pipe = Pipeline(root, cls)
+    for name, value in index.items():
+        if isinstance(value, list) and len(value) == 2 and value[1] is not None and (
+                name in ("unet", "transformer", "vae", "scheduler") or name.startswith(("text_encoder", "tokenizer"))):
+            pipe.parts[name] = str(value[1])
+    for name, allowed in (("vae", VAES), ("scheduler", None)):
+        if name not in pipe.parts:
+            raise UserError(f"{root / 'model_index.json'}: no {name}; {FIX}")
+    if pipe.net not in pipe.parts:
+        raise UserError(f"{root / 'model_index.json'}: neither unet nor transformer; {FIX}")
+    for name, c in pipe.parts.items():
+        allowed = NETWORKS if name == pipe.net else VAES if name == "vae" else TEXT \
+            if name.startswith("text_encoder") else None
+        if allowed is not None and c not in allowed:
+            raise UserError(f"{root / 'model_index.json'}: {name} is a {c}, not supported; diffrelay loads "
+                            f"{', '.join(allowed)} there")
+        if not (root / name).is_dir():
+            raise UserError(f"{root / name}: model_index.json names it ({c}), but the folder is missing; {FIX}")
+    for name in pipe.parts:
+        _safetensors_only(root / name)
+    return pipe
+
+
+def _safetensors_only(folder: Path) -> None:
+    """A part whose weights are pickles only is refused; none of them is opened (diffusers and transformers
+    are called with use_safetensors=True, so a folder holding both reads its safetensors)."""
+    names = os.listdir(folder)
+    pickles = sorted(n for n in names if n.endswith(PICKLES))
+    if pickles and not any(n.endswith(".safetensors") for n in names):
+        raise UserError(f"{folder / pickles[0]}: pickled weights are never loaded (unpickling runs code); convert "
+                        "the pipeline where you trust it: DiffusionPipeline.from_pretrained(folder)"
+                        ".save_pretrained(out, safe_serialization=True)")
+
+
+def files(pipe: Pipeline, parts=None) -> list[Path]:
+    """model_index.json and every file of the parts (all by default), sorted; hidden files (a Hub cache's
+    .cache/) are no part of the pipeline."""
+    out = [pipe.root / "model_index.json"]
+    for name in sorted(parts if parts is not None else pipe.parts):
+        out += sorted(p for p in (pipe.root / name).rglob("*") if p.is_file() and not any(
+            s.startswith(".") for s in p.relative_to(pipe.root).parts))
+    return out
+
+
+def manifest(pipe: Pipeline, parts=None) -> dict:
+    """{relative path: sha256} of files(pipe, parts)."""
+    return {p.relative_to(pipe.root).as_posix(): sha256(p) for p in files(pipe, parts)}
+
+
+def digest(sums: dict) -> str:
+    """One sha256 of a manifest (its sorted 'path sha256' lines)."""
+    return hashlib.sha256("".join(f"{k} {v}\n" for k, v in sorted(sums.items())).encode()).hexdigest()
+
+
+def config(pipe: Pipeline, part: str, name: str = "config.json") -> dict:
+    path = pipe.root / part / name
+    c = io.read_json(path) if path.is_file() else None
+    if not isinstance(c, dict):
+        raise UserError(f"{path}: missing or not a JSON object; {FIX}")
+    return c

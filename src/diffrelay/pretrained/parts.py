@@ -1,0 +1,108 @@
+"""What each part of a pipeline folder makes of a run's config (torch-free, JSON only): the network's arch and
+kwargs, the objective from the scheduler, the VAE as the latent encoder, the text encoders with their family's
+settings. Each returns config values; pretrained.expand merges them and refuses contradictions.
+"""
+
+from diffrelay import nets
+from diffrelay.errors import UserError
+from diffrelay.pretrained.folder import FIX, Pipeline, config
+
+DDPM_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "LMSDiscreteScheduler", "EulerDiscreteScheduler",
+                   "EulerAncestralDiscreteScheduler", "HeunDiscreteScheduler", "DPMSolverMultistepScheduler",
+                   "DPMSolverSinglestepScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
+                   "UniPCMultistepScheduler", "DEISMultistepScheduler")
+FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
+PIXART_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # their max_sequence_length
+SD3_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+
+
+def network(pipe: Pipeline) -> tuple[str, dict]:
+    """(model.arch, model.kwargs, before the objective's time_scale) from the unet/ or transformer/ config.json:
+    every config key but those diffrelay sets from the data (nets.TEXT_SET, in_channels), checked later."""
+    c = config(pipe, pipe.net)
+    from diffrelay.pretrained.folder import NETWORKS
+
+    arch = NETWORKS[pipe.parts[pipe.net]]
+    set_here = set(nets.TEXT_SET[arch]) | {"in_channels"}
+    return arch, {k: v for k, v in c.items() if not k.startswith("_") and k not in set_here}
+
+
+def sdxl(pipe: Pipeline) -> bool:
+    return pipe.net == "unet" and config(pipe, "unet").get("addition_embed_type") == "text_time"
+
+
+def text_encoders(pipe: Pipeline) -> list[dict]:
+    """data.text_encoders as the family's pipeline encodes a prompt (docs/pretrained.md)."""
+    root, arch = pipe.root, network(pipe)[0]
+    if arch == "diffusers-unet" and sdxl(pipe):
+        want = [("text_encoder", {"layer": "penultimate"}), ("text_encoder_2", {"layer": "penultimate", "pooled": True})]
+        family = "an SDXL pipeline (unet addition_embed_type text_time)"
+    elif arch == "diffusers-unet":
+        want, family = [("text_encoder", {})], "a Stable Diffusion pipeline"
+    elif arch == "sd3":
+        clip = {"layer": "penultimate", "pooled": True}
+        want = [("text_encoder", clip), ("text_encoder_2", clip),
+                ("text_encoder_3", {"use_mask": False, "max_length": SD3_T5_LENGTH})]
+        family = "an SD3 pipeline"
+    else:
+        want = [("text_encoder", {"max_length": PIXART_LENGTH[pipe.cls]})]
+        family = f"a {pipe.cls}"
+    for name, _ in want:
+        if name not in pipe.parts:
+            raise UserError(f"{root / 'model_index.json'}: no {name}; {family} needs "
+                            f"{' and '.join(n for n, _ in want)}; save the pipeline with all its text encoders")
+    return [{"path": str(root / name), **extra} for name, extra in want]
+
+
+def objective(pipe: Pipeline) -> tuple[str, dict]:
+    """("ddpm", model.ddpm keys) or ("flow", {"shift": s}) from scheduler/scheduler_config.json."""
+    path = pipe.root / "scheduler" / "scheduler_config.json"
+    c = config(pipe, "scheduler", "scheduler_config.json")
+    cls = c.get("_class_name")
+    if c.get("num_train_timesteps", 1000) != 1000:
+        raise UserError(f"{path}: num_train_timesteps {c['num_train_timesteps']}; diffrelay's objectives train "
+                        "1000 timesteps, as every supported pipeline does")
+    if cls in FLOW_SCHEDULERS:
+        if c.get("use_dynamic_shifting"):
+            raise UserError(f"{path}: use_dynamic_shifting true (a resolution-dependent shift) is not supported; "
+                            "give the scheduler a fixed shift")
+        return "flow", {"shift": float(c.get("shift", 1.0))}
+    if cls not in DDPM_SCHEDULERS:
+        raise UserError(f"{path}: _class_name {cls}: not supported; diffrelay reads the schedule of "
+                        f"{', '.join(DDPM_SCHEDULERS + FLOW_SCHEDULERS)}")
+    if c.get("trained_betas") is not None:
+        raise UserError(f"{path}: trained_betas (an explicit beta table) is not supported; diffrelay's schedules "
+                        "are linear and scaled_linear")
+    ddpm = {"beta_schedule": c.get("beta_schedule", "linear"), "beta_start": float(c.get("beta_start", 0.0001)),
+            "beta_end": float(c.get("beta_end", 0.02)), "prediction_type": c.get("prediction_type", "epsilon"),
+            "rescale_betas_zero_snr": bool(c.get("rescale_betas_zero_snr", False))}
+    for key, allowed in (("beta_schedule", ("linear", "scaled_linear")),
+                         ("prediction_type", ("epsilon", "v_prediction", "sample"))):
+        if ddpm[key] not in allowed:
+            raise UserError(f"{path}: {key} {ddpm[key]}: not supported; diffrelay trains {', '.join(allowed)}")
+    return "ddpm", ddpm
+
+
+def vae(pipe: Pipeline) -> str:
+    """data.encoder_path: the vae/ folder, whose config.json must say its scaling_factor."""
+    c = config(pipe, "vae")
+    if not isinstance(c.get("scaling_factor"), (int, float)) or isinstance(c.get("scaling_factor"), bool):
+        raise UserError(f"{pipe.root / 'vae' / 'config.json'}: no scaling_factor, so the latents' scale is unknown; "
+                        "write the one the pipeline was trained with (SD 1.x/2.x 0.18215, SDXL 0.13025, SD3 1.5305)")
+    return str(pipe.root / "vae")
+
+
+def check_dims(pipe: Pipeline, arch: str, encoders: list[dict]) -> None:
+    """The network's config takes the VAE's latents and the encoders' widths: else the weights cannot be these."""
+    from diffrelay.text import encoders as text_encoders
+
+    c, v = config(pipe, pipe.net), config(pipe, "vae")
+    where = pipe.root / pipe.net / "config.json"
+    if c.get("in_channels", 4) != v.get("latent_channels", 4):
+        raise UserError(f"{where}: in_channels {c.get('in_channels', 4)}, but the VAE makes "
+                        f"{v.get('latent_channels', 4)} latent channels; {FIX}")
+    dims = text_encoders.combined_dims(text_encoders.records(encoders, hashed=False))
+    width = {"diffusers-unet": "cross_attention_dim", "pixart": "caption_channels", "sd3": "joint_attention_dim"}[arch]
+    if c.get(width) is not None and c[width] != dims["states"]:
+        raise UserError(f"{where}: {width} {c[width]}, but the text encoders give {dims['states']} features a token; "
+                        f"{FIX}")

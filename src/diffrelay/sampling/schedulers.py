@@ -1,0 +1,171 @@
+"""sample.scheduler: images drawn with a diffusers scheduler (DPM-Solver++, UniPC, Euler ancestral, DDIM, ...) in
+place of the objective's own sampler, in the loop of diffusers' pipelines (pipeline_stable_diffusion's and
+pipeline_stable_diffusion_3's denoising loops): set_timesteps(steps), then per timestep scale_model_input, the
+network (both guidance branches in one batch), guidance, step. The scheduler's own classes do every step.
+
+The scheduler is built from the run's schedule, so it samples the objective the network was trained on:
+  ddpm: num_train_timesteps 1000 and model.ddpm's beta_schedule, beta_start, beta_end, prediction_type and
+        rescale_betas_zero_snr; clip_sample = sample.ddpm.clip_denoised (diffrelay's default, no clipping, is
+        Stable Diffusion's scheduler config; diffusers' DDPM/DDIM class defaults clip);
+  flow: FlowMatch* with num_train_timesteps 1000 and shift = sample.flow.shift; the network's time input is
+        timestep / 1000, its t in [0, 1] (SD3's pipeline gives the transformer sigma x 1000: a TextNet with
+        time_scale 1000).
+sample.scheduler_kwargs adds the scheduler's other config keys (use_karras_sigmas, algorithm_type, ...).
+
+One generator per image, as a pipeline called with generator=[one per image]: the image's seed draws its initial
+noise (randn per image, then x init_noise_sigma: prepare_latents) and then every noise the scheduler's step draws
+(randn_tensor with a list of generators draws each row from its own). Every step is elementwise per image (the
+multistep schedulers' history too), so an image does not depend on the batch size or the process count.
+
+Imports the base modules and objectives (the run's schedule).
+"""
+
+import inspect
+import json
+import math
+
+DDPM_FAMILY = ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler",
+               "DEISMultistepScheduler", "UniPCMultistepScheduler", "EulerDiscreteScheduler",
+               "EulerAncestralDiscreteScheduler", "HeunDiscreteScheduler", "KDPM2DiscreteScheduler",
+               "KDPM2AncestralDiscreteScheduler", "LMSDiscreteScheduler", "PNDMScheduler")
+FLOW_FAMILY = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+FAMILY = {"ddpm": DDPM_FAMILY, "flow": FLOW_FAMILY}
+T = 1000  # the discrete objective's timesteps (objectives.ddpm.T), and flow's timestep scale in diffusers
+# Keys the run sets (its schedule): a scheduler_kwargs entry may not change what the network was trained on.
+RUN_KEYS = {"ddpm": {"num_train_timesteps": "the run", "beta_schedule": "model.ddpm", "beta_start": "model.ddpm",
+                     "beta_end": "model.ddpm", "prediction_type": "model.ddpm",
+                     "rescale_betas_zero_snr": "model.ddpm", "trained_betas": "model.ddpm",
+                     "clip_sample": "sample.ddpm.clip_denoised"},
+            "flow": {"num_train_timesteps": "the run", "shift": "sample.flow.shift"}}
+
+
+def _supported() -> str:
+    return f"{', '.join(DDPM_FAMILY)} (model.objective ddpm); {', '.join(FLOW_FAMILY)} (flow)"
+
+
+def problems(name, kwargs, kind: str, eta: float = 0.0, interval=None) -> list[tuple[str, str]]:
+    """(key, message) pairs for sample.scheduler against the objective `kind`; pure Python (the config's checks)."""
+    if name is None:
+        return [("sample.scheduler_kwargs", "applies with sample.scheduler only; set a scheduler or remove it")] \
+            if kwargs else []
+    key = f"sample.scheduler={name}"
+    if name not in DDPM_FAMILY + FLOW_FAMILY:
+        return [(key, f"not a scheduler diffrelay samples with; use one of {_supported()}")]
+    if kind not in FAMILY:
+        return [(key, f"model.objective {kind} has no diffusers scheduler here; use sample.solver (heun or euler), "
+                 "or remove sample.scheduler")]
+    if name not in FAMILY[kind]:
+        return [(key, f"does not fit model.objective {kind}'s network; use one of {', '.join(FAMILY[kind])}")]
+    for k in kwargs or {}:
+        if k in RUN_KEYS[kind]:
+            return [(f"sample.scheduler_kwargs.{k}", f"is set from {RUN_KEYS[kind][k]}, so the scheduler samples "
+                     "what the network was trained on; remove it")]
+    if interval is not None:
+        return [("sample.guidance_interval", "not with sample.scheduler (the pipelines guide at every step); set "
+                 "it to null or drop sample.scheduler")]
+    if eta and name != "DDIMScheduler":
+        return [(f"sample.ddpm.eta={eta}", f"DDIM's eta, which {name}.step does not take; remove it or use "
+                 "DDIMScheduler")]
+    return []
+
+
+def check(s, kind: str, source) -> None:
+    """problems() as one UserError naming `source` (a hand-run's snapshot), before any folder."""
+    from diffrelay.errors import UserError
+
+    bad = problems(s.scheduler, s.scheduler_kwargs, kind, s.ddpm.eta if kind == "ddpm" else 0.0,
+                   s.guidance_interval if s.guidance != 1 else None)
+    if bad:
+        raise UserError(f"{bad[0][0]} (--scheduler): {source}: {bad[0][1]}")
+
+
+def run_config(kind: str, model_cfg: dict, s) -> dict:
+    """The scheduler config keys the run decides (RUN_KEYS)."""
+    if kind == "flow":
+        return {"num_train_timesteps": T, "shift": s.flow.shift}
+    from diffrelay.objectives.ddpm_options import Options
+
+    o = Options.of(model_cfg.get("ddpm"))
+    return {"num_train_timesteps": T, "beta_schedule": o.beta_schedule, "beta_start": o.beta_start,
+            "beta_end": o.beta_end, "prediction_type": o.prediction_type,
+            "rescale_betas_zero_snr": o.rescale_betas_zero_snr, "clip_sample": s.ddpm.clip_denoised}
+
+
+def build(s, model_cfg: dict, source):
+    """The scheduler of sample.scheduler for a network of `model_cfg`, checked by drawing its whole schedule on
+    one number (an option it lacks, a prediction type it does not implement: one line, before any folder)."""
+    import diffusers
+    import torch
+
+    from diffrelay.errors import UserError
+    from diffrelay.objectives import objective
+
+    kind = objective(model_cfg)
+    check(s, kind, source)
+    cls = getattr(diffusers, s.scheduler)
+    params = inspect.signature(cls.__init__).parameters
+    config = {}
+    for k, v in run_config(kind, model_cfg, s).items():
+        if k in params:
+            config[k] = v
+        elif v:  # a schedule or clipping the class cannot make (False/0 is every class's behaviour)
+            has = [n for n in FAMILY[kind] if k in inspect.signature(getattr(diffusers, n).__init__).parameters]
+            raise UserError(f"sample.scheduler={s.scheduler}: {source}: has no {k} ({RUN_KEYS[kind][k]}={v}); use "
+                            f"one of {', '.join(has)}")
+    where = f"sample.scheduler={s.scheduler}, sample.scheduler_kwargs={json.dumps(s.scheduler_kwargs or {})}"
+    try:
+        scheduler = cls(**config, **(s.scheduler_kwargs or {}))
+        probe = cls.from_config(scheduler.config)
+        x = torch.zeros(1, 1, 1, 1)
+        probe.set_timesteps(s.steps)
+        # its own generator: the probe leaves torch's global random state as it found it
+        extra = {"generator": torch.Generator().manual_seed(0)} if "generator" in inspect.signature(
+            probe.step).parameters else {}
+        for t in probe.timesteps:
+            x = probe.step(torch.zeros_like(x), t, _scaled(probe, x, t), return_dict=False, **extra)[0]
+    except (TypeError, ValueError, NotImplementedError, KeyError, IndexError) as e:
+        raise UserError(f"{where}: {source}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}; "
+                        f"see {s.scheduler}'s config keys in diffusers' documentation") from e
+    return scheduler
+
+
+def record(scheduler) -> dict:
+    """The sample folder's key: the class and its whole config (diffusers' defaults included), as JSON reads it
+    back."""
+    # a non-finite float (DPMSolverMultistep's lambda_min_clipped -inf) as text: manifest.json stays strict JSON
+    config = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in scheduler.config.items() if not k.startswith("_")}
+    return json.loads(json.dumps({"class": type(scheduler).__name__, "config": config}))
+
+
+def _scaled(scheduler, x, t):
+    # FlowMatch* have no scale_model_input; the pipelines call it where it exists.
+    return scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
+
+
+def sample(net, latents, labels, num_steps: int, scheduler, generators: list, eta: float = 0.0):
+    """From latents ~ N(0, 1) (one row per image, drawn from generators[k]) to images, with a fresh copy of
+    `scheduler` (its multistep history is per batch). net(x, time, labels) is the objective's network, guided;
+    time is the scheduler's timestep (ddpm: 0..999) or timestep / 1000 (flow's t)."""
+    import torch
+
+    sched = type(scheduler).from_config(scheduler.config)
+    dev, c = latents.device, latents.shape[1]
+    sched.set_timesteps(num_steps, device=dev)
+    params = inspect.signature(sched.step).parameters
+    extra = {"generator": generators} if "generator" in params else {}
+    if "eta" in params:  # DDIM's, as the pipelines' prepare_extra_step_kwargs pass it
+        extra["eta"] = eta
+    flow = type(scheduler).__name__ in FLOW_FAMILY
+    # A learned-sigma network's variance half is used by DDPMScheduler's variance_type learned(_range) only;
+    # the others get the noise half, as diffusers' DiTPipeline gives them.
+    learned = getattr(sched.config, "variance_type", None) in ("learned", "learned_range")
+    # prepare_latents' scaling; FlowMatch* have none (SD3's pipeline does not scale)
+    x = latents.float() * getattr(sched, "init_noise_sigma", 1.0)
+    with torch.no_grad():
+        for t in sched.timesteps:
+            time = t.to(dev).expand(x.shape[0])
+            out = net(_scaled(sched, x, t), time / sched.config.num_train_timesteps if flow else time, labels)
+            out = out if learned or out.shape[1] == c else out[:, :c]
+            x = sched.step(out, t, x, return_dict=False, **extra)[0]
+    return x

@@ -1,0 +1,106 @@
+"""`diffrelay validate`'s memory lines: the run's training memory per process as YAML comments, and one warning
+line on stderr when it exceeds the GPUs' memory. The config's side (micro-batch, precision, EMAs, the training
+loss); the measuring is nets.footprint's (docs/gpus.md#training-memory-diffrelay-validate)."""
+
+import contextlib
+import sys
+
+import torch
+
+from diffrelay import config, preflight
+
+
+def micro_batch(cfg: config.Config) -> int:
+    """Images one process runs through forward and backward at once: train.batch_size over processes
+    (nproc_per_node x nnodes) and grad_accum, as the training loop splits it (config checks it divides)."""
+    t = cfg.train
+    return max(t.batch_size // (t.nproc_per_node * t.nnodes * t.grad_accum), 1)
+
+
+def ema_copies(cfg: config.Config) -> int:
+    """Copies of the network the EMAs hold: one per train.ema_decays (one for ema_halflife_kimg), one per
+    post-hoc EMA profile when train.phema.every > 0 (training/state.py builds both)."""
+    t = cfg.train
+    return (1 if t.ema_halflife_kimg is not None else len(t.ema_decays)) + (len(t.phema.profiles) if t.phema.every else 0)
+
+
+def _builder(cfg: config.Config, classes: int, text):
+    """The network as training builds it (objectives.build, checkpointing enabled as configured)."""
+    from diffrelay import objectives
+    from diffrelay.nets import registry
+
+    channels, side = preflight.net_geometry(cfg)
+
+    def build():
+        net = objectives.build(cfg.to_dict()["model"], side, classes, channels, text=text)
+        if cfg.train.activation_checkpointing:
+            registry.enable_checkpointing(net, cfg.model.arch)
+        return net
+
+    def run(net, n):
+        """The training loss of n images at the draws 0 (objectives.loss, what the training loop calls)."""
+        from diffrelay.nets.registry import random_text
+
+        images = torch.zeros(n, channels, side, side)
+        labels = torch.zeros(n, dtype=torch.long) if classes else None
+        if text:
+            cond = random_text(text, n, images.device)
+            cond.labels, labels = labels, cond
+        aug = torch.zeros(n, 9) if cfg.train.augment > 0 else None
+        return objectives.loss(cfg, net, images, labels, torch.zeros(n), torch.zeros_like(images), aug)
+
+    return build, run
+
+
+def _counts(build, params: int) -> dict:
+    """footprint.counts of the network built on the meta device; on the CPU for a small network that refuses
+    meta; else `params` (the network check's count), all trainable, without buffers."""
+    from diffrelay.nets import footprint, registry
+
+    for device in ("meta", "cpu") if params <= footprint.CPU_MAX_PARAMS else ("meta",):
+        try:
+            with registry.on_device(device), contextlib.redirect_stdout(sys.stderr):
+                return footprint.counts(build())
+        except (Exception, SystemExit):  # noqa: BLE001 -- the network check reported it already, or it needs the CPU
+            pass
+    return {"params": params, "trainable": params, "bytes_per_param": 4, "buffer_bytes": 0}
+
+
+def lines(cfg: config.Config, params: int, classes: int, text=None,
+          gpu_memory_gib: float | None = None) -> tuple[list, str | None]:
+    """(the `# memory:` lines, the warning or None) of the run as configured; `params`: the network check's count."""
+    from diffrelay.nets import footprint
+    from diffrelay.objectives import ddpm
+
+    t, batch = cfg.train, micro_batch(cfg)
+    build, run = _builder(cfg, classes, text)
+    n = _counts(build, params)
+    emas = ema_copies(cfg)
+    state = footprint.state_bytes(n["params"], n["trainable"], t.optimizer, emas, n["bytes_per_param"],
+                                  n["buffer_bytes"])
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    if cfg.model.objective == "ddpm":
+        # Its tables are made with NumPy (no fake tensors) and cached per device: made here, on the real CPU, the
+        # fake pass uses them, and the cache never holds fake tensors.
+        ddpm._chain(None, "cpu", ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
+        act, how = footprint.activation_bytes(build, run, batch, amp, cpu=n["params"] <= footprint.CPU_MAX_PARAMS)
+    est = footprint.Estimate(state, act, how)
+    processes = t.nproc_per_node * t.nnodes
+    setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
+               f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
+               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")
+    capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
+    fixes = ["lower train.batch_size or raise train.grad_accum or train.nproc_per_node"]
+    fixes += [] if t.activation_checkpointing else ["set train.activation_checkpointing: true"]
+    fixes += [] if amp else ["train.precision: bf16"]
+    return footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes))
+
+
+def show(cfg: config.Config, params: int, classes: int, text=None, gpu_memory_gib: float | None = None) -> None:
+    """Print the lines on stdout (YAML comments) and the warning, if any, as one line on stderr."""
+    out, warning = lines(cfg, params, classes, text, gpu_memory_gib)
+    for line in out:
+        print(line)
+    if warning:
+        print(f"diffrelay: warning: {warning}", file=sys.stderr, flush=True)

@@ -1,0 +1,72 @@
+"""Tiny diffusers pipelines for the tests, built from configs and written as DiffusionPipeline.save_pretrained
+writes them (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/, scheduler/; safetensors only).
+
+Nothing is downloaded: the text encoders are tests/textmodels' (the shapes captions' vocabulary), every weight is
+drawn from a seeded generator. A pipeline is a few 10k parameters and saves in about a second.
+"""
+
+from pathlib import Path
+
+import textmodels
+
+# A 2-level UNet2DConditionModel (latents down by 2 inside), attention at the second level.
+UNET = {"block_out_channels": [16, 32], "layers_per_block": 1, "attention_head_dim": 8, "norm_num_groups": 8,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"]}
+# A 2-level AutoencoderKL: pixels down by 2 into 4 latent channels.
+VAE = {"block_out_channels": [8, 16], "layers_per_block": 1, "norm_num_groups": 8, "latent_channels": 4,
+       "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
+       "scaling_factor": 0.5}
+# Stable Diffusion's schedule (scheduler_config.json of runwayml/stable-diffusion-v1-5, less its sampling keys).
+SD_SCHEDULE = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+               "prediction_type": "epsilon", "num_train_timesteps": 1000}
+
+
+def _clip(folder: Path, projection: bool = False, hidden: int = 32, seed: int = 0):
+    """(model, tokenizer) of a tiny CLIP text encoder, read back from the folder textmodels writes."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    textmodels.clip_text(folder, projection=projection, hidden=hidden, seed=seed)
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return cls.from_pretrained(folder, local_files_only=True), CLIPTokenizer.from_pretrained(folder)
+
+
+def sd(folder, work=None, prediction_type: str = "epsilon", seed: int = 0, **unet) -> Path:
+    """A Stable Diffusion 1.x-style pipeline: UNet2DConditionModel (cross-attention 32 wide), AutoencoderKL, one
+    CLIP text encoder and a DDPMScheduler. `work`: a scratch folder for the encoder (default: beside `folder`)."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    encoder, tokenizer = _clip(work / "clip")
+    torch.manual_seed(seed)
+    net = UNet2DConditionModel(**(UNET | {"sample_size": 8, "in_channels": 4, "out_channels": 4,
+                                          "cross_attention_dim": 32} | unet))
+    vae = AutoencoderKL(**VAE)
+    scheduler = DDPMScheduler(**(SD_SCHEDULE | {"prediction_type": prediction_type, "clip_sample": False}))
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=encoder, tokenizer=tokenizer, unet=net, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def sdxl(folder, work=None, seed: int = 0) -> Path:
+    """An SDXL-style pipeline: two CLIPs (the second with projection, pooled), a text_time UNet."""
+    import torch
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
+                           UNet2DConditionModel)
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    enc1, tok1 = _clip(work / "clip1", hidden=32, seed=1)
+    enc2, tok2 = _clip(work / "clip2", projection=True, hidden=32, seed=2)
+    torch.manual_seed(seed)
+    net = UNet2DConditionModel(**(UNET | {"sample_size": 8, "in_channels": 4, "out_channels": 4,
+                                          "cross_attention_dim": 64, "addition_embed_type": "text_time",
+                                          "addition_time_embed_dim": 8,
+                                          "projection_class_embeddings_input_dim": 6 * 8 + 32}))
+    pipe = StableDiffusionXLPipeline(vae=AutoencoderKL(**VAE), text_encoder=enc1, text_encoder_2=enc2, tokenizer=tok1,
+                                     tokenizer_2=tok2, unet=net, scheduler=EulerDiscreteScheduler(**SD_SCHEDULE))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

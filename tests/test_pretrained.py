@@ -1,0 +1,186 @@
+"""model.pretrained: a tiny diffusers pipeline folder fills every part of the config (network, schedule, VAE, text
+encoders), its files' sha256 join the run's identity, step 0 starts from its weights, and each bad folder is
+one line (docs/pretrained.md). Pipelines are built from configs by tests/pipelines.py; nothing is downloaded."""
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import pipelines
+from diffrelay import config, preflight
+from diffrelay.errors import UserError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory) -> Path:
+    return pipelines.sd(tmp_path_factory.mktemp("pipes") / "sd")
+
+
+def raw(work: Path, pipe, **over) -> dict:
+    d = {"run": {"name": "ft", "results": str(work / "results"), "resources": str(work / "resources"),
+                 "device": "cpu"},
+         "data": {"kind": "shapes", "count": 16, "resolution": 16, "captions": "auto", "val_fraction": 0.25},
+         "model": {"pretrained": str(pipe)},
+         "train": {"total_steps": 2, "segment_steps": 2, "batch_size": 4, "log_every": 1, "warmup_steps": 1},
+         "sample": {"steps": 2, "batch_size": 4, "solver": "ddim"},
+         "fid": {"extractor": "random", "batch_size": 16}}
+    for section, keys in over.items():
+        d[section] = {**d[section], **keys}
+    return d
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_json(path: Path, **keys) -> None:
+    d = json.loads(path.read_text())
+    d.update(keys)
+    path.write_text(json.dumps(d))
+
+
+def refusal(d: dict) -> str:
+    with pytest.raises(UserError) as e:
+        config.validate(d, "ft.yaml")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("ft.yaml: "), msg
+    return msg
+
+
+def test_an_sd_pipeline_fills_the_network_schedule_vae_and_text_encoder(sd, tmp_path):
+    d = config.validate(raw(tmp_path, sd))
+    m, data = d["model"], d["data"]
+    unet = json.loads((sd / "unet" / "config.json").read_text())
+    assert m["arch"] == "diffusers-unet" and m["objective"] == "ddpm"
+    assert m["kwargs"]["block_out_channels"] == unet["block_out_channels"] == [16, 32]
+    assert m["kwargs"]["time_scale"] == 1 and "cross_attention_dim" not in m["kwargs"]  # set from the encoders
+    assert {k: m["ddpm"][k] for k in ("beta_schedule", "beta_start", "beta_end", "prediction_type")} == {
+        "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "prediction_type": "epsilon"}
+    assert (data["encoder"], data["encoder_path"]) == ("sd-vae", str(sd / "vae"))
+    assert [(e["path"], e["layer"], e["pooled"]) for e in data["text_encoders"]] == [
+        (str(sd / "text_encoder"), "last", False)]
+    # Every file's sha256, in the config every checkpoint records and in the trajectory (not the folder's path).
+    sums = m["pretrained"]["sha256"]
+    assert sums == {p.relative_to(sd).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                    for p in sd.rglob("*") if p.is_file()}
+    assert config.trajectory(d)["model"]["pretrained"] == {"sha256": sums}
+    assert config.validate(d) == d  # a recorded config reads back as itself
+
+
+def test_v_prediction_and_a_flow_scheduler_come_from_scheduler_config(sd, tmp_path):
+    v = copy(sd, tmp_path / "v")
+    edit_json(v / "scheduler" / "scheduler_config.json", prediction_type="v_prediction")
+    assert config.validate(raw(tmp_path, v))["model"]["ddpm"]["prediction_type"] == "v_prediction"
+    # A fine-tuning choice of the user's wins: min-SNR weights and zero-terminal SNR on an epsilon pipeline.
+    d = config.validate(raw(tmp_path, sd, model={"pretrained": str(sd), "ddpm": {
+        "snr_gamma": 5.0, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True}}))
+    assert (d["model"]["ddpm"]["snr_gamma"], d["model"]["ddpm"]["beta_schedule"]) == (5.0, "scaled_linear")
+    f = copy(sd, tmp_path / "flow")
+    (f / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}))
+    d = config.validate(raw(tmp_path, f, sample={"solver": "euler"}))
+    assert (d["model"]["objective"], d["train"]["flow"]["shift"], d["sample"]["flow"]["shift"]) == ("flow", 3.0, 3.0)
+    assert d["model"]["kwargs"]["time_scale"] == 1000
+
+
+def test_sdxl_takes_both_encoders_penultimate_and_pools_the_second(tmp_path):
+    xl = pipelines.sdxl(tmp_path / "xl")
+    d = config.validate(raw(tmp_path, xl, sample={"solver": "ddim"}))
+    assert [(Path(e["path"]).name, e["layer"], e["pooled"]) for e in d["data"]["text_encoders"]] == [
+        ("text_encoder", "penultimate", False), ("text_encoder_2", "penultimate", True)]
+    assert d["model"]["kwargs"]["pixel_size"] == 16  # SDXL's time ids in pixels, not latents
+    edit_json(xl / "model_index.json", text_encoder_2=[None, None])
+    assert "no text_encoder_2; an SDXL pipeline" in refusal(raw(tmp_path, xl))
+
+
+def test_step_0_starts_from_the_pipelines_weights(sd, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from diffrelay import objectives
+    from diffrelay.pretrained import weights
+
+    d = config.validate(raw(tmp_path, sd))
+    torch.manual_seed(1)  # tests/pipelines.py drew the pipeline's with seed 0
+    net = objectives.build(d["model"], 8, 0, 4, text={"states": 32, "length": 77, "pooled": 0})
+    want = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
+    got = weights.text_net(net).state_dict()
+    assert any(not torch.equal(got[k], want[k]) for k in want)  # a fresh init is not the pipeline's
+    weights.load_initial(net, d["model"]["pretrained"])
+    got = weights.text_net(net).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
+    pipe = copy(sd, tmp_path / "p")
+    d = config.validate(raw(tmp_path, pipe))
+    (tmp_path / "results" / "ft").mkdir(parents=True)
+    preflight.write_run_record(config.Config(d))
+    edit_json(pipe / "scheduler" / "scheduler_config.json", steps_offset=0)  # a byte changes, no setting
+    with pytest.raises(UserError, match=r"model\.pretrained\.sha256\.scheduler/scheduler_config\.json="):
+        preflight.check_run_folder(config.Config(config.validate(raw(tmp_path, pipe))), "ft.yaml")
+    # A recorded config (every checkpoint's) names the changed file.
+    assert "scheduler/scheduler_config.json: sha256" in refusal(d)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("missing", "no such folder; model.pretrained must be a local folder written by DiffusionPipeline.save_pretrained "
+                "(not a Hub id: nothing is downloaded)"),
+    ("pickle", "unet/diffusion_pytorch_model.bin: pickled weights are never loaded"),
+    ("pipeline", "_class_name HunyuanDiTPipeline: not supported; diffrelay fine-tunes StableDiffusionPipeline, "),
+    ("component", "unet is a UNet2DModel, not supported; diffrelay loads UNet2DConditionModel, "),
+    ("scaling", "vae/config.json: no scaling_factor"),
+    ("single", "a single-file checkpoint is not loaded; convert it once with diffusers"),
+    ("arch", "model.arch=dit: contradicts model.pretrained, whose pipeline gives diffusers-unet; drop it"),
+    ("kwargs", "model.kwargs.block_out_channels=[8, 16]: contradicts model.pretrained"),
+    ("schedule", "model.ddpm.beta_end=0.03: contradicts model.pretrained, whose pipeline gives 0.012"),
+    ("captions", "data.captions=none: model.pretrained is a text-to-image pipeline"),
+])
+def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_read(sd, tmp_path, case, says):
+    pipe = tmp_path / "nowhere" if case == "missing" else copy(sd, tmp_path / "p")
+    over = {}
+    if case == "pickle":
+        (pipe / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+        (pipe / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04not read")  # never opened
+    elif case == "pipeline":
+        edit_json(pipe / "model_index.json", _class_name="HunyuanDiTPipeline")
+    elif case == "component":
+        edit_json(pipe / "model_index.json", unet=["diffusers", "UNet2DModel"])
+    elif case == "scaling":
+        c = json.loads((pipe / "vae" / "config.json").read_text())
+        del c["scaling_factor"]
+        (pipe / "vae" / "config.json").write_text(json.dumps(c))
+    elif case == "single":
+        over = {"model": {"pretrained": {"path": str(pipe / "unet" / "diffusion_pytorch_model.safetensors"),
+                                         "config": str(pipe)}}}
+    elif case in ("arch", "kwargs", "schedule"):
+        extra = {"arch": {"arch": "dit"}, "kwargs": {"kwargs": {"block_out_channels": [8, 16]}},
+                 "schedule": {"ddpm": {"beta_end": 0.03}}}[case]
+        over = {"model": {"pretrained": str(pipe), **extra}}
+    elif case == "captions":
+        over = {"data": {"captions": "none", "val_fraction": 0.0}}
+    assert says in refusal(raw(tmp_path, pipe, **over))
+
+
+def test_two_training_steps_of_a_tiny_sd_pipeline_start_from_it_and_record_its_sha256(sd, tmp_path):
+    import yaml
+    from conftest import run_cli
+
+    d = raw(tmp_path, sd)
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    run_cli("prepare", "--config", cfg)
+    run_cli("train", "--config", cfg, "--until-step", 2)
+    run = tmp_path / "results" / "ft"
+    recorded = json.loads((run / "run.json").read_text())["trajectory"]["model"]["pretrained"]["sha256"]
+    meta = json.loads(next((run / "checkpoints").glob("*/meta.json")).read_text())
+    assert recorded == meta["config"]["model"]["pretrained"]["sha256"] == config.validate(d)["model"]["pretrained"][
+        "sha256"]
+    assert "unet/diffusion_pytorch_model.safetensors" in recorded
