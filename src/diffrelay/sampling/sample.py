@@ -103,8 +103,9 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
     kind = objectives.objective(meta["model"])
     channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
         else None
-    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels,  # the contract's null class
-                              uncond_first=s.scheduler is not None)
+    # A diffusers scheduler gets the pipelines' row order (unconditional first); the samplers keep today's call.
+    order = {"uncond_first": True} if s.scheduler is not None else {}
+    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels, **order)  # the null class
     if guide is not None and s.guidance != 1:
 
         def reference(x, sigma, labels):
