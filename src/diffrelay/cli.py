@@ -46,26 +46,20 @@ def _metrics(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _minutes(text: str) -> float:
-    """A time limit: a finite number of minutes above 0 (nan and inf would mean no limit at all)."""
-    try:
-        value = float(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text}: not a number of minutes") from e
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of minutes above 0")
-    return value
+def _positive(unit: str):
+    """An argparse type: a finite number of `unit` above 0 (nan and inf would mean no limit at all)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text}: not a number of {unit}") from e
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number of {unit} above 0")
+        return value
+    return parse
 
 
-def _gib(text: str) -> float:
-    """GPU memory in GiB: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text}: not a number of GiB") from e
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of GiB above 0")
-    return value
+_minutes, _gib = _positive("minutes"), _positive("GiB")  # time limits; GPU memory
 
 
 def build_parser() -> argparse.ArgumentParser:
