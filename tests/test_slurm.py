@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, TINY, deep_merge, run_cli
 
 ENABLE = ("needs the local SLURM cluster; enable with: sudo bash tests/slurm/cluster.sh install && "
           "sudo bash tests/slurm/cluster.sh start && DIFFRELAY_SLURM_TEST=1 make test")
@@ -94,31 +94,6 @@ def test_two_rule_workflow_runs_each_job_through_sbatch(tmp_path):
         assert_completed_here(jobs, tmp_path, rule)
 
 
-def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tmp_path, write_config):
-    if not ((REPO / "Snakefile").is_file() and (REPO / "workflow" / "rules" / "train.smk").is_file()):
-        pytest.skip("the diffrelay workflow (Snakefile, workflow/rules/) is not written yet")
-    # One segment of 2 steps: the shortest chain of every stage (each job costs ~10-60 s here).
-    cfg = write_config({"train": {"total_steps": 2, "segment_steps": 2, "log_every": 1},
-                        "sample": {"num_images": 4, "steps": 2, "batch_size": 4}})
-    snakemake(tmp_path, "--snakefile", REPO / "Snakefile", "--configfile", cfg)
-
-    run = Path(yaml.safe_load(cfg.read_text())["run"]["results"]) / "tiny"
-    report = run / "report"
-    for name in ("metrics.csv", "fid.png", "loss.png", "best.json", "best_grid.png"):
-        assert (report / name).is_file(), name
-    rows = (report / "metrics.csv").read_text().splitlines()
-    assert [r.split(",")[0] for r in rows[1:]] == ["2"]
-
-    for rule in ("train_segment", "sample_snapshot", "compute_fid", "build_report"):
-        jobs = slurm_jobs(tmp_path, rule)
-        assert len(jobs) == 1, (rule, jobs)
-        assert_completed_here(jobs, tmp_path, rule)
-    # Every job's SLURM log says where it ran.
-    for log in (tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"):
-        assert f"diffrelay: SLURM job {log.stem} on nodes {socket.gethostname()}, CUDA_VISIBLE_DEVICES=" \
-            in log.read_text(), log
-
-
 def test_a_cluster_without_accounting_is_watched_with_squeue_not_a_silent_hang(tmp_path, write_config):
     """This cluster has no accounting storage (cluster.sh): with the shipped profile's sacct the plugin would
     wait forever. The workflow's one sacct probe at start switches to squeue (MinJobAge=3600 s here)."""
@@ -146,13 +121,14 @@ def segment_starts(run: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("event") == "segment_start"]
 
 
-def running_job(rule: str, seen: set, timeout: float, proc) -> str:
-    """Id of a running SLURM job of `rule` that is not in `seen`."""
+def running_job(rule: str, seen: set, timeout: float, proc, workdir: Path) -> str:
+    """Id of a running SLURM job of `rule` started from `workdir` that is not in `seen`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k"], capture_output=True, text=True).stdout
-        ids = [i for i, _, k in (line.partition("|") for line in out.splitlines())
-               if k.startswith(f"rule_{rule}") and i not in seen]
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%Z|%k"], capture_output=True,
+                             text=True).stdout
+        ids = [i for i, where, k in (line.split("|", 2) for line in out.splitlines())
+               if k.startswith(f"rule_{rule}") and Path(where) == workdir and i not in seen]
         if ids:
             return ids[0]
         assert proc.poll() is None, "snakemake ended early"
@@ -173,7 +149,61 @@ def wait_for_steps(run: Path, starts: int, steps: int, timeout: float, proc) -> 
         time.sleep(0.2)
 
 
-def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identically(tmp_path, write_config):
+class Background:
+    """A workflow started now and waited for later: a test that mostly sleeps runs it beside itself."""
+
+    def __init__(self, cmd: list, cwd: Path, log: Path):
+        self.cmd, self.log = list(map(str, cmd)), log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+
+    def finish(self, timeout: float = TIMEOUT) -> None:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        assert rc == 0, f"{' '.join(self.cmd)} failed ({rc}):\n{self.log.read_text()}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def background():
+    """background(cmd, cwd, log) -> a Background, stopped when the test ends however it ends."""
+    started = []
+    yield lambda *args: started.append(Background(*args)) or started[-1]
+    for run in started:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny run of every stage under SLURM, started once for the module and left to run in the background.
+
+    The signal test below asks for it first: its training steps sleep, so this workflow's jobs use the CPU and
+    the node's second slot meanwhile (about 80 s of a CI run's time otherwise spent waiting one after the other).
+    """
+    if not ((REPO / "Snakefile").is_file() and (REPO / "workflow" / "rules" / "train.smk").is_file()):
+        pytest.skip("the diffrelay workflow (Snakefile, workflow/rules/) is not written yet")
+    work = tmp_path_factory.mktemp("tiny_slurm")
+    # One segment of 2 steps: the shortest chain of every stage (each job costs ~10-60 s here).
+    over = {"run": {"results": str(work / "results"), "resources": str(work / "resources")},
+            "train": {"total_steps": 2, "segment_steps": 2, "log_every": 1},
+            "sample": {"num_images": 4, "steps": 2, "batch_size": 4}}
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump(deep_merge(TINY, over), sort_keys=False))
+    run = Background(["snakemake", "--directory", work, "--workflow-profile", PROFILE, "--snakefile",
+                      REPO / "Snakefile", "--configfile", cfg], work, work / "snakemake.log")
+    run.work, run.cfg = work, cfg
+    yield run
+    run.stop()
+
+
+def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identically(tmp_path, write_config,
+                                                                                     background, tiny_run):
     """A training segment stopped three ways, the way SLURM does it, then finished and compared with
     an uninterrupted run:
     1. `scancel --signal=USR1 JOB`: USR1 to every process of the job's steps at once (the Snakemake job
@@ -183,8 +213,10 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
        (or SIGTERM at the time limit when SLURM's coarse timer fired before the step started).
     3. `scontrol requeue` of the third try: SLURM ends it and starts it again under the same id.
     """
-    # Inside SLURM a step of this network sleeps 0.15 s: each stop lands mid-segment (the timer's try lasts
-    # at most about 60 s, under 400 steps), yet the steps cost no CPU and the local reference run is quick.
+    # Inside SLURM a step of this network sleeps 0.15 s while the workflow's folder holds `slow_steps`: each
+    # stop lands mid-segment (the timer's try lasts at most about 60 s, under 400 steps), yet the steps cost no
+    # CPU, and the local reference run, started beside them, is quick. After the last stop the file goes and the
+    # rest of the steps run at full speed. The tiny run (the fixture) uses the CPU meanwhile.
     steps = 500
     train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
     model = {"arch": "slow_net:slow_under_slurm", "kwargs": {"width": 8}}
@@ -198,6 +230,11 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     (tmp_path / "local").mkdir()
     for where in (work, tmp_path / "local"):  # a network file beside each workflow, as a user keeps one
         shutil.copy(REPO / "tests" / "fixtures" / "diffrelay_test_net.py", where / "slow_net.py")
+    (work / "slow_steps").touch()
+    # Uninterrupted reference, run locally beside the SLURM run.
+    whole = background(["snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile", "--directory",
+                        tmp_path / "local", "--cores", "1", "--configfile", ref], tmp_path / "local",
+                       tmp_path / "whole.log")
     cmd = ["snakemake", results / "stopped" / target, "--snakefile", REPO / "Snakefile", "--directory", work,
            "--workflow-profile", PROFILE, "--retries", "2", "--set-resources",
            "train_segment:runtime=1 if attempt == 2 else 10",
@@ -207,16 +244,17 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     with open(tmp_path / "snakemake.log", "w") as out:
         proc = subprocess.Popen(list(map(str, cmd)), cwd=work, stdout=out, stderr=subprocess.STDOUT)
         try:
-            first = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            first = running_job("train_segment", seen, TIMEOUT / 2, proc, work)
             seen.add(first)
             wait_for_steps(results / "stopped", 1, 3, TIMEOUT / 2, proc)
             subprocess.run(["scancel", "--signal=USR1", first], check=True)
-            second = running_job("train_segment", seen, TIMEOUT / 2, proc)  # the timer stops this one
+            second = running_job("train_segment", seen, TIMEOUT / 2, proc, work)  # the timer stops this one
             seen.add(second)
-            third = running_job("train_segment", seen, TIMEOUT / 2, proc)
+            third = running_job("train_segment", seen, TIMEOUT / 2, proc, work)
             seen.add(third)
             wait_for_steps(results / "stopped", 3, 3, TIMEOUT / 2, proc)
             subprocess.run(["scontrol", "requeue", third], check=True)
+            (work / "slow_steps").unlink()
             # SLURM holds a requeued job for 120 s (EligibleTime); the test needs the requeue, not the wait.
             for _ in range(120):
                 state = subprocess.run(["squeue", "-h", "-j", third, "-o", "%T"], capture_output=True, text=True).stdout
@@ -252,10 +290,7 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     assert len(starts) == 4 and starts[0] == 0 and starts[1] > 0 and starts[2] > starts[1], starts
     assert starts[2] <= starts[3] < steps, starts
 
-    # Uninterrupted reference, run locally.
-    run_cli("snakemake", results / "whole" / target, "--snakefile", REPO / "Snakefile",
-            "--directory", tmp_path / "local", "--cores", "1", "--configfile", ref, cwd=tmp_path / "local",
-            timeout=TIMEOUT)
+    whole.finish()
     from diffrelay.training import checkpoint
     a, _ = checkpoint.load_checkpoint(results / "stopped" / "checkpoints" / f"step_{steps:07d}")
     b, _ = checkpoint.load_checkpoint(results / "whole" / "checkpoints" / f"step_{steps:07d}")
@@ -264,6 +299,27 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     for k in flat_a:
         assert torch.equal(flat_a[k], flat_b[k]) if isinstance(flat_a[k], torch.Tensor) else flat_a[k] == flat_b[k], k
     assert read_losses(results / "stopped") == read_losses(results / "whole")
+
+
+def test_tiny_diffrelay_run_trains_under_slurm_and_writes_the_report(tiny_run):
+    tiny_run.finish()
+    tmp_path, cfg = tiny_run.work, tiny_run.cfg
+
+    run = Path(yaml.safe_load(cfg.read_text())["run"]["results"]) / "tiny"
+    report = run / "report"
+    for name in ("metrics.csv", "fid.png", "loss.png", "best.json", "best_grid.png"):
+        assert (report / name).is_file(), name
+    rows = (report / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["2"]
+
+    for rule in ("train_segment", "sample_snapshot", "compute_fid", "build_report"):
+        jobs = slurm_jobs(tmp_path, rule)
+        assert len(jobs) == 1, (rule, jobs)
+        assert_completed_here(jobs, tmp_path, rule)
+    # Every job's SLURM log says where it ran.
+    for log in (tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"):
+        assert f"diffrelay: SLURM job {log.stem} on nodes {socket.gethostname()}, CUDA_VISIBLE_DEVICES=" \
+            in log.read_text(), log
 
 
 def flatten(obj, prefix=""):
