@@ -2,6 +2,9 @@
 training state's bytes from the parameter count, activations measured on fake tensors equal to the bytes autograd
 really saves on the CPU (fp32 and bf16 autocast), linear in the batch, lower with checkpointing, and the warning."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,7 +142,9 @@ def test_validate_prints_the_memory_lines_and_warns_only_when_the_gpu_is_smaller
     assert len(lines) == 3, lines
     assert "adam moments" in lines[0] and "(1 fp32 copy)" in lines[0]
     cfg = config.load(demo)
-    assert f"{cfg.train.batch_size} image(s) a process" in lines[1] and "measured on fake tensors" in lines[1]
+    # The demo's network is small: measured on the real CPU (no FakeTensorMode, whose import of torch._dynamo is
+    # most of validate's start-up), the figure the fake pass gives (test below).
+    assert f"{cfg.train.batch_size} image(s) a process" in lines[1] and "measured on the CPU" in lines[1]
     assert "EXCEEDS the 0.001 GiB given by --gpu-memory-gib" in lines[2]
     warnings = [line for line in err.splitlines() if line.startswith("diffrelay: warning:")]
     assert len(warnings) == 1 and "train.activation_checkpointing: true" in warnings[0], err
@@ -153,3 +158,23 @@ def test_validate_prints_the_memory_lines_and_warns_only_when_the_gpu_is_smaller
     with registry.on_device("meta"):
         n = footprint.counts(validate_memory._builder(cfg, classes, None)[0]())
     assert f"({n['params']:,} parameters, fp32" in lines[0]
+
+
+def test_a_small_network_measured_on_the_cpu_first_gets_the_fake_figure_and_validate_imports_no_dynamo(tmp_path):
+    for batch in (1, 4):
+        fake, how_fake = footprint.activation_bytes(build(), run, batch, cpu=False)
+        real, how_real = footprint.activation_bytes(build(), run, batch, cpu=False, cpu_first=True)
+        assert fake == real and "fake tensors" in how_fake and "on the CPU" in how_real, (fake, real)
+
+    def fails_on_cpu():
+        if torch.empty(0).device.type == "cpu" and not torch.empty(0).is_meta:
+            raise RuntimeError("not here")
+        return Net()
+
+    act, how = footprint.activation_bytes(fails_on_cpu, run, 2, cpu_first=True)  # then the fake pass
+    assert act == footprint.activation_bytes(build(), run, 2, cpu=False)[0] and "fake tensors" in how, how
+    code = ("import sys; from diffrelay import cli; cli.main(['validate', '--config', sys.argv[1]]); "
+            "print('torch._dynamo' in sys.modules, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code, str(REPO / "config/config.yaml")], capture_output=True,
+                       text=True, cwd=tmp_path, check=True)
+    assert "measured on the CPU" in p.stdout and p.stderr.splitlines()[-1] == "False", p.stderr[-2000:]

@@ -285,3 +285,62 @@ def test_reading_the_config_of_a_new_run_does_not_import_torch(tmp_path):
             f"print(preflight._recorded(Path({str(tmp_path)!r})), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["None", "False"]
+
+
+EAGER = """
+import copy, sys, torch
+from diffrelay import config
+from diffrelay.training import optim
+for name in ("adam", "adamw"):
+    for fused in (False, True):
+        t = config.Config(config.validate({"train": {"optimizer": name, "lr": 0.01, "weight_decay": 0.1}})).train
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 4))
+        twin = copy.deepcopy(net)
+        opt = optim.build_optimizer(net.parameters(), t, fused=fused)
+        sched = optim.build_schedule(opt, t)
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        plain = cls(twin.parameters(), lr=0.01, betas=tuple(t.betas), weight_decay=0.1, foreach=False,
+                    fused=fused or None)
+        plain_sched = optim.build_schedule(plain, t)
+        calls = []
+        opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+        opt.register_step_post_hook(lambda *a: calls.append("post"))
+        for k in range(5):
+            x = torch.randn(3, 4)
+            for m, o, s in ((net, opt, sched), (twin, plain, plain_sched)):
+                m(x).square().sum().backward()
+                o.step()
+                s.step()
+                o.zero_grad(set_to_none=True)
+            if k == 2:  # a resume in the middle: the state round-trips
+                optim.load_optimizer_state(opt, copy.deepcopy(opt.state_dict()))
+        same = all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
+        print(name, fused, same, calls == ["pre", "post"] * 5, torch.is_grad_enabled())
+print("dynamo", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_optimizer_of_a_process_that_compiles_nothing_imports_no_dynamo_and_updates_the_same_bits():
+    # torch's optimizers import torch._dynamo on first use (1.35 s of each training job); training/eager.py
+    # keeps it out. The plain optimizer beside it is built after: the comparison is against torch's own step.
+    out = subprocess.run([sys.executable, "-c", EAGER], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[:4] == [f"{n} {f} True True True" for n in ("adam", "adamw") for f in (False, True)], out
+    assert lines[4] == "dynamo True"  # the plain optimizers imported it: the check can see the import
+    code = EAGER.replace("plain = cls(", "plain = None and cls(").replace(
+        "for m, o, s in ((net, opt, sched), (twin, plain, plain_sched)):", "for m, o, s in ((net, opt, sched),):")
+    code = code.replace("plain_sched = optim.build_schedule(plain, t)", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "dynamo False", out
+
+
+def test_a_compiled_run_keeps_torchs_own_optimizer_step():
+    from diffrelay.training import eager
+
+    t = config.Config(config.validate({"train": {"compile": True}})).train
+    opt = optim.build_optimizer(torch.nn.Linear(2, 2).parameters(), t)
+    assert "step" not in vars(opt)  # the class's step: graph breaks where torch.compile needs them
+    t = config.Config(config.validate({})).train
+    opt = optim.build_optimizer(torch.nn.Linear(2, 2).parameters(), t)
+    assert "step" in vars(opt) and eager.eager_step(opt)

@@ -69,7 +69,7 @@ def _counts(build, params: int) -> dict:
 def lines(cfg: config.Config, params: int, classes: int, text=None,
           gpu_memory_gib: float | None = None) -> tuple[list, str | None]:
     """(the `# memory:` lines, the warning or None) of the run as configured; `params`: the network check's count."""
-    from diffrelay.nets import footprint
+    from diffrelay.nets import footprint, registry
     from diffrelay.objectives import ddpm
 
     t, batch = cfg.train, micro_batch(cfg)
@@ -83,8 +83,11 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
         # Its tables are made with NumPy (no fake tensors) and cached per device: made here, on the real CPU, the
         # fake pass uses them, and the cache never holds fake tensors.
         ddpm._chain(None, "cpu", ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
+    _, side = preflight.net_geometry(cfg)
+    small = n["params"] * side ** 2 <= registry.CPU_CHECK_MAX_PARAM_PIXELS  # as the network check decides
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
-        act, how = footprint.activation_bytes(build, run, batch, amp, cpu=n["params"] <= footprint.CPU_MAX_PARAMS)
+        act, how = footprint.activation_bytes(build, run, batch, amp, cpu=n["params"] <= footprint.CPU_MAX_PARAMS,
+                                              cpu_first=small)
     est = footprint.Estimate(state, act, how)
     processes = t.nproc_per_node * t.nnodes
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "

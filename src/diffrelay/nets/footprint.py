@@ -97,39 +97,46 @@ def _fake_cpu():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def activation_bytes(build, run, batch: int, amp_dtype=None, cpu: bool = True) -> tuple[int | None, str]:
+def activation_bytes(build, run, batch: int, amp_dtype=None, cpu: bool = True,
+                     cpu_first: bool = False) -> tuple[int | None, str]:
     """(bytes the backward pass keeps for one micro-batch of `batch` images, how it was measured), or (None,
     why not). build() makes the network (on torch's default device; it is called under the meta device);
     run(net, n) computes the training loss of n images on torch's default device. Measured at batch 1 and 2 on
     fake CPU tensors under torch.autocast("cpu", amp_dtype) (None: fp32), then at fixed + per-image x batch;
-    on the real CPU when the fake pass fails and `cpu` allows it (a small network)."""
+    on the real CPU when the fake pass fails and `cpu` allows it (a small network). `cpu_first`: a network small
+    enough that the real pass is the cheaper one: FakeTensorMode's constructor imports torch._dynamo (0.6 s of
+    `diffrelay validate`), the CPU's pass of a small network takes milliseconds."""
     from diffrelay.nets.registry import on_device
 
     def measure(n, net):
         with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
             return saved_bytes(net, lambda m: run(m, n))
 
-    errors = []
-    try:
+    def on_fake():
         with on_device("meta"):
             net = build()
         with _fake_cpu():
             net = net.to("cpu").train()  # meta -> fake CPU: autocast and the CPU's kernels apply
             with torch.device("cpu"):
-                one, two = measure(1, net), measure(2, net)
-        how = "fake tensors"
-    except (Exception, SystemExit) as e:  # noqa: BLE001 -- any failure (often user code): try the CPU
-        errors.append(f"on fake tensors: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
-        if not cpu:
-            return None, "not measured (" + errors[0] + "; too large for the CPU)"
+                return measure(1, net), measure(2, net)
+
+    def on_cpu():
+        with on_device("cpu"):
+            net = build().train()
+            return measure(1, net), measure(2, net)
+
+    ways = [("fake tensors", on_fake)] + ([("the CPU", on_cpu)] if cpu or cpu_first else [])
+    errors = []
+    for how, way in reversed(ways) if cpu_first else ways:
         try:
-            with on_device("cpu"):
-                net = build().train()
-                one, two = measure(1, net), measure(2, net)
-            how = "the CPU"
-        except (Exception, SystemExit) as e2:  # noqa: BLE001
-            errors.append(f"on the CPU: {type(e2).__name__}: {' '.join(str(e2).split())[:160]}")
-            return None, "not measured (" + "; ".join(errors) + ")"
+            one, two = way()
+            break
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- any failure (often user code): the other way
+            errors.append(f"on {how}: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
+    else:
+        if not cpu:
+            errors.append("too large for the CPU")
+        return None, "not measured (" + "; ".join(errors) + ")"
     per_image = max(two - one, 0)
     return one + per_image * (batch - 1), f"measured on {how} at batch 1 and 2, scaled to {batch}"
 

@@ -5,14 +5,21 @@ import math
 
 import torch
 
+from diffrelay.training import eager
+
 
 def build_optimizer(params, t, fused: bool = False) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    if not t.compile:  # nothing in this process is compiled: no torch._dynamo import (1.35 s; eager.py)
+        eager.settle(cls, torch.optim.lr_scheduler.LambdaLR)
     # foreach=False keeps the update order fixed, which the bitwise-resume tests rely on. fused=True is
     # one kernel for all parameters (train.fused_optimizer); deterministic too, but not bitwise equal to
     # the per-parameter loop, so a run compared bit for bit with another must use the same setting.
-    return cls(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=False,
-               fused=fused or None)
+    opt = cls(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=False,
+              fused=fused or None)
+    if not t.compile:
+        eager.eager_step(opt)
+    return opt
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
