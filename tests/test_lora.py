@@ -162,6 +162,12 @@ def test_a_target_module_that_matches_nothing_is_one_line(run):
     assert msg.startswith("train.lora.target_modules: 'to_qkv' matches no module of UNet2DConditionModel; use "
                           "module names it has, e.g. "), msg
     assert "to_q" in msg.split("e.g.")[1]
+    # diffrelay validate (and the Snakefile, through validate.check_network) refuse it before any work.
+    from diffrelay import validate
+
+    bad = config.Config(config.validate(raw(run["work"], run["sd"], lora={"target_modules": ["to_qkv"]})))
+    assert "'to_qkv' matches no module" in one_line(lambda: validate.check_network(bad))
+    validate.check_network(config.Config(d))
 
 
 def test_diffrelay_sample_draws_from_a_lora_snapshot(run):

@@ -1,6 +1,7 @@
 """train.lora: a LoRA adapter (peft) on a model.pretrained run's network (docs/pretrained.md, "LoRA").
 
-  config      check_config fills rank, alpha and target_modules and refuses what cannot work (torch-free)
+  config      check_config fills rank, alpha and target_modules and refuses what cannot work (torch-free);
+              check_targets refuses a target module the network lacks (diffrelay validate, the Snakefile)
   training    attach adds the adapter (seeded: every segment draws the same init), freezes the base;
               only()/load() keep checkpoints and snapshots to the adapter's tensors
   export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors, through the pipeline
@@ -45,8 +46,12 @@ def enabled(cfg_dict: dict) -> dict | None:
     return ((cfg_dict or {}).get("train") or {}).get("lora")
 
 
-def _check_targets(model, targets) -> None:
-    """peft only refuses when no target matches at all: each one must match some module (by name suffix)."""
+def check_targets(net, targets) -> None:
+    """peft only refuses when no target matches at all: each one must match some module (by name suffix) of the
+    diffusers network inside `net` (built on any device, meta too)."""
+    from diffrelay.pretrained import weights
+
+    model = weights.text_net(net)
     names = [n for n, _ in model.named_modules() if n]
     for target in targets:
         if not any(n == target or n.endswith("." + target) for n in names):
@@ -70,8 +75,8 @@ def attach(net, spec: dict, seed: int) -> list:
 
     from diffrelay.pretrained import weights
 
+    check_targets(net, spec["target_modules"])
     model = weights.text_net(net)
-    _check_targets(model, spec["target_modules"])
     config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
                         init_lora_weights="gaussian", target_modules=list(spec["target_modules"]))
     net.requires_grad_(False)
