@@ -20,8 +20,16 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
     d = cfg.to_dict()
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
     channels, side = preflight.net_geometry(cfg)
-    return registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"],
-                          augment=d["train"]["augment"] > 0, text=text_dims(cfg)), classes
+    params = registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"],
+                            augment=d["train"]["augment"] > 0, text=text_dims(cfg))
+    if d["train"]["lora"] is not None:  # its target modules against the network's, before any work
+        from diffrelay import objectives
+        from diffrelay.pretrained import lora
+
+        with registry.on_device("meta"):
+            net = objectives.build(d["model"], side, classes, channels, text=text_dims(cfg))
+        lora.check_targets(net, d["train"]["lora"]["target_modules"])
+    return params, classes
 
 
 def text_records(cfg: config.Config) -> list | None:

@@ -33,6 +33,10 @@ def _builder(cfg: config.Config, classes: int, text):
 
     def build():
         net = objectives.build(cfg.to_dict()["model"], side, classes, channels, text=text)
+        if cfg.to_dict()["train"]["lora"] is not None:  # the base frozen: gradients and moments of the adapter only
+            from diffrelay.pretrained import lora
+
+            lora.attach(net, cfg.to_dict()["train"]["lora"], cfg.run.seed)
         if cfg.train.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         return net

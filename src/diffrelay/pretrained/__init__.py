@@ -6,6 +6,7 @@ loads the network's weights with weights.load_initial.
   objective       model.objective and model.ddpm (or train.flow.shift) from scheduler/scheduler_config.json
   VAE             data.encoder sd-vae, data.encoder_path the vae/ folder (its config.json's scaling_factor)
   text encoders   data.text_encoders, each family's settings (parts.text_encoders); tokenizers from tokenizer*/
+  LoRA            train.lora's defaults and checks (lora.check_config)
   identity        model.pretrained.sha256: {file: sha256} of model_index.json and every file of those parts.
                   It is part of the trajectory (the folder's path is not), so a changed file is refused on
                   resume (preflight.check_run_folder names it) and every checkpoint and snapshot records it.
@@ -35,11 +36,13 @@ def path_of(spec) -> str | None:
 def expand(d: dict) -> list[tuple[str, str]]:
     """Fill a schema-validated config (in place) from model.pretrained; (key, message) pairs of what is wrong,
     the first of which config.validate reports. Nothing to do without model.pretrained."""
+    from diffrelay.pretrained import lora
+
     spec = d["model"].get("pretrained")
     if spec is None:
-        return []
+        return lora.check_config(d)  # train.lora needs a pipeline
     try:
-        return _expand(d, spec)
+        return _expand(d, spec) or lora.check_config(d)
     except UserError as e:
         return [(f"model.pretrained={path_of(spec)}", str(e))]
 

@@ -20,6 +20,8 @@ from safetensors.torch import load_file, save
 from diffrelay import io, nets
 from diffrelay import objectives
 from diffrelay.errors import UserError
+from diffrelay.pretrained import lora
+from diffrelay.pretrained import weights as base_weights
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
 SNAPSHOT_FORMAT = io.SNAPSHOT_FORMAT
@@ -210,7 +212,10 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
     tensors, meta = read_snapshot(path)
     if weights not in ("ema", "raw"):
         raise UserError(f"weights={weights!r}: choose ema or raw")
-    recorded = meta["model"]
+    recorded, spec = meta["model"], lora.enabled(meta.get("config"))
+    if spec:  # before the network's check: another base pipeline is named as such; the same one anywhere is fine
+        base = lora.check_base(path, meta, model_cfg)
+        model_cfg = (model_cfg or recorded) | {"pretrained": recorded.get("pretrained")}
     if model_cfg is None:
         if not nets.is_builtin(recorded.get("arch", "unet")):
             raise UserError(f"{path}: records model.arch={recorded['arch']!r}, which is not built in; pass the "
@@ -236,5 +241,10 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
     _, h, w = meta["image_shape"]
     net = objectives.build(model_cfg, resolution=h, num_classes=meta["num_classes"], in_channels=meta["image_shape"][0],
                            text=(meta.get("text") or {}).get("dims"))
-    net.load_state_dict(state)
+    if spec:  # the pipeline's base, then the adapter
+        base_weights.load_initial(net, base)
+        lora.attach(net, spec, 0)
+        lora.load(net, state, path)
+    else:
+        net.load_state_dict(state)
     return net.to(device).eval().requires_grad_(False), meta

@@ -12,7 +12,7 @@ from diffrelay import nets
 
 # The values that train as before these keys existed.
 DEFAULTS = {"loss_reduction": "mean", "ema_halflife_kimg": None, "warmup_kimg": None, "lr_ref_batches": None,
-            "augment": 0.0}
+            "augment": 0.0, "lora": None}
 AUGMENT_LABELS = 9  # EDM's CIFAR-10 pipe (data/edm_augment.py EDM_CIFAR10.label_dim; EDM train.py:146)
 
 

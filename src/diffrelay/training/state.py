@@ -10,7 +10,7 @@ from diffrelay.data import loader
 from diffrelay.data.order import DataOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
-from diffrelay.pretrained import weights
+from diffrelay.pretrained import folder, lora, weights
 from diffrelay.runtime import speed
 from diffrelay.training import optim, phema
 
@@ -26,6 +26,7 @@ class TrainState:
     order: DataOrder
     skipped_total: int = 0  # updates skipped for a non-finite loss or gradient, over the whole run
     consecutive: int = 0  # of those, in a row up to now: the divergence guard
+    lora: bool = False  # train.lora: the net's and EMAs' state is the adapter's tensors only
 
     @classmethod
     def build(cls, cfg, data, device) -> "TrainState":
@@ -37,20 +38,27 @@ class TrainState:
                                text=text.dims if text else None).to(device)
         if cfg.model.pretrained is not None:  # step 0 starts from the pipeline's weights; a resume loads over them
             weights.load_initial(net, cfg.to_dict()["model"]["pretrained"])
+        # The adapter on the pipeline's weights; the EMAs copy the frozen base too (it stays equal to the net's).
+        spec = cfg.to_dict()["train"]["lora"]
+        params = net.parameters() if spec is None else lora.attach(net, spec, cfg.run.seed)
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
-        opt = optim.build_optimizer(net.parameters(), t, fused=speed.use_fused(t.fused_optimizer, device))
+        opt = optim.build_optimizer(params, t, fused=speed.use_fused(t.fused_optimizer, device))
         return cls(net=net, ema=optim.EMA(net, t.ema_decays, t.ema_halflife_kimg, t.ema_rampup_ratio, t.batch_size),
                    pema=phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None,
                    opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=DataOrder(cfg.run.seed, data.count, t.batch_size))
+                   order=DataOrder(cfg.run.seed, data.count, t.batch_size), lora=spec is not None)
 
     def load(self, state: dict, meta: dict, path) -> None:
-        self.net.load_state_dict(state["net"])
-        self.ema.load_state_dict(state["ema"])
+        if self.lora:  # the base is the pipeline's, loaded by build
+            for module, weights_ in zip([self.net, *self.ema.nets], [state["net"], *state["ema"]], strict=True):
+                lora.load(module, weights_, path)
+        else:
+            self.net.load_state_dict(state["net"])
+            self.ema.load_state_dict(state["ema"])
         if self.pema:
             self.pema.load_state_dict(state.get("phema"), path)
         optim.load_optimizer_state(self.opt, state["optimizer"])
@@ -63,13 +71,29 @@ class TrainState:
         self.consecutive = int(state.get("consecutive_skipped", 0))
 
     def state_dict(self, step: int) -> dict:
-        state = {"net": self.net.state_dict(), "ema": self.ema.state_dict(), "optimizer": self.opt.state_dict(),
+        state = {"net": self.weights(self.net), "ema": [self.weights(e) for e in self.ema.nets],
+                 "optimizer": self.opt.state_dict(),
                  "schedule": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                  "order": self.order.state_dict(), "skipped": self.skipped_total,
                  "consecutive_skipped": self.consecutive, "step": step}
         if self.pema:  # absent when off, so such checkpoints are byte for byte what they were before
             state["phema"] = self.pema.state_dict()
         return state
+
+    def weights(self, module) -> dict:
+        """A network's state dict as checkpoints and snapshots hold it: a LoRA run's adapter only."""
+        return lora.only(module.state_dict()) if self.lora else module.state_dict()
+
+    def snapshot(self, path, meta: dict, cfg) -> None:
+        """Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as
+        it was. A LoRA run also writes its first EMA's adapter in diffusers' format, <run>/lora/<step>/."""
+        from diffrelay.training import checkpoint
+
+        checkpoint.save_snapshot(path, self.weights(self.ema.nets[0]), self.weights(self.net), meta,
+                                 [self.weights(e) for e in self.ema.nets[1:]])
+        if self.lora:
+            pipe = folder.read(cfg.to_dict()["model"]["pretrained"])
+            lora.export(path.parent.parent / "lora" / path.name.split(".")[0], self.ema.nets[0], pipe.cls, pipe.net)
 
 
 def _first_scale(t, shape) -> float:

@@ -203,7 +203,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         if st.consecutive >= t.max_skipped_steps:
             _stop_diverged(run_dir, step, st, save, metrics_path)
         if distributed.is_main() and step in snapshots:
-            _snapshot(run_dir, step, st.net, st.ema, cfg, data, traj)
+            _snapshot(run_dir, step, st, cfg, data, traj)
         if distributed.is_main() and st.pema and (step % t.phema.every == 0 or step == t.total_steps):
             # The run's last step always, so the workflow can reconstruct there whatever the length.
             st.pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj))
@@ -374,11 +374,9 @@ def _stop_diverged(run_dir, step, st, save, metrics_path) -> None:
                     "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
 
 
-def _snapshot(run_dir, step, net, ema, cfg, data, traj) -> None:
+def _snapshot(run_dir, step, st, cfg, data, traj) -> None:
     path = run_dir / "snapshots" / f"{checkpoint.step_name(step)}.safetensors"
-    # Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as it was.
-    checkpoint.save_snapshot(path, ema.nets[0].state_dict(), net.state_dict(), _meta(cfg, step, data, traj),
-                             [e.state_dict() for e in ema.nets[1:]])
+    st.snapshot(path, _meta(cfg, step, data, traj), cfg)  # a LoRA run's adapter only, and diffusers' file
 
 
 def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:

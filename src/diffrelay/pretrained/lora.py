@@ -1,0 +1,150 @@
+"""train.lora: a LoRA adapter (peft) on a model.pretrained run's network (docs/pretrained.md, "LoRA").
+
+  config      check_config fills rank, alpha and target_modules and refuses what cannot work (torch-free);
+              check_targets refuses a target module the network lacks (diffrelay validate, the Snakefile)
+  training    attach adds the adapter (seeded: every segment draws the same init), freezes the base;
+              only()/load() keep checkpoints and snapshots to the adapter's tensors
+  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors, through the pipeline
+              class's own save_lora_weights, so diffusers' load_lora_weights reads it
+  sampling    check_base refuses an adapter sampled on another base than the one it was trained on
+
+The base weights are never stored: they come from the pipeline folder, whose sha256s are the run's identity.
+"""
+
+import os
+
+from diffrelay.errors import UserError
+
+# diffusers' LoRA training scripts (train_text_to_image_lora*.py, train_dreambooth_lora_sd3.py) adapt the
+# attention projections; the same names exist in the UNet, SD3's and PixArt's transformers.
+TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for
+MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
+
+
+def check_config(d: dict) -> list[tuple[str, str]]:
+    """Fill train.lora's defaults in place; (key, message) pairs of what cannot work."""
+    t = d["train"]
+    spec = t.get("lora")
+    if spec is None:
+        return []
+    if d["model"].get("pretrained") is None:
+        return [("train.lora", "needs model.pretrained (the diffusers pipeline folder whose network the adapter "
+                 "trains); set model.pretrained, or drop train.lora")]
+    if spec["alpha"] is None:
+        spec["alpha"] = spec["rank"]
+    if spec["target_modules"] is None:
+        spec["target_modules"] = list(TARGETS)
+    if t["phema"]["every"]:
+        return [(f"train.phema.every={t['phema']['every']}", "post-hoc EMA is not kept for train.lora runs; "
+                 "set train.phema.every: 0 (train.ema_decays averages the adapter)")]
+    return []
+
+
+def enabled(cfg_dict: dict) -> dict | None:
+    """train.lora of a config (a dict), None when off."""
+    return ((cfg_dict or {}).get("train") or {}).get("lora")
+
+
+def check_targets(net, targets) -> None:
+    """peft only refuses when no target matches at all: each one must match some module (by name suffix) of the
+    diffusers network inside `net` (built on any device, meta too)."""
+    from diffrelay.pretrained import weights
+
+    model = weights.text_net(net)
+    names = [n for n, _ in model.named_modules() if n]
+    for target in targets:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            import torch
+
+            def leaf(n):  # to_out.0, not 0
+                return ".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
+
+            # Linear layers first: where LoRA usually goes.
+            leaves = sorted({leaf(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            leaves += sorted({leaf(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)} - set(leaves))
+            raise UserError(f"train.lora.target_modules: {target!r} matches no module of {type(model).__name__}; "
+                            f"use module names it has, e.g. {', '.join(leaves[:8])}")
+
+
+def attach(net, spec: dict, seed: int) -> list:
+    """Add the adapter to the diffusers network inside `net` and freeze everything else; the trainable
+    parameters. The adapter's init is drawn from `seed` (CPU generator, forked: the caller's draws go on)."""
+    import torch
+    from peft import LoraConfig
+
+    from diffrelay.pretrained import weights
+
+    check_targets(net, spec["target_modules"])
+    model = weights.text_net(net)
+    config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
+                        init_lora_weights="gaussian", target_modules=list(spec["target_modules"]))
+    net.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(config)
+    trainable = []
+    for name, p in net.named_parameters():
+        p.requires_grad_(MARK in name)
+        if MARK in name:
+            trainable.append(p)
+    return trainable
+
+
+def only(state: dict) -> dict:
+    """The adapter's entries of a state dict."""
+    return {k: v for k, v in state.items() if MARK in k}
+
+
+def load(module, state: dict, path) -> None:
+    """Load adapter tensors over a network whose base is in place; every adapter tensor, nothing else."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    gaps = [k for k in missing if MARK in k]
+    if unexpected or gaps:
+        key = (unexpected or gaps)[0]
+        raise UserError(f"{path}: {'holds' if unexpected else 'lacks'} {key}, so it is not this train.lora run's "
+                        "adapter (rank and target_modules must match); resume or sample it with its own config")
+
+
+def export(folder, ema_net, pipeline_cls: str, net_part: str) -> bool:
+    """Write the adapter of `ema_net` (an objective's wrapper) as <folder>/pytorch_lora_weights.safetensors,
+    keys and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no
+    LoRA loader (PixArt): diffrelay's snapshot is then the only copy."""
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    from diffrelay import io
+    from diffrelay.pretrained import weights
+
+    cls = getattr(diffusers, pipeline_cls, None)
+    if not hasattr(cls, "save_lora_weights"):
+        return False
+    model = weights.text_net(ema_net)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+    meta = model.peft_config["default"].to_dict()
+    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= {WEIGHT_NAME}) as tmp:
+        cls.save_lora_weights(tmp, **{f"{net_part}_lora_layers": layers,
+                                      f"{net_part}_lora_adapter_metadata": meta}, safe_serialization=True)
+    return True
+
+
+def check_base(path, meta: dict, model_cfg: dict | None) -> dict:
+    """The model.pretrained to sample a LoRA snapshot with: the config's (else the recorded one), whose files
+    must be the base the adapter was trained on (the snapshot's recorded sha256s)."""
+    from diffrelay.pretrained import folder
+
+    recorded = (meta.get("model") or {}).get("pretrained") or {}
+    spec = (model_cfg or {}).get("pretrained") or recorded
+    try:
+        sums = folder.manifest(folder.read(spec))
+    except UserError as e:
+        raise UserError(f"{path}: its LoRA adapter needs the base pipeline: {e}") from e
+    want = recorded.get("sha256") or {}
+    if sums != want:
+        name = next(k for k in sorted(set(sums) | set(want)) if sums.get(k) != want.get(k))
+        raise UserError(f"{path}: a LoRA adapter trained on another base pipeline ({name}: sha256 "
+                        f"{str(want.get(name))[:12]}... when trained, {str(sums.get(name))[:12]}... in "
+                        f"{spec['path'] if isinstance(spec, dict) else spec}); sample it with "
+                        "the pipeline folder it was trained on")
+    return spec

@@ -1,0 +1,180 @@
+"""train.lora: a peft adapter on a tiny SD pipeline's UNet trains alone (the base stays the pipeline's), K segments
+equal one run bit for bit, checkpoints hold the adapter only, diffusers' load_lora_weights reads the exported file
+to the same network output, and each misuse is one line (docs/pretrained.md, "LoRA"). Nothing is downloaded."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pipelines
+from conftest import run_cli
+from diffrelay import config
+from diffrelay.errors import UserError
+from diffrelay.pretrained import lora, weights
+from diffrelay.training import checkpoint, train
+from diffrelay.training.state import TrainState
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+LORA = {"rank": 2, "alpha": 4.0}
+
+
+def raw(work: Path, pipe, name="ft", **train_keys) -> dict:
+    return {"run": {"name": name, "results": str(work / "results"), "resources": str(work / "resources"),
+                    "device": "cpu"},
+            "data": {"kind": "shapes", "count": 16, "resolution": 16, "captions": "auto", "val_fraction": 0.25},
+            "model": {"pretrained": str(pipe)},
+            "train": {"total_steps": 2, "segment_steps": 1, "batch_size": 4, "log_every": 1, "warmup_steps": 1,
+                      "lr": 0.01, "lora": LORA} | train_keys,
+            "sample": {"steps": 2, "batch_size": 4, "solver": "ddim"},
+            "fid": {"extractor": "random", "batch_size": 16}}
+
+
+def one_line(fn) -> str:
+    with pytest.raises(UserError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 2-step run in one segment (its trained TrainState kept), the same in 2 segments, on one dataset."""
+    import yaml
+
+    work = tmp_path_factory.mktemp("lora")
+    sd = pipelines.sd(work / "sd")
+    d = config.validate(raw(work, sd))
+    (work / "ft.yaml").write_text(yaml.safe_dump(d))
+    run_cli("prepare", "--config", work / "ft.yaml", "--out", work / "dataset")
+    built = []
+    original = TrainState.build.__func__
+
+    def keep(cls, *a, **k):
+        built.append(original(cls, *a, **k))
+        return built[-1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(TrainState, "build", classmethod(keep))
+    try:
+        assert train.run(config.Config(d), until_step=2, dataset_dir=work / "dataset") == 0
+        two = config.Config(config.validate(raw(work, sd, name="ft2")))
+        for until in (1, 2):
+            assert train.run(two, until_step=until, dataset_dir=work / "dataset") == 0
+    finally:
+        mp.undo()
+    return {"work": work, "sd": sd, "cfg": d, "state": built[0], "one": work / "results" / "ft",
+            "two": work / "results" / "ft2"}
+
+
+def test_config_fills_diffusers_defaults_and_needs_a_pipeline(run, tmp_path):
+    spec = run["cfg"]["train"]["lora"]
+    assert spec == {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["to_k", "to_q", "to_v", "to_out.0"]}
+    assert config.validate(run["cfg"]) == run["cfg"]  # a recorded config reads back as itself
+    d = raw(tmp_path, run["sd"], lora={})
+    assert config.validate(d)["train"]["lora"]["alpha"] == 4  # alpha = rank
+    del d["model"]["pretrained"]
+    d["data"]["captions"] = "none"
+    msg = one_line(lambda: config.validate(d, "ft.yaml"))
+    assert msg.startswith("ft.yaml: train.lora: needs model.pretrained"), msg
+    # Off, it is no part of the trajectory: runs from before train.lora keep their hash.
+    off = raw(tmp_path, run["sd"], lora=None)
+    assert "lora" not in config.trajectory(config.Config(config.validate(off)))["train"]
+
+
+def test_only_the_adapter_trains_and_the_base_stays_the_pipelines(run):
+    st = run["state"]
+    model = weights.text_net(st.net)
+    want = load_file(run["sd"] / "unet" / "diffusion_pytorch_model.safetensors")
+    got = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if lora.MARK not in k}
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    adapter = lora.only(model.state_dict())
+    assert adapter and all(k.endswith(("lora_A.default.weight", "lora_B.default.weight")) for k in adapter)
+    assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B starts 0
+    trainable = {id(p) for g in st.opt.param_groups for p in g["params"]}
+    assert trainable == {id(p) for n, p in st.net.named_parameters() if lora.MARK in n}
+    assert all(p.requires_grad == (lora.MARK in n) for n, p in st.net.named_parameters())
+
+
+def test_two_segments_equal_one_run_bit_for_bit(run):
+    a, _ = checkpoint.load_checkpoint(run["one"] / "checkpoints" / "step_0000002")
+    b, _ = checkpoint.load_checkpoint(run["two"] / "checkpoints" / "step_0000002")
+    for key in ("net", "ema"):
+        left, right = (a[key], b[key]) if key == "net" else (a[key][0], b[key][0])
+        assert set(left) == set(right) and left
+        assert all(torch.equal(left[k], right[k]) for k in left), key
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+
+
+def test_a_checkpoint_holds_the_adapter_only(run):
+    path = run["one"] / "checkpoints" / "step_0000002"
+    state, _ = checkpoint.load_checkpoint(path)
+    keys = list(state["net"]) + [k for e in state["ema"] for k in e]
+    assert keys and all(lora.MARK in k for k in keys)
+    base = (run["sd"] / "unet" / "diffusion_pytorch_model.safetensors").stat().st_size
+    size = (path / "state.pt").stat().st_size
+    assert size * 4 < base, (size, base)  # net, EMA and two Adam moments of rank 2: a quarter of the base at most
+    snap = load_file(run["one"] / "snapshots" / "step_0000002.safetensors")
+    assert snap and all(lora.MARK in k for k in snap)
+
+
+def test_diffusers_loads_the_exported_adapter_to_the_same_output(run):
+    from diffusers import StableDiffusionPipeline
+
+    snap = run["one"] / "snapshots" / "step_0000002.safetensors"
+    net, _ = checkpoint.load_snapshot(snap, "ema", model_cfg=run["cfg"]["model"])
+    mine = weights.text_net(net)
+    exported = run["one"] / "lora" / "step_0000002"
+    assert sorted(os.listdir(exported)) == [lora.WEIGHT_NAME]
+    pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+    pipe.load_lora_weights(exported)
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        want = pipe.unet(x, t, encoder_hidden_states=text).sample
+        got = mine(x, t, encoder_hidden_states=text).sample
+        base = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True,
+                                                       use_safetensors=True).unet(x, t, encoder_hidden_states=text)
+    assert not torch.allclose(base.sample, want, atol=1e-6)  # the adapter changes the output
+    # The same modules and tensors in the same order of operations: equal up to float32 rounding.
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+
+
+def test_sampling_against_another_base_is_one_line(run):
+    other = pipelines.sd(run["work"] / "other", seed=1)
+    d = config.validate(raw(run["work"], other))
+    snap = run["one"] / "snapshots" / "step_0000002.safetensors"
+    msg = one_line(lambda: checkpoint.load_snapshot(snap, "ema", model_cfg=d["model"]))
+    assert "a LoRA adapter trained on another base pipeline (unet/diffusion_pytorch_model.safetensors" in msg, msg
+
+
+def test_a_target_module_that_matches_nothing_is_one_line(run):
+    from diffrelay import objectives
+
+    d = run["cfg"]
+    net = objectives.build(d["model"], 8, 0, 4, text={"states": 32, "length": 77, "pooled": 0})
+    spec = d["train"]["lora"] | {"target_modules": ["to_q", "to_qkv"]}
+    msg = one_line(lambda: lora.attach(net, spec, 0))
+    assert msg.startswith("train.lora.target_modules: 'to_qkv' matches no module of UNet2DConditionModel; use "
+                          "module names it has, e.g. "), msg
+    assert "to_q" in msg.split("e.g.")[1]
+    # diffrelay validate (and the Snakefile, through validate.check_network) refuse it before any work.
+    from diffrelay import validate
+
+    bad = config.Config(config.validate(raw(run["work"], run["sd"], lora={"target_modules": ["to_qkv"]})))
+    assert "'to_qkv' matches no module" in one_line(lambda: validate.check_network(bad))
+    validate.check_network(config.Config(d))
+
+
+def test_diffrelay_sample_draws_from_a_lora_snapshot(run):
+    """The CLI end to end: the base from the config's pipeline, the adapter from the snapshot."""
+    prompts = run["work"] / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    out = run["work"] / "samples"
+    run_cli("sample", "--config", run["work"] / "ft.yaml", "--snapshot",
+            run["one"] / "snapshots" / "step_0000002.safetensors", "--out", out, "--prompts", prompts)
+    assert len(list(out.glob("*.png"))) >= 1
