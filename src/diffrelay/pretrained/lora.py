@@ -80,8 +80,9 @@ def attach(net, spec: dict, seed: int) -> list:
     config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
                         init_lora_weights="gaussian", target_modules=list(spec["target_modules"]))
     net.requires_grad_(False)
+    # peft draws the init on the CPU; only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too).
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         model.add_adapter(config)
     trainable = []
     for name, p in net.named_parameters():
