@@ -25,6 +25,7 @@ def test_training_state_bytes_from_a_tiny_networks_parameter_count():
     net[0].requires_grad_(False)  # a frozen part (what a LoRA run passes as `trainable`): no gradient, no moments
     frozen = footprint.state_bytes(**footprint.counts(net), emas=1)
     assert (frozen["gradients"], frozen["optimizer"], frozen["weights"]) == (10 * 4, 10 * 8, 30 * 4 + 48)
+    assert frozen["ema"] == 10 * 4 + 48  # the EMA's copy shares the frozen weights (training.optim.EMA)
     # The full-SDXL figure: 2.6e9 parameters x (4 weights + 4 gradients + 8 Adam), before EMAs.
     assert sum(footprint.state_bytes(2_600_000_000, emas=0).values()) == 41_600_000_000
 

@@ -129,7 +129,7 @@ def test_diffusers_loads_the_exported_adapter_to_the_same_output(run):
     net, _ = checkpoint.load_snapshot(snap, "ema", model_cfg=run["cfg"]["model"])
     mine = weights.text_net(net)
     exported = run["one"] / "lora" / "step_0000002"
-    assert sorted(os.listdir(exported)) == [lora.WEIGHT_NAME]
+    assert sorted(os.listdir(exported)) == [lora.WEIGHT_NAME, lora.RAW_NAME]
     pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
     pipe.load_lora_weights(exported)
     torch.manual_seed(0)
@@ -142,6 +142,14 @@ def test_diffusers_loads_the_exported_adapter_to_the_same_output(run):
     assert not torch.allclose(base.sample, want, atol=1e-6)  # the adapter changes the output
     # The same modules and tensors in the same order of operations: equal up to float32 rounding.
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    # Beside it, the raw (trained, not averaged) adapter, for sample.weights: raw.
+    raw_net, _ = checkpoint.load_snapshot(snap, "raw", model_cfg=run["cfg"]["model"])
+    pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+    pipe.load_lora_weights(exported, weight_name=lora.RAW_NAME)
+    with torch.no_grad():
+        want_raw = pipe.unet(x, t, encoder_hidden_states=text).sample
+        got_raw = weights.text_net(raw_net)(x, t, encoder_hidden_states=text).sample
+    assert torch.allclose(got_raw, want_raw, rtol=0, atol=1e-6) and not torch.allclose(got_raw, got, atol=1e-6)
 
 
 def test_sampling_against_another_base_is_one_line(run):
@@ -178,3 +186,19 @@ def test_diffrelay_sample_draws_from_a_lora_snapshot(run):
     run_cli("sample", "--config", run["work"] / "ft.yaml", "--snapshot",
             run["one"] / "snapshots" / "step_0000002.safetensors", "--out", out, "--prompts", prompts)
     assert len(list(out.glob("*.png"))) >= 1
+
+
+def test_guidance_without_caption_dropout_is_refused_from_scratch_and_kept_for_a_pipeline(run, tmp_path):
+    import textmodels
+    from test_text_workflow import text_config
+
+    # A pipeline's network learnt its unconditional model in pretraining: diffusers' scripts fine-tune without
+    # caption dropout and validate with guidance, and so may a model.pretrained run.
+    d = raw(tmp_path, run["sd"])
+    d["sample"]["guidance"] = [1, 5]
+    d = config.validate(d)
+    assert d["data"]["caption_dropout"] == 0 and d["sample"]["guidance"] == [1, 5]
+    textmodels.clip_text(tmp_path / "enc", hidden=32)
+    scratch = text_config(tmp_path, data={"caption_dropout": 0})  # a text network trained here, from scratch
+    msg = one_line(lambda: config.validate(scratch, "t2i.yaml"))
+    assert msg.startswith("t2i.yaml: sample.guidance=2: the network is trained without caption dropout"), msg

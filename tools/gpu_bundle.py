@@ -5,7 +5,7 @@
 
 That machine has Python 3.12 and torch, no network, and only 64 MiB of files reach it. The bundle is the
 installed dependency tree of diffrelay's runtime (pyproject.toml), minus torch and what torch brings, minus
-what the GPU checks never import (snakemake, pandas, matplotlib, transformers, pyarrow), stripped of tests and byte-code: about
+what the GPU checks never import (snakemake, pandas, matplotlib, transformers, pyarrow, peft), stripped of tests and byte-code: about
 46 MiB as tar.xz; plain wheels would be 74 MiB. torchvision is in it, pinned to the machine's torch
 (torchvision 0.26 requires torch 2.11 exactly); benchmarks/gpu_smoke.py uses the machine's own torchvision
 where one is installed and checks the pin otherwise.
@@ -29,8 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "build" / "gpu-bundle.tar.xz"
 # torch and its own requirements are the machine's; the others are never imported by the GPU checks.
+# Text runs (transformers, Parquet captions) and LoRA (peft) are not among the GPU checks; peft must stay out as
+# well: diffusers imports it whenever it is installed, and peft imports transformers.
 LEFT_OUT = {"torch", "snakemake", "snakemake-executor-plugin-slurm", "pandas", "matplotlib",
-            "transformers", "pyarrow"}  # text runs (transformers, Parquet captions) are not among the GPU checks
+            "transformers", "pyarrow", "peft"}
 NO_DEPS = {"clean-fid", "torchvision"}  # both require torch, which pip would fetch (2.5 GB)
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]

@@ -157,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=_non_negative, default=0, help="the step the snapshot is labelled with [0]")
     p.set_defaults(module="diffrelay.training.convert")
 
+    p = sub.add_parser("export", help="a diffusers pipeline folder with a model.pretrained run's weights "
+                                      "(DiffusionPipeline.from_pretrained loads it)")
+    _config(p)
+    p.add_argument("--snapshot", required=True, help="the snapshot whose weights go in (snapshots/step_X.safetensors"
+                                                      ", or a post-hoc EMA one)")
+    p.add_argument("--out", required=True, help="the pipeline folder to write (new, or an earlier export's)")
+    p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="the snapshot's EMA or raw weights [ema]")
+    p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs; default the first")
+    p.set_defaults(module="diffrelay.training.export")
+
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")
     p.add_argument("--extractor", required=True,
                    help="inception | random | dinov2 (= dinov2-vitl14) | dinov2-vits14 | dinov2-vitb14 | "

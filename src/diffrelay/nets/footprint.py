@@ -8,7 +8,8 @@ casts per op and keeps fp32 master weights), so
 - optimizer: Adam and AdamW keep two moments (exp_avg, exp_avg_sq) per trainable parameter, zeros_like the
   parameter (fp32, 8 bytes), and a scalar step;
 - EMA: each EMA of train.ema_decays (or the one of ema_halflife_kimg) and each post-hoc EMA profile
-  (train.phema, when on) is a deep copy of the whole network, parameters and buffers (fp32).
+  (train.phema, when on) is a deep copy of the network's trainable parameters and buffers (fp32); the frozen
+  parameters are shared with the network (training.optim.EMA).
 So a network of N fp32 parameters, all trained, needs 16 N bytes before EMAs and activations (the issue's 42 GB of
 full-SDXL fine-tuning: 2.6e9 x 16), plus 4 N per EMA. `trainable` takes a smaller count (a LoRA adapter's).
 
@@ -47,13 +48,14 @@ def state_bytes(params: int, trainable: int | None = None, optimizer: str = "ada
                 bytes_per_param: int = 4, buffer_bytes: int = 0) -> dict[str, int]:
     """Bytes of the training state of a network of `params` parameters (`bytes_per_param` each, fp32: 4) and
     `buffer_bytes` of buffers, of which `trainable` (default: all) get a gradient and optimizer moments, with
-    `emas` EMA copies of the whole network."""
+    `emas` EMA copies of the trainable parameters and the buffers (a copy shares the frozen ones: training.optim.EMA)."""
     trainable = params if trainable is None else trainable
     if optimizer not in OPTIMIZER_MOMENTS:
         raise UserError(f"train.optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_MOMENTS)}")
     weights = params * bytes_per_param + buffer_bytes
     return {"weights": weights, "gradients": trainable * bytes_per_param,
-            "optimizer": OPTIMIZER_MOMENTS[optimizer] * trainable * bytes_per_param, "ema": emas * weights}
+            "optimizer": OPTIMIZER_MOMENTS[optimizer] * trainable * bytes_per_param,
+            "ema": emas * (trainable * bytes_per_param + buffer_bytes)}
 
 
 def counts(net: nn.Module) -> dict[str, int]:

@@ -4,8 +4,8 @@
               check_targets refuses a target module the network lacks (diffrelay validate, the Snakefile)
   training    attach adds the adapter (seeded: every segment draws the same init), freezes the base;
               only()/load() keep checkpoints and snapshots to the adapter's tensors
-  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors, through the pipeline
-              class's own save_lora_weights, so diffusers' load_lora_weights reads it
+  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors (the first EMA's; the raw
+              weights beside it), through the pipeline class's own save_lora_weights, so load_lora_weights reads it
   sampling    check_base refuses an adapter sampled on another base than the one it was trained on
 
 The base weights are never stored: they come from the pipeline folder, whose sha256s are the run's identity.
@@ -18,7 +18,8 @@ from diffrelay.errors import UserError
 # diffusers' LoRA training scripts (train_text_to_image_lora*.py, train_dreambooth_lora_sd3.py) adapt the
 # attention projections; the same names exist in the UNet, SD3's and PixArt's transformers.
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for: the first EMA's
+RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
 MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
 
 
@@ -107,10 +108,10 @@ def load(module, state: dict, path) -> None:
                         "adapter (rank and target_modules must match); resume or sample it with its own config")
 
 
-def export(folder, ema_net, pipeline_cls: str, net_part: str) -> bool:
-    """Write the adapter of `ema_net` (an objective's wrapper) as <folder>/pytorch_lora_weights.safetensors,
-    keys and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no
-    LoRA loader (PixArt): diffrelay's snapshot is then the only copy."""
+def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
+    """Write the adapter of each network of `nets` ({file name: an objective's wrapper}) into <folder>/, keys
+    and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no LoRA loader
+    (PixArt): diffrelay's snapshot is then the only copy."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -121,12 +122,13 @@ def export(folder, ema_net, pipeline_cls: str, net_part: str) -> bool:
     cls = getattr(diffusers, pipeline_cls, None)
     if not hasattr(cls, "save_lora_weights"):
         return False
-    model = weights.text_net(ema_net)
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
-    meta = model.peft_config["default"].to_dict()
-    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= {WEIGHT_NAME}) as tmp:
-        cls.save_lora_weights(tmp, **{f"{net_part}_lora_layers": layers,
-                                      f"{net_part}_lora_adapter_metadata": meta}, safe_serialization=True)
+    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= set(nets)) as tmp:
+        for name, net in nets.items():
+            model = weights.text_net(net)
+            layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+            cls.save_lora_weights(tmp, **{f"{net_part}_lora_layers": layers,
+                                          f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
+                                  weight_name=name, safe_serialization=True)
     return True
 
 

@@ -24,7 +24,9 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     if s.get("guide") is not None:
         guided = []  # autoguidance: the guide network replaces the null class, no label dropout needed
     text = d["data"].get("captions", "none") != "none"
-    if guided and text and not d["data"]["caption_dropout"]:
+    # A pretrained pipeline's network learnt its unconditional model in pretraining (SD and SDXL dropped captions
+    # then); fine-tuning it without dropout keeps it, and diffusers' fine-tuning scripts validate with guidance.
+    if guided and text and not d["data"]["caption_dropout"] and m.get("pretrained") is None:
         bad.append((f"sample.guidance={guided[0]}", "the network is trained without caption dropout, so it has no "
                     "unconditional model to guide with; set data.caption_dropout (e.g. 0.1) or sample.guidance: 1"))
     elif text:

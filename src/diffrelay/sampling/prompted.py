@@ -65,7 +65,9 @@ def check(meta: dict, chosen: list, guidance: float, source) -> None:
     once here; a run whose every scale is 1 is refused when its config is checked (config_text)."""
     from diffrelay import logs
 
-    dropout = meta.get("config", {}).get("data", {}).get("caption_dropout", 0)
+    recorded = meta.get("config", {})
+    # A pipeline's network has its unconditional model from pretraining (sampling/checks.py says why).
+    dropout = recorded.get("data", {}).get("caption_dropout", 0) or recorded.get("model", {}).get("pretrained")
     unused = [it for it in chosen if it.negative_prompt and (guidance if it.guidance is None else it.guidance) == 1]
     if unused:
         logs.get().info(f"{len(unused)} prompt(s) with a negative prompt at guidance 1 (e.g. prompt "

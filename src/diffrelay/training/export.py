@@ -1,0 +1,69 @@
+"""`diffrelay export`: a complete diffusers pipeline folder holding a model.pretrained run's weights.
+
+The folder is the run's pipeline folder (model.pretrained) with its network replaced by a snapshot's weights
+(EMA, raw, or a post-hoc EMA snapshot from `diffrelay phema`), written by diffusers' own save_pretrained, so
+DiffusionPipeline.from_pretrained(folder) loads it. A LoRA run's adapter is merged into the base first (diffusers'
+fuse_lora, then unload_lora): save_pretrained of a network with a live adapter would write peft's base_layer/lora_*
+keys, which from_pretrained does not read (it initialises those weights anew, with only a warning).
+
+Every other part is copied byte for byte. The folder is written beside its target and renamed into place; an
+existing folder is replaced only when an earlier export wrote it (its diffrelay_export.json).
+"""
+
+import shutil
+from pathlib import Path
+
+from diffrelay import config, io
+from diffrelay.errors import UserError
+
+MARK = "diffrelay_export.json"  # what the export wrote, from which snapshot; marks the folder as ours
+
+
+def main(args) -> int:
+    cfg = config.load(args.config)
+    where = ", ".join(map(str, args.config))
+    model_cfg = cfg.to_dict()["model"]
+    if model_cfg.get("pretrained") is None:
+        raise UserError(f"{where}: model.pretrained is not set: export writes a diffusers pipeline folder, so it "
+                        "needs the run's pipeline; sample the snapshot with `diffrelay sample` instead")
+    out = Path(args.out)
+    # Refused before any work: a folder (or file) this command did not write.
+    io.check_replaceable(out, _ours, "a folder `diffrelay export` wrote", "choose another --out or move it aside")
+    record = export(args.snapshot, model_cfg, out, args.weights, args.ema_decay)
+    print(f"diffrelay: wrote {out} ({record['network']}: {record['weights']} weights of {args.snapshot}); "
+          f"DiffusionPipeline.from_pretrained({str(out)!r}) loads it")
+    return 0
+
+
+def _ours(path: Path) -> bool:
+    return path.is_dir() and (path / MARK).is_file()
+
+
+def export(snapshot, model_cfg: dict, out: Path, weights: str = "ema", decay: float | None = None) -> dict:
+    """Write the pipeline folder `out`; its record (also `out`/diffrelay_export.json)."""
+    import torch
+
+    from diffrelay.pretrained import folder
+    from diffrelay.pretrained import weights as base_weights
+    from diffrelay.training import checkpoint
+
+    net, meta = checkpoint.load_snapshot(snapshot, weights, model_cfg=model_cfg, decay=decay)
+    pipe = folder.read(model_cfg["pretrained"])
+    model = base_weights.text_net(net)
+    lora = bool(getattr(model, "peft_config", None))
+    if lora:  # into the base weights, then the adapter layers go: plain diffusers keys
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+    record = {"snapshot": str(Path(snapshot).resolve()), "snapshot_sha256": io.sha256_file(Path(snapshot)),
+              "step": meta.get("step"), "weights": weights if decay is None else f"{weights} {decay}",
+              "network": pipe.net, "lora_fused": lora, "pipeline": str(pipe.root),
+              "pipeline_sha256": folder.manifest(pipe)}
+    with io.atomic_dir(out, _ours) as tmp:
+        shutil.copy2(pipe.root / "model_index.json", tmp / "model_index.json")
+        for part in sorted(p.name for p in pipe.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if part != pipe.net:  # every other part as it is: vae, text encoders, tokenizers, scheduler, ...
+                shutil.copytree(pipe.root / part, tmp / part)
+        with torch.no_grad():
+            model.to(torch.float32).save_pretrained(tmp / pipe.net, safe_serialization=True)
+        io.write_json(tmp / MARK, record)
+    return record

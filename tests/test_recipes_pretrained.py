@@ -1,0 +1,81 @@
+"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, docs/recipes.md#sdxl-lora) through the whole workflow,
+shrunk as the papers' recipes are (test_recipes.py): the tiny SDXL pipeline of tests/pipelines.py in place of the
+real one, a tiny captioned folder, the tests' CLIP and random features, sizes, steps and the machine. Every other
+value is the recipe's own, and the test checks that it reached the run. Nothing is downloaded."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+import pipelines
+import textmodels
+from conftest import REPO, deep_merge
+from test_adm_scores import pictures, save_folder
+from test_workflow import snakemake
+
+from diffrelay import config
+
+CAPTIONS = ["a red circle", "a blue square", "a green triangle", "a yellow star"]
+
+
+def leaves(d: dict, prefix: str = "") -> dict:
+    """{"a.b.c": value} of a nested dict's leaves."""
+    return {k2: v2 for k, v in d.items()
+            for k2, v2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}).items()}
+
+
+def shrink(d: dict, tmp) -> dict:
+    """The overrides that make a fine-tuning recipe run here: local files, sizes and machine only."""
+    return {"run": {"name": "shrunk", "device": "cpu", "gpus": None, "eval_gpus": None,
+                    "results": str(tmp / "results"), "resources": str(tmp / "resources")},
+            "data": {"resolution": 16, "workers": 1, "path": str(tmp / "images")},
+            "model": {"pretrained": str(tmp / "sdxl")},
+            "train": {"total_steps": 2, "segment_steps": 1, "batch_size": 4, "nproc_per_node": 1, "nnodes": 1,
+                      "threads": 1, "recovery_every": 0, "log_every": 1},
+            "sample": {"steps": 2, "batch_size": 4, "nproc": 1, "threads": 1, "prompts": str(tmp / "prompts.yaml")},
+            # The tests' scorers: random features (offline) and the tiny CLIP.
+            "fid": {"extractor": "random", "clip_model": str(tmp / "clip"), "batch_size": 8, "threads": 1}}
+
+
+@pytest.mark.slow
+def test_sdxl_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_adapter(tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / "sdxl-lora.yaml"]
+    base, d = (yaml.safe_load(f.read_text()) for f in files)
+    assert d["train"]["lora"]["rank"] == 4 and d["model"]["pretrained"]
+    pipelines.sdxl(tmp_path / "sdxl")
+    textmodels.clip_model(tmp_path / "clip")
+    images = save_folder(pictures(40, side=32), tmp_path / "images")
+    with open(images / "metadata.jsonl", "w") as f:  # Hugging Face imagefolder captions, the recipe's "text"
+        for i in range(40):
+            f.write(json.dumps({"file_name": f"{i:06d}.png", "text": CAPTIONS[i % 4]}) + "\n")
+    (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle", "num_images": 2},
+                                                           {"prompt": "a blue square", "num_images": 2}]))
+    over = shrink(d, tmp_path)
+    (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
+    snakemake(tmp_path, "--configfile", *files, tmp_path / "shrink.yaml")
+
+    run = tmp_path / "results" / "shrunk"
+    made = json.loads((run / "checkpoints" / "step_0000002" / "meta.json").read_text())["config"]
+    # The run used exactly the merged files, filled from the pipeline folder; every key the recipe sets and the
+    # shrinking does not reached the run with the recipe's value.
+    assert made == json.loads(json.dumps(config.validate(deep_merge(deep_merge(base, d), over))))
+    kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
+    assert {k: leaves(made)[k] for k in kept} == kept
+    assert made["model"]["pretrained"]["path"] == str(tmp_path / "sdxl")
+    rows = (run / "report" / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + 2, rows  # steps 1 and 2, guidance 5
+    best = json.loads((run / "report" / "best.json").read_text())
+    assert best["best_by"] == "clip_score"
+    # The last snapshot's adapter (the raw one, which the recipe samples) in diffusers' format:
+    # StableDiffusionXLPipeline.load_lora_weights reads it and leaves the base as it was.
+    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "sdxl", local_files_only=True, use_safetensors=True)
+    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    pipe.load_lora_weights(run / "lora" / "step_0000002", weight_name="pytorch_lora_weights_raw.safetensors")
+    after = pipe.unet.state_dict()
+    assert any("lora" in k for k in after) and all(torch.equal(before[k], after[k]) for k in before if k in after)
+    assert sorted(os.listdir(run / "lora")) == ["step_0000001", "step_0000002"]
