@@ -74,6 +74,14 @@ def build_schedule(opt, t) -> torch.optim.lr_scheduler.LambdaLR:
                                  t.lr_ref_batches))
 
 
+def average_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `net` to hold an average of its weights (EMA, post-hoc EMA), in eval mode, without gradients. A
+    frozen parameter never changes, so its average is itself: the copy shares it with the network instead of
+    holding its own. A LoRA run's whole base is frozen (10 GB of SDXL's UNet in fp32 a copy)."""
+    frozen = {id(p): p for p in net.parameters() if not p.requires_grad}
+    return copy.deepcopy(net, frozen).eval().requires_grad_(False)
+
+
 @torch.no_grad()
 def lerp_towards(avg: torch.nn.Module, net: torch.nn.Module, weight: float) -> None:
     """avg's parameters move `weight` of the way to net's, and its buffers become net's. One foreach call for
@@ -95,10 +103,7 @@ class EMA:
         self.decays = list(decays)
         self.halflife_kimg, self.rampup_ratio, self.batch_size = halflife_kimg, rampup_ratio, batch_size
         count = 1 if halflife_kimg is not None else len(self.decays)
-        # A frozen parameter never changes, so its average is itself: each copy shares it with the network
-        # instead of holding its own. A LoRA run's whole base is frozen (10 GB of SDXL's UNet in fp32 a copy).
-        frozen = {id(p): p for p in net.parameters() if not p.requires_grad}
-        self.nets = [copy.deepcopy(net, dict(frozen)).eval().requires_grad_(False) for _ in range(count)]
+        self.nets = [average_copy(net) for _ in range(count)]
 
     def beta(self, step: int) -> float:
         """EDM's decay for the update at `step` (NVlabs/edm training/training_loop.py:143-146): the half-life in

@@ -13,7 +13,6 @@ weights of time tau by p(tau) = (gamma + 1) tau^gamma / t^(gamma + 1) on 0 < tau
 deviation divided by t is sigma_rel.
 """
 
-import copy
 import re
 from pathlib import Path
 
@@ -43,8 +42,7 @@ class PowerEMA:
     def __init__(self, net: torch.nn.Module, sigma_rels):
         self.sigma_rels = [float(s) for s in sigma_rels]
         self.gammas = [sigma_to_gamma(s) for s in self.sigma_rels]
-        frozen = {id(p): p for p in net.parameters() if not p.requires_grad}  # shared, as optim.EMA's copies
-        self.nets = [copy.deepcopy(net, dict(frozen)).eval().requires_grad_(False) for _ in self.sigma_rels]
+        self.nets = [optim.average_copy(net) for _ in self.sigma_rels]
 
     @torch.no_grad()
     def update(self, net: torch.nn.Module, step: int) -> None:
