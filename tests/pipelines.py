@@ -70,3 +70,58 @@ def sdxl(folder, work=None, seed: int = 0) -> Path:
                                      tokenizer_2=tok2, unet=net, scheduler=EulerDiscreteScheduler(**SD_SCHEDULE))
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def _t5(folder: Path, d_model: int, seed: int):
+    from transformers import PreTrainedTokenizerFast, T5EncoderModel
+
+    textmodels.t5(folder, d_model=d_model, seed=seed)
+    return (T5EncoderModel.from_pretrained(folder, local_files_only=True),
+            PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True))
+
+
+def sd3(folder, work=None, seed: int = 0) -> Path:
+    """An SD3-style pipeline: SD3Transformer2DModel, two CLIPs with projection (pooled, 32 + 32), a T5 64 wide (the
+    CLIPs' 64 features zero-padded to it), FlowMatchEulerDiscreteScheduler with shift 3 (SD3-medium's), and a VAE
+    with SD3's shift_factor beside its scaling_factor."""
+    import torch
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    enc1, tok1 = _clip(work / "clip1", projection=True, hidden=32, seed=1)
+    enc2, tok2 = _clip(work / "clip2", projection=True, hidden=32, seed=2)
+    enc3, tok3 = _t5(work / "t5", 64, seed=3)
+    torch.manual_seed(seed)
+    net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=64,
+                                caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=8)
+    pipe = StableDiffusion3Pipeline(transformer=net, vae=AutoencoderKL(**(VAE | {"shift_factor": 0.1})),
+                                    scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                    text_encoder=enc1, tokenizer=tok1, text_encoder_2=enc2, tokenizer_2=tok2,
+                                    text_encoder_3=enc3, tokenizer_3=tok3)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def pixart_sigma(folder, work=None, seed: int = 0) -> Path:
+    """A PixArt-Sigma-style pipeline: PixArtTransformer2DModel with learned sigma (8 = 2 x 4 output channels) and
+    no additional conditions (PixArt-Sigma's), one T5 (the mask passed), DPMSolverMultistepScheduler as the
+    pipeline ships it (epsilon, linear betas)."""
+    import torch
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    enc, tok = _t5(work / "t5", 32, seed=3)
+    torch.manual_seed(seed)
+    net = PixArtTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=2,
+                                   attention_head_dim=8, num_attention_heads=2, cross_attention_dim=16,
+                                   caption_channels=32, norm_num_groups=8, use_additional_conditions=False,
+                                   interpolation_scale=None)
+    pipe = PixArtSigmaPipeline(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
+                               scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001,
+                                                                     beta_end=0.02))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

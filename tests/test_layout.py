@@ -42,7 +42,7 @@ ALLOWED = {
     "evaluation": {"runtime", "data", "text"},
     "pretrained": {"nets", "objectives", "text"},
     "training": {"runtime", "nets", "objectives", "data", "text", "pretrained"},
-    "sampling": {"runtime", "nets", "objectives", "data", "training", "text"},
+    "sampling": {"runtime", "nets", "objectives", "data", "training", "text", "pretrained"},
     "tracking": {"runtime", "evaluation"},
 }
 FRONT = {"config", "preflight"}

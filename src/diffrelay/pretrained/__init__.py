@@ -113,6 +113,23 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     return bad
 
 
+def zeros_for_empty_prompt(model: dict) -> bool:
+    """Whether the pipeline's unconditional branch is zeros, not the empty caption's embedding, for an image without
+    a negative prompt: StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json, default true),
+    which its __call__ applies to the states and the pooled embedding alike."""
+    from diffrelay.pretrained import folder
+
+    spec = (model or {}).get("pretrained")
+    if spec is None:
+        return False
+    pipe = folder.read(spec)
+    if pipe.cls != "StableDiffusionXLPipeline":
+        return False
+    from diffrelay import io
+
+    return bool(io.read_json(pipe.root / "model_index.json").get("force_zeros_for_empty_prompt", True))
+
+
 def trajectory(model: dict) -> dict:
     """A `model` section with model.pretrained as it enters a run's identity: the files' sha256, not where the
     folder lies; absent without a pipeline, so runs from before it keep their hash."""

@@ -84,7 +84,13 @@ def attach(net, spec: dict, seed: int) -> list:
     # peft draws the init on the CPU; only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too).
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        model.add_adapter(config)
+        if hasattr(type(model), "add_adapter"):  # diffusers' PeftAdapterMixin (UNet, SD3)
+            model.add_adapter(config)
+        else:  # PixArt's and HunyuanDiT's transformers lack the mixin: what add_adapter does, by peft itself
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(config, model)
+            model.peft_config = {"default": config}
     trainable = []
     for name, p in net.named_parameters():
         p.requires_grad_(MARK in name)
@@ -130,6 +136,20 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)
     return True
+
+
+def merge(model) -> None:
+    """Fold each adapter into its base layer and put the base layer back in its place: diffusers' fuse_lora and
+    unload_lora, for a network without diffusers' PEFT mixin (PixArt, HunyuanDiT). peft's own merge does the
+    arithmetic (W + scale B A)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    del model.peft_config
 
 
 def check_base(path, meta: dict, model_cfg: dict | None) -> dict:

@@ -79,13 +79,21 @@ def check(meta: dict, chosen: list, guidance: float, source) -> None:
                             "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")
 
 
-def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0):
+def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0,
+              zeros: bool = False):
     """The Text of the items' prompts (the sampler's conditioning); with guidance, its null rows are each item's
-    negative prompt, or the empty caption, with the contract's null class when class labels ride along."""
+    negative prompt, or the empty caption, with the contract's null class when class labels ride along. `zeros`:
+    an item without a negative prompt gets zero states and pooled embedding instead (an SDXL pipeline's
+    force_zeros_for_empty_prompt, pretrained.zeros_for_empty_prompt)."""
     cond = text.encode([it.prompt for it in chosen], device)
     cond.labels = labels
     if guided:
         null = text.encode([it.negative_prompt or "" for it in chosen], device)
+        empty = [i for i, it in enumerate(chosen) if it.negative_prompt is None]
+        if zeros and empty:
+            null.states[empty] = 0
+            if null.pooled is not None:
+                null.pooled[empty] = 0
         null.labels = None if labels is None else labels.new_full(labels.shape, null_class)
         cond.null = null
     return cond

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from diffrelay import config, io, logs, objectives
+from diffrelay import config, io, logs, objectives, pretrained
 from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
@@ -88,9 +88,11 @@ class NonFiniteSamples(UserError):
     """A batch came out with NaN or inf values (run() names the snapshot)."""
 
 
-def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None, text=None, items=None):
+def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None, text=None, items=None,
+             zeros: bool = False):
     """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep.
-    text, items: a text run's TextSource and prompt items (sampling/prompted.py): image i is items[i]."""
+    text, items: a text run's TextSource and prompt items (sampling/prompted.py): image i is items[i]; zeros:
+    prompted.condition's (an SDXL pipeline's unconditional branch without a negative prompt)."""
     device = torch.device(device or next(net.parameters()).device)
     shape = tuple(meta["image_shape"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
@@ -134,7 +136,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         labels = None if labels is None else torch.tensor(labels, device=device)
         if text is not None:
             labels = prompted.condition(text, [items[i] for i in padded], device, labels, s.guidance != 1,
-                                        meta.get("num_classes", 0))
+                                        meta.get("num_classes", 0), zeros)
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
                 images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta)
@@ -228,14 +230,14 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
-def _generate(model, meta, todo, s, device, guide, decoder, text, items):
+def _generate(model, meta, todo, s, device, guide, decoder, text, items, zeros=False):
     """generate(), in one call per (guidance, steps) of a text run's items (a prompt entry may set its own)."""
     if items is None:
         yield from generate(model, meta, todo, s, device, guide, decoder)
         return
     for g, steps, part in prompted.groups(items, todo, s.guidance, s.steps):
         yield from generate(model, meta, part, dataclasses.replace(s, guidance=g, steps=steps), device, guide,
-                            decoder, text, items)
+                            decoder, text, items, zeros)
 
 
 def _write_image(path: Path, pixels, prompt: str | None) -> None:
@@ -269,6 +271,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     items = None if text is None else (prompted.items(s.prompts, s.first_seed) if s.prompts else
                                        prompted.held_out(dataset, s.first_seed, s.num_images))
     prompted.refuse_mismatch(meta, items is not None or s.prompts is not None, snapshot)
+    zeros = text is not None and pretrained.zeros_for_empty_prompt(model_cfg or meta["model"])
     if items is not None:
         s = dataclasses.replace(s, num_images=len(items))
         prompted.check(meta, items, s.guidance, snapshot)
@@ -294,6 +297,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["flow"] = s.flow.changed()
     if s.ddpm.changed():
         key["ddpm"] = s.ddpm.changed()
+    if zeros and s.guidance != 1:  # SDXL's zeros, not the empty caption: other pixels than before they were
+        key["zeros_for_empty_prompt"] = True
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
     if s.weights == "ema" and checkpoint.ema_index(snapshot, meta, s.ema_decay):  # only then: folders of the
@@ -344,8 +349,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             pending = collections.deque()
             model = speed.compile_model(net, s.compile, resources, s.threads)
             try:
-                for n, (i, pixels) in enumerate(_generate(model, meta, todo, s, device, guide, decoder, text, items),
-                                                start=1):
+                images = _generate(model, meta, todo, s, device, guide, decoder, text, items, zeros)
+                for n, (i, pixels) in enumerate(images, start=1):
                     pending.append(writer.submit(_write_image, work / png_name(i), pixels, items and items[i].prompt))
                     while pending and pending[0].done():
                         pending.popleft().result()
