@@ -43,7 +43,8 @@ def as_net(fn):
 # Training: the interpolant, the target and the time draws
 
 
-@pytest.mark.parametrize("st", [flow.TrainSettings(), flow.TrainSettings("lognormal", -0.4, 1.3, 3.0)])
+@pytest.mark.parametrize("st", [flow.TrainSettings(), flow.TrainSettings("lognormal", -0.4, 1.3, 3.0),
+                                flow.TrainSettings("lognormal", 0.0, 1.0, 3.0, precondition_outputs=True)])
 def test_velocity_loss_is_the_linear_interpolant_restated(st):
     seen = {}
 
@@ -59,7 +60,10 @@ def test_velocity_loss_is_the_linear_interpolant_restated(st):
         t = shifted(raw, st.shift)
         assert abs(float(seen["t"][i]) - t) < 1e-6
         np.testing.assert_allclose(seen["x_t"][i].numpy(), ((1 - t) * x[i] + t * eps[i]).numpy(), atol=1e-6)
-    want = np.mean([(0.25 - (eps[i] - x[i]).double().numpy()) ** 2 for i in range(4)])
+    # precondition_outputs: the x0 loss of train_dreambooth_lora_sd3.py, t^2 x the velocity loss
+    weight = [shifted(1 / (1 + math.exp(-float(n[i]))), st.shift) ** 2 if st.precondition_outputs else 1.0
+              for i in range(4)]
+    want = np.mean([weight[i] * (0.25 - (eps[i] - x[i]).double().numpy()) ** 2 for i in range(4)])
     assert abs(float(got) - want) < 1e-6
 
 
@@ -253,6 +257,12 @@ def test_edm_runs_keep_their_identity_and_flow_runs_have_their_own():
         {"model": {"objective": "flow"}, "train": {"p_mean": 0.3}}))) == config.trajectory_hash(flow_cfg)
     assert config.trajectory_hash(config.Config(config.validate(
         {"train": {"flow": {"shift": 3}}}))) == config.trajectory_hash(config.Config(config.validate({})))
+    # precondition_outputs off is no key of the trajectory (runs from before it keep their hash); on, another run
+    assert "precondition_outputs" not in f["train"]["flow"]
+    pre = config.Config(config.validate({"model": {"objective": "flow"}, "train": {"flow": {
+        "precondition_outputs": True}}}))
+    assert config.trajectory(pre)["train"]["flow"]["precondition_outputs"] is True
+    assert config.trajectory_hash(pre) != config.trajectory_hash(flow_cfg)
 
 
 # ---------------------------------------------------------------------------------------------

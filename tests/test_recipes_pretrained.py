@@ -1,5 +1,5 @@
-"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, docs/recipes.md#sdxl-lora) through the whole workflow,
-shrunk as the papers' recipes are (test_recipes.py): the tiny SDXL pipeline of tests/pipelines.py in place of the
+"""The fine-tuning recipes (config/examples/sdxl-lora.yaml and sd3-lora.yaml, docs/recipes.md) through the whole
+workflow, shrunk as the papers' recipes are (test_recipes.py): a tiny pipeline of tests/pipelines.py in place of the
 real one, a tiny captioned folder, the tests' CLIP and random features, sizes, steps and the machine. Every other
 value is the recipe's own, and the test checks that it reached the run. Nothing is downloaded."""
 
@@ -27,12 +27,12 @@ def leaves(d: dict, prefix: str = "") -> dict:
             for k2, v2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}).items()}
 
 
-def shrink(d: dict, tmp) -> dict:
+def shrink(d: dict, tmp, pipe: str = "sdxl") -> dict:
     """The overrides that make a fine-tuning recipe run here: local files, sizes and machine only."""
     return {"run": {"name": "shrunk", "device": "cpu", "gpus": None, "eval_gpus": None,
                     "results": str(tmp / "results"), "resources": str(tmp / "resources")},
             "data": {"resolution": 16, "workers": 1, "path": str(tmp / "images")},
-            "model": {"pretrained": str(tmp / "sdxl")},
+            "model": {"pretrained": str(tmp / pipe)},
             "train": {"total_steps": 2, "segment_steps": 1, "batch_size": 4, "nproc_per_node": 1, "nnodes": 1,
                       "threads": 1, "recovery_every": 0, "log_every": 1},
             "sample": {"steps": 2, "batch_size": 4, "nproc": 1, "threads": 1, "prompts": str(tmp / "prompts.yaml")},
@@ -40,14 +40,20 @@ def shrink(d: dict, tmp) -> dict:
             "fid": {"extractor": "random", "clip_model": str(tmp / "clip"), "batch_size": 8, "threads": 1}}
 
 
-@pytest.mark.slow
-def test_sdxl_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_adapter(tmp_path):
-    from diffusers import StableDiffusionXLPipeline
+# recipe: (tests/pipelines.py's builder, the diffusers pipeline class that loads the adapter)
+LORA_RECIPES = {"sdxl-lora": ("sdxl", "StableDiffusionXLPipeline"), "sd3-lora": ("sd3", "StableDiffusion3Pipeline")}
 
-    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / "sdxl-lora.yaml"]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(LORA_RECIPES))
+def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_adapter(tmp_path, recipe):
+    import diffusers
+
+    family, cls = LORA_RECIPES[recipe]
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / f"{recipe}.yaml"]
     base, d = (yaml.safe_load(f.read_text()) for f in files)
     assert d["train"]["lora"]["rank"] == 4 and d["model"]["pretrained"]
-    pipelines.sdxl(tmp_path / "sdxl")
+    getattr(pipelines, family)(tmp_path / family)
     textmodels.clip_model(tmp_path / "clip")
     images = save_folder(pictures(40, side=32), tmp_path / "images")
     with open(images / "metadata.jsonl", "w") as f:  # Hugging Face imagefolder captions, the recipe's "text"
@@ -55,7 +61,7 @@ def test_sdxl_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_i
             f.write(json.dumps({"file_name": f"{i:06d}.png", "text": CAPTIONS[i % 4]}) + "\n")
     (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle", "num_images": 2},
                                                            {"prompt": "a blue square", "num_images": 2}]))
-    over = shrink(d, tmp_path)
+    over = shrink(d, tmp_path, family)
     (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
     snakemake(tmp_path, "--configfile", *files, tmp_path / "shrink.yaml")
 
@@ -66,16 +72,19 @@ def test_sdxl_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_i
     assert made == json.loads(json.dumps(config.validate(deep_merge(deep_merge(base, d), over))))
     kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
     assert {k: leaves(made)[k] for k in kept} == kept
-    assert made["model"]["pretrained"]["path"] == str(tmp_path / "sdxl")
+    assert made["model"]["pretrained"]["path"] == str(tmp_path / family)
     rows = (run / "report" / "metrics.csv").read_text().splitlines()
     assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + 2, rows  # steps 1 and 2, guidance 5
     best = json.loads((run / "report" / "best.json").read_text())
     assert best["best_by"] == "clip_score"
     # The last snapshot's adapter (the raw one, which the recipe samples) in diffusers' format:
-    # StableDiffusionXLPipeline.load_lora_weights reads it and leaves the base as it was.
-    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "sdxl", local_files_only=True, use_safetensors=True)
-    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    # the pipeline class's load_lora_weights reads it and leaves the base as it was.
+    pipe = getattr(diffusers, cls).from_pretrained(tmp_path / family, local_files_only=True, use_safetensors=True)
+    net = pipe.unet if family == "sdxl" else pipe.transformer
+    before = {k: v.clone() for k, v in net.state_dict().items()}
     pipe.load_lora_weights(run / "lora" / "step_0000002", weight_name="pytorch_lora_weights_raw.safetensors")
-    after = pipe.unet.state_dict()
+    after = net.state_dict()
     assert any("lora" in k for k in after) and all(torch.equal(before[k], after[k]) for k in before if k in after)
+    if family == "sd3":  # the script's eight projections: the joint attention's text side too
+        assert any("add_k_proj.lora_A" in k for k in after) and any("to_add_out.lora_B" in k for k in after)
     assert sorted(os.listdir(run / "lora")) == ["step_0000001", "step_0000002"]

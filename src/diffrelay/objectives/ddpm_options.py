@@ -52,6 +52,8 @@ def trajectory(kind: str, model: dict, train: dict) -> None:
     from their defaults in ddpm runs (a config that writes the defaults out is the same run as one that does not)."""
     if kind != "flow":
         train.pop("flow", None)
+    elif not (train.get("flow") or {}).get("precondition_outputs", True):
+        train["flow"] = {k: v for k, v in train["flow"].items() if k != "precondition_outputs"}  # runs before it
     keys = changed(model.pop("ddpm", None))
     if kind == "ddpm" and keys:
         model["ddpm"] = keys

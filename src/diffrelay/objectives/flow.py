@@ -53,6 +53,7 @@ class TrainSettings:
     mean: float = 0.0
     std: float = 1.0
     shift: float = 1.0
+    precondition_outputs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +85,14 @@ def time_from_normal(rnd, st: TrainSettings):
 
 
 def loss(net, images, labels, rnd_normal, noise, st: TrainSettings):
-    """SiT's velocity loss at times drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller."""
+    """SiT's velocity loss at times drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller; with
+    precondition_outputs, the loss on the x0 the velocity implies, as train_dreambooth_lora_sd3.py writes it
+    (model_pred * (-sigmas) + noisy_model_input against model_input: t^2 x the velocity loss)."""
     t = time_from_normal(rnd_normal, st).reshape(-1, 1, 1, 1)
     x_t = (1 - t) * images + t * noise
     v = net(x_t, t.flatten(), labels)
+    if st.precondition_outputs:
+        return ((v * (-t) + x_t - images) ** 2).mean()
     return ((v - (noise - images)) ** 2).mean()
 
 

@@ -15,9 +15,12 @@ import os
 
 from diffrelay.errors import UserError
 
-# diffusers' LoRA training scripts (train_text_to_image_lora*.py, train_dreambooth_lora_sd3.py) adapt the
-# attention projections; the same names exist in the UNet, SD3's and PixArt's transformers.
+# diffusers' LoRA training scripts adapt the attention projections: train_text_to_image_lora*.py these four (the
+# same names exist in PixArt's transformer); train_dreambooth_lora_sd3.py also the joint attention's text-side
+# projections (its default target_modules).
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                          "attn.to_out.0", "attn.to_q", "attn.to_v"]}
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for: the first EMA's
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
 MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
@@ -35,7 +38,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if spec["alpha"] is None:
         spec["alpha"] = spec["rank"]
     if spec["target_modules"] is None:
-        spec["target_modules"] = list(TARGETS)
+        spec["target_modules"] = list(FAMILY_TARGETS.get(d["model"]["arch"], TARGETS))
     if t["phema"]["every"]:
         return [(f"train.phema.every={t['phema']['every']}", "post-hoc EMA is not kept for train.lora runs; "
                  "set train.phema.every: 0 (train.ema_decays averages the adapter)")]
