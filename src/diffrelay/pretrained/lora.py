@@ -16,7 +16,8 @@ import os
 from diffrelay.errors import UserError
 
 # diffusers' LoRA training scripts (train_text_to_image_lora*.py, train_dreambooth_lora_sd3.py) adapt the
-# attention projections; the same names exist in the UNet, SD3's and PixArt's transformers.
+# attention projections; the same names exist in the UNet, SD3's, PixArt's and HunyuanDiT's transformers (HunyuanDiT's
+# own repository names them Wqkv, q_proj, kv_proj, out_proj; the network here is diffusers').
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for: the first EMA's
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
@@ -84,13 +85,36 @@ def attach(net, spec: dict, seed: int) -> list:
     # peft draws the init on the CPU; only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too).
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        model.add_adapter(config)
+        if hasattr(model, "add_adapter"):
+            model.add_adapter(config)
+        else:  # no diffusers PeftAdapterMixin (HunyuanDiT2DModel): peft's injection, which add_adapter calls
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(config, model, "default")
+            model.peft_config = {"default": config}
     trainable = []
     for name, p in net.named_parameters():
         p.requires_grad_(MARK in name)
         if MARK in name:
             trainable.append(p)
     return trainable
+
+
+def fuse(model) -> None:
+    """Merge the adapter into the base weights and drop its layers, leaving diffusers' plain keys: diffusers'
+    fuse_lora and unload_lora, or for a model without them (HunyuanDiT2DModel) peft's merge of each layer."""
+    if hasattr(model, "fuse_lora"):
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, module.get_base_layer())
+    del model.peft_config
 
 
 def only(state: dict) -> dict:
@@ -111,7 +135,7 @@ def load(module, state: dict, path) -> None:
 def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
     """Write the adapter of each network of `nets` ({file name: an objective's wrapper}) into <folder>/, keys
     and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no LoRA loader
-    (PixArt): diffrelay's snapshot is then the only copy."""
+    (PixArt, HunyuanDiT): diffrelay's snapshot is then the only copy."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
