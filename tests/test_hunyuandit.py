@@ -16,6 +16,7 @@ import torch
 import pipelines
 from conftest import REPO, run_cli
 from diffrelay import config
+from diffrelay.errors import UserError
 from test_pretrained import edit_json, raw, refusal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -92,6 +93,8 @@ def test_step_0_is_the_folders_and_ddpm_integer_steps_work(hy, tmp_path):
     assert out.shape == (2, 8, 4, 4)  # learn_sigma: the 2C layout
     assert torch.equal(out, text_net.forward_all(x, steps.float(), text=text))
     assert torch.equal(text_net(x, steps, text=text), out[:, :4])
+    with pytest.raises(UserError, match="train.activation_checkpointing: diffusers' HunyuanDiT2DModel has no gradient"):
+        text_net.checkpointing = True  # diffusers 0.42's HunyuanDiT2DModel has no gradient checkpointing
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, docs/recipes.md#sdxl-lora) through the whole workflow,
-shrunk as the papers' recipes are (test_recipes.py): the tiny SDXL pipeline of tests/pipelines.py in place of the
-real one, a tiny captioned folder, the tests' CLIP and random features, sizes, steps and the machine. Every other
+"""The fine-tuning recipes (config/examples/sdxl-lora.yaml and hunyuandit-finetune.yaml, docs/recipes.md) through the
+whole workflow, shrunk as the papers' recipes are (test_recipes.py): the tiny pipelines of tests/pipelines.py in place
+of the real ones, a tiny captioned folder, the tests' CLIP and random features, sizes, steps and the machine. Every other
 value is the recipe's own, and the test checks that it reached the run. Nothing is downloaded."""
 
 import json
@@ -27,12 +27,12 @@ def leaves(d: dict, prefix: str = "") -> dict:
             for k2, v2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}).items()}
 
 
-def shrink(d: dict, tmp) -> dict:
+def shrink(d: dict, tmp, pipe: str = "sdxl") -> dict:
     """The overrides that make a fine-tuning recipe run here: local files, sizes and machine only."""
     return {"run": {"name": "shrunk", "device": "cpu", "gpus": None, "eval_gpus": None,
                     "results": str(tmp / "results"), "resources": str(tmp / "resources")},
             "data": {"resolution": 16, "workers": 1, "path": str(tmp / "images")},
-            "model": {"pretrained": str(tmp / "sdxl")},
+            "model": {"pretrained": str(tmp / pipe)},
             "train": {"total_steps": 2, "segment_steps": 1, "batch_size": 4, "nproc_per_node": 1, "nnodes": 1,
                       "threads": 1, "recovery_every": 0, "log_every": 1},
             "sample": {"steps": 2, "batch_size": 4, "nproc": 1, "threads": 1, "prompts": str(tmp / "prompts.yaml")},
@@ -79,3 +79,36 @@ def test_sdxl_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_i
     after = pipe.unet.state_dict()
     assert any("lora" in k for k in after) and all(torch.equal(before[k], after[k]) for k in before if k in after)
     assert sorted(os.listdir(run / "lora")) == ["step_0000001", "step_0000002"]
+
+
+@pytest.mark.slow
+def test_hunyuandit_finetune_recipe_runs_through_the_workflow_shrunk(tmp_path):
+    from safetensors.torch import load_file
+
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / "hunyuandit-finetune.yaml"]
+    base, d = (yaml.safe_load(f.read_text()) for f in files)
+    assert d["train"].get("lora") is None and d["model"]["pretrained"]
+    pipelines.hunyuandit(tmp_path / "hunyuandit")
+    textmodels.clip_model(tmp_path / "clip")
+    images = save_folder(pictures(40, side=32), tmp_path / "images")
+    with open(images / "metadata.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"file_name": f"{i:06d}.png", "text": CAPTIONS[i % 4]}) + "\n")
+    (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle", "num_images": 2},
+                                                           {"prompt": "a blue square", "num_images": 2}]))
+    over = shrink(d, tmp_path, "hunyuandit")
+    (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
+    snakemake(tmp_path, "--configfile", *files, tmp_path / "shrink.yaml")
+
+    run = tmp_path / "results" / "shrunk"
+    made = json.loads((run / "checkpoints" / "step_0000002" / "meta.json").read_text())["config"]
+    assert made == json.loads(json.dumps(config.validate(deep_merge(deep_merge(base, d), over))))
+    kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
+    assert {k: leaves(made)[k] for k in kept} == kept
+    assert made["model"]["arch"] == "hunyuandit" and made["model"]["ddpm"]["beta_end"] == 0.03
+    rows = (run / "report" / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + 2, rows
+    # A full fine-tune: every snapshot holds the whole transformer under diffusers' names.
+    snap = load_file(run / "snapshots" / "step_0000002.safetensors")
+    want = load_file(tmp_path / "hunyuandit" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert len(snap) >= len(want)

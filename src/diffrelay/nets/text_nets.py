@@ -128,6 +128,9 @@ class TextNet(nn.Module):
 
     @checkpointing.setter
     def checkpointing(self, on: bool) -> None:
+        if on and not self.model._supports_gradient_checkpointing:
+            raise UserError(f"train.activation_checkpointing: diffusers' {type(self.model).__name__} has no gradient "
+                            "checkpointing (its _supports_gradient_checkpointing is false); set it false")
         if on:
             self.model.enable_gradient_checkpointing()
         else:
