@@ -23,6 +23,15 @@ models are tiny, built here from configs with seeded weights.
       sigmas: noise drawn in every step); ddim-eta (DDIM with eta 0.5).
   sd3/FlowMatchEulerDiscreteScheduler (and FlowMatchHeun): a tiny StableDiffusion3Pipeline given the prompt
       embeddings (no text encoders), shift 3, against TextNet("sd3") in flow.VelocityModel.
+  hunyuandit/<Scheduler>: a tiny HunyuanDiTPipeline (HunyuanDiT2DModel, learn_sigma; a 4-level VAE, the 8x the
+      pipeline's rotary grid assumes) given the prompt embeddings and masks of both its encoders (random, with
+      padding: the BertModel's 16 wide, the T5's 32), its scheduler HunyuanDiT-v1.1-Diffusers' DDPMScheduler config
+      (v_prediction, scaled_linear to 0.03, steps_offset 1: stochastic, noise from each image's generator) and
+      DDIM/DPM-Solver++ from it; called with use_resolution_binning=False, original_size = the image's side (its
+      default is 1024; diffrelay's image_meta_size is pixel_size's, as SDXL's time ids), guidance_rescale 0.0
+      (its default). Against TextNet("hunyuandit") in ddpm.EpsModel fed the combined Text (the Bert block
+      zero-padded to the T5's width, then the T5's tokens), diffrelay's guidance and schedulers; the initial
+      noise is generate()'s draw, which the pipeline's prepare_latents draws alike.
   config/...: the scheduler diffrelay builds has the reference's config, key for key.
 Bound: max |latent difference| = 0, equal bit for bit: the same float32 arithmetic on the same batches (with
 sample.scheduler diffrelay's guidance puts the unconditional rows first, as the pipelines do; the other order
@@ -49,6 +58,11 @@ SD15 = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_sta
         "prediction_type": "epsilon", "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1,
         "skip_prk_steps": True, "trained_betas": None}
 VZSNR = {**SD15, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
+# HunyuanDiT-v1.1-Diffusers' scheduler/scheduler_config.json, its DDPMScheduler keys (also Tencent's train_v1.1.sh).
+HUNYUAN = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.03,
+           "prediction_type": "v_prediction", "clip_sample": False, "steps_offset": 1, "timestep_spacing": "leading",
+           "variance_type": "fixed_small", "trained_betas": None, "rescale_betas_zero_snr": False}
+HUNYUAN_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler")
 # The keys diffrelay takes from model.ddpm (the rest of a case's config goes to sample.scheduler_kwargs).
 MODEL_KEYS = ("beta_schedule", "beta_start", "beta_end", "prediction_type", "rescale_betas_zero_snr")
 
@@ -207,6 +221,68 @@ def compare_sd3(diffusers, pipe, name: str) -> tuple[float, bool]:
     return float((got - want).abs().max()), same
 
 
+def hunyuandit_pipeline(diffusers):
+    torch.manual_seed(0)
+    transformer = diffusers.HunyuanDiT2DModel(
+        num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=4, patch_size=2, sample_size=8,
+        in_channels=4, learn_sigma=True, cross_attention_dim=16, cross_attention_dim_t5=32, pooled_projection_dim=16,
+        text_len=77, text_len_t5=256, use_style_cond_and_image_meta_size=True)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,) * 4, latent_channels=4, norm_num_groups=8,
+                                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+    pipe = diffusers.HunyuanDiTPipeline(
+        vae=vae, text_encoder=None, tokenizer=None, transformer=transformer,
+        scheduler=diffusers.DDPMScheduler.from_config(HUNYUAN), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _masked(g, n: int, tokens: int, width: int):
+    """(states (n, tokens, width), int64 mask) with each row's padding after a few tokens, as a tokenizer gives."""
+    states = torch.randn(n, tokens, width, generator=g)
+    mask = (torch.arange(tokens) < torch.randint(2, 9, (n, 1), generator=g)).to(torch.int64)
+    return states, mask
+
+
+def compare_hunyuandit(diffusers, pipe, name: str) -> tuple[float, bool]:
+    """HunyuanDiTPipeline's loop against diffrelay's, given the same prompt embeddings of both encoders."""
+    import inspect
+
+    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.objectives import ddpm
+    from diffrelay.sampling import guidance, schedulers
+    from diffrelay.text.condition import Text
+
+    g = torch.Generator().manual_seed(1)
+    (s1, m1), (n1, nm1) = _masked(g, 3, 77, 16), _masked(g, 3, 77, 16)
+    (s2, m2), (n2, nm2) = _masked(g, 3, 256, 32), _masked(g, 3, 256, 32)
+    cls = getattr(diffusers, name)
+    pipe.scheduler = cls.from_config(HUNYUAN)
+    reference = dict(pipe.scheduler.config)
+    want = pipe(prompt_embeds=s1, negative_prompt_embeds=n1, prompt_attention_mask=m1,
+                negative_prompt_attention_mask=nm1, prompt_embeds_2=s2, negative_prompt_embeds_2=n2,
+                prompt_attention_mask_2=m2, negative_prompt_attention_mask_2=nm2, num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE, height=64, width=64, original_size=(64, 64), use_resolution_binning=False,
+                generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent").images
+    accepted = inspect.signature(cls.__init__).parameters
+    s = _settings(name, HUNYUAN, 0.0, "ddpm", accepted)
+    model = {"objective": "ddpm", "ddpm": {k: HUNYUAN[k] for k in MODEL_KEYS}}
+    scheduler = schedulers.build(s, model, f"hunyuandit/{name}")
+    same = _same(scheduler, reference, accepted)
+    net = ddpm.EpsModel(TextNet("hunyuandit", pipe.transformer, 4, 0, 1.0, True, 64), 4)
+
+    def combined(a, ma, b, mb):  # text/encoders.py's layout: the Bert block zero-padded to the T5's width
+        return torch.cat([torch.nn.functional.pad(a, (0, b.shape[-1] - a.shape[-1])), b], 1), torch.cat([ma, mb], 1)
+
+    cond = Text(*combined(s1, m1, s2, m2), null=Text(*combined(n1, nm1, n2, nm2)))
+    gens, x = _noise((4, 8, 8))
+    got = schedulers.sample(guidance.guided(net, GUIDANCE, 0, uncond_first=True), x, cond, STEPS, scheduler, gens)
+    return float((got - want).abs().max()), same
+
+
 def run(diffusers, names=None) -> dict:
     """{case: (max difference, configs equal)} of every case (names: only these scheduler classes)."""
     from diffrelay.sampling.schedulers import FLOW_FAMILY
@@ -228,6 +304,11 @@ def run(diffusers, names=None) -> dict:
         pipe = sd3_pipeline(diffusers)
         for name in flows:
             out[f"sd3/{name}"] = compare_sd3(diffusers, pipe, name)
+    hunyuan = [n for n in HUNYUAN_SCHEDULERS if names is None or n in names]
+    if hunyuan:
+        pipe = hunyuandit_pipeline(diffusers)
+        for name in hunyuan:
+            out[f"hunyuandit/{name}"] = compare_hunyuandit(diffusers, pipe, name)
     return out
 
 
@@ -248,8 +329,8 @@ def main(argv=None) -> None:
         print(f"{case:60s} max |diff| {diff:.3g}")
         g.at_most(case, diff, BOUND)
         g.equal(f"config/{case}", same, True)
-    write_results(a.out, "diffrelay's sample.scheduler against diffusers' StableDiffusionPipeline and "
-                  "StableDiffusion3Pipeline (latents, same weights, prompts, seeds and scheduler)",
+    write_results(a.out, "diffrelay's sample.scheduler against diffusers' StableDiffusionPipeline, "
+                  "StableDiffusion3Pipeline and HunyuanDiTPipeline (latents, same weights, prompts, seeds and scheduler)",
                   diffusers=diffusers.__version__, diffusers_file=diffusers.__file__, steps=STEPS, guidance=GUIDANCE,
                   seeds=SEEDS, bound=BOUND, seconds=round(time.time() - started, 1), **g.to_json())
     g.finish("check_diffusers_sampling")

@@ -123,5 +123,60 @@ def pixart_sigma(folder, work=None, seed: int = 0) -> Path:
     pipe = PixArtSigmaPipeline(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
                                scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001,
                                                                      beta_end=0.02))
+
+
+# HunyuanDiT-v1.1-Diffusers' scheduler/scheduler_config.json (Tencent's train_v1.1.sh: --noise-schedule
+# scaled_linear --beta-start 0.00085 --beta-end 0.03 --predict-type v_prediction), less the keys DDPMScheduler does
+# not take (set_alpha_to_one, skip_prk_steps) and those at their defaults.
+HUNYUAN_SCHEDULE = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.03,
+                    "prediction_type": "v_prediction", "num_train_timesteps": 1000, "clip_sample": False,
+                    "steps_offset": 1, "timestep_spacing": "leading", "variance_type": "fixed_small"}
+# A 4-level AutoencoderKL: pixels down by 8, as HunyuanDiTPipeline assumes (its rotary grid is height // 8 // patch).
+VAE8 = VAE | {"block_out_channels": [8, 8, 8, 8], "down_block_types": ["DownEncoderBlock2D"] * 4,
+              "up_block_types": ["UpDecoderBlock2D"] * 4}
+# A 4-block HunyuanDiT2DModel (one long skip): 4 latent channels in, 8 out (learn_sigma), 16 wide, the pipeline's 77 + 256 tokens.
+HUNYUAN = {"num_attention_heads": 2, "attention_head_dim": 8, "hidden_size": 16, "num_layers": 4, "patch_size": 2,
+           "sample_size": 8, "in_channels": 4, "learn_sigma": True, "cross_attention_dim": 32,
+           "cross_attention_dim_t5": 32, "pooled_projection_dim": 16, "text_len": 77, "text_len_t5": 256,
+           "use_style_cond_and_image_meta_size": True}
+
+
+def bert(folder: Path, hidden: int = 32, seed: int = 0):
+    """(model, tokenizer) of a tiny BertModel whose vocab.txt (written here) holds textmodels.WORDS."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(textmodels.WORDS)]
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    tokenizer = BertTokenizer(str(folder / "vocab.txt"), model_max_length=512)
+    assert tokenizer("a red circle")["input_ids"][1:-1] == [words.index(w) for w in ("a", "red", "circle")]
+    config = BertConfig(vocab_size=len(words), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=2 * hidden, max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return BertModel.from_pretrained(folder, local_files_only=True), tokenizer
+
+
+def hunyuandit(folder, work=None, seed: int = 0, **transformer) -> Path:
+    """A HunyuanDiT-style pipeline: HunyuanDiT2DModel (HUNYUAN), a 4-level AutoencoderKL (VAE8), a tiny BertModel
+    (text_encoder) and tests' tiny T5 (text_encoder_2), HunyuanDiT's DDPMScheduler (HUNYUAN_SCHEDULE)."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, HunyuanDiT2DModel, HunyuanDiTPipeline
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    enc1, tok1 = bert(work / "bert", seed=1)
+    textmodels.t5(work / "t5", seed=2)
+    enc2 = T5EncoderModel.from_pretrained(work / "t5", local_files_only=True)
+    tok2 = AutoTokenizer.from_pretrained(work / "t5", local_files_only=True)
+    torch.manual_seed(seed)
+    net = HunyuanDiT2DModel(**(HUNYUAN | transformer))
+    pipe = HunyuanDiTPipeline(vae=AutoencoderKL(**VAE8), text_encoder=enc1, tokenizer=tok1, transformer=net,
+                              scheduler=DDPMScheduler(**HUNYUAN_SCHEDULE), safety_checker=None, feature_extractor=None,
+                              requires_safety_checker=False, text_encoder_2=enc2, tokenizer_2=tok2)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder

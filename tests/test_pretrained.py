@@ -134,7 +134,7 @@ def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
     ("missing", "no such folder; model.pretrained must be a local folder written by DiffusionPipeline.save_pretrained "
                 "(not a Hub id: nothing is downloaded)"),
     ("pickle", "unet/diffusion_pytorch_model.bin: pickled weights are never loaded"),
-    ("pipeline", "_class_name HunyuanDiTPipeline: not supported; diffrelay fine-tunes StableDiffusionPipeline, "),
+    ("pipeline", "_class_name KandinskyPipeline: not supported; diffrelay fine-tunes StableDiffusionPipeline, "),
     ("component", "unet is a UNet2DModel, not supported; diffrelay loads UNet2DConditionModel, "),
     ("scaling", "vae/config.json: no scaling_factor"),
     ("single", "a single-file checkpoint is not loaded; convert it once with diffusers"),
@@ -150,7 +150,7 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
         (pipe / "unet" / "diffusion_pytorch_model.safetensors").unlink()
         (pipe / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04not read")  # never opened
     elif case == "pipeline":
-        edit_json(pipe / "model_index.json", _class_name="HunyuanDiTPipeline")
+        edit_json(pipe / "model_index.json", _class_name="KandinskyPipeline")
     elif case == "component":
         edit_json(pipe / "model_index.json", unet=["diffusers", "UNet2DModel"])
     elif case == "scaling":

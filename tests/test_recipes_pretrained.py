@@ -1,6 +1,7 @@
-"""The fine-tuning recipes (config/examples/sdxl-lora.yaml and sd3-lora.yaml, docs/recipes.md) through the whole
-workflow, shrunk as the papers' recipes are (test_recipes.py): a tiny pipeline of tests/pipelines.py in place of the
-real one, a tiny captioned folder, the tests' CLIP and random features, sizes, steps and the machine. Every other
+"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, sd3-lora.yaml and hunyuandit-finetune.yaml,
+docs/recipes.md) through the whole workflow, shrunk as the papers' recipes are (test_recipes.py): the tiny pipelines
+of tests/pipelines.py in place of the real ones, a tiny captioned folder, the tests' CLIP and random features, sizes,
+steps and the machine. Every other
 value is the recipe's own, and the test checks that it reached the run. Nothing is downloaded."""
 
 import json
@@ -88,3 +89,36 @@ def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_ad
     if family == "sd3":  # the script's eight projections: the joint attention's text side too
         assert any("add_k_proj.lora_A" in k for k in after) and any("to_add_out.lora_B" in k for k in after)
     assert sorted(os.listdir(run / "lora")) == ["step_0000001", "step_0000002"]
+
+
+@pytest.mark.slow
+def test_hunyuandit_finetune_recipe_runs_through_the_workflow_shrunk(tmp_path):
+    from safetensors.torch import load_file
+
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / "hunyuandit-finetune.yaml"]
+    base, d = (yaml.safe_load(f.read_text()) for f in files)
+    assert d["train"].get("lora") is None and d["model"]["pretrained"]
+    pipelines.hunyuandit(tmp_path / "hunyuandit")
+    textmodels.clip_model(tmp_path / "clip")
+    images = save_folder(pictures(40, side=32), tmp_path / "images")
+    with open(images / "metadata.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"file_name": f"{i:06d}.png", "text": CAPTIONS[i % 4]}) + "\n")
+    (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle", "num_images": 2},
+                                                           {"prompt": "a blue square", "num_images": 2}]))
+    over = shrink(d, tmp_path, "hunyuandit")
+    (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
+    snakemake(tmp_path, "--configfile", *files, tmp_path / "shrink.yaml")
+
+    run = tmp_path / "results" / "shrunk"
+    made = json.loads((run / "checkpoints" / "step_0000002" / "meta.json").read_text())["config"]
+    assert made == json.loads(json.dumps(config.validate(deep_merge(deep_merge(base, d), over))))
+    kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
+    assert {k: leaves(made)[k] for k in kept} == kept
+    assert made["model"]["arch"] == "hunyuandit" and made["model"]["ddpm"]["beta_end"] == 0.03
+    rows = (run / "report" / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + 2, rows
+    # A full fine-tune: every snapshot holds the whole transformer under diffusers' names.
+    snap = load_file(run / "snapshots" / "step_0000002.safetensors")
+    want = load_file(tmp_path / "hunyuandit" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert len(snap) >= len(want)

@@ -76,7 +76,7 @@ def _text_geometry(m: dict, res: int) -> list[tuple[str, str]]:
         if res % factor:
             return [(f"data.resolution={res}", f"diffusers' UNet with {len(blocks)} blocks halves it "
                      f"{len(blocks) - 1} times; use a multiple of {factor} or change model.kwargs.block_out_channels")]
-    if arch in ("pixart", "sd3"):
+    if arch in ("pixart", "sd3", "hunyuandit"):
         patch = kw.get("patch_size", 2)
         if not isinstance(patch, int) or patch < 1 or res % patch:
             return [(f"model.kwargs.patch_size={patch}", f"does not divide data.resolution={res}; use a divisor of it")]

@@ -19,6 +19,19 @@ model.kwargs (their config keys) and the contract's text dims, called as their p
   sd3             SD3Transformer2DModel: joint_attention_dim = D, pooled_projection_dim = P (SD3 needs a pooled
                   encoder), pooled_projections = pooled; SD3 takes no mask. caption_projection_dim defaults to the
                   transformer's width (heads x head dim), which equals diffusers' default for its default sizes.
+  hunyuandit      HunyuanDiT2DModel: cross_attention_dim_t5 = D, the T5's width. The states carry both encoders
+                  (text/encoders.py: the BertModel's text_len tokens zero-padded to D, then the T5's text_len_t5),
+                  split back here by the config: encoder_hidden_states = the first text_len tokens' first
+                  cross_attention_dim features, encoder_hidden_states_t5 the rest, each with its part of the mask
+                  (text_embedding_mask, text_embedding_mask_t5), as pipeline_hunyuandit's __call__ passes them.
+                  image_meta_size = (original H, W, target H, W, crop top, left) = (P, P, P, P, 0, 0), P =
+                  pixel_size (the pipeline's add_time_ids; its original_size default is 1024, ours the image's
+                  side, as SDXL's time ids here); style = 0 (the pipeline's torch.tensor([0])); image_rotary_emb
+                  from diffusers' get_2d_rotary_pos_embed(head dim, get_resize_crop_region_for_grid(grid, 512 // 8
+                  // patch), grid), the grid = the latents' side / patch_size, cached per shape and device. The
+                  timestep is given as a float of x's dtype (the pipeline's t_expand; the time embedding casts to
+                  the timestep's dtype, so ddpm's integer steps would fail). Learned sigma: learn_sigma (diffusers'
+                  default true, out 2C) is the 2C layout below; hidden_size defaults to heads x head dim.
 
 Time input: diffusers embeds the timestep with sinusoids (Timesteps); c_noise is multiplied by `time_scale` first,
 as nets/dit.py does: 1000 (default) stretches EDM's ln(sigma)/4 and flow's t in [0, 1] (SD3's pipeline gives its
@@ -26,7 +39,7 @@ transformer sigma x 1000, so flow with time_scale 1000 is SD3's convention); ddp
 (nets.checks says so). Output: the model's `.sample`; out_channels defaults to C (PixArt's diffusers default, 8, is the learned
 sigma of 4 latent channels), and 2C is the learned-sigma layout (PixArt-alpha's):
 forward returns the first C channels, forward_all all of them, as DiT does (ddpm reads the variance half).
-PixArt and SD3 take no class labels here (K > 0 is refused in one line).
+PixArt, SD3 and HunyuanDiT take no class labels here (K > 0 is refused in one line).
 
 diffusers is imported when a network is built, never by importing this module (nets.registry imports it).
 """
@@ -41,7 +54,8 @@ from diffrelay.errors import UserError
 from diffrelay.nets import TEXT_KWARGS, TEXT_SET
 
 CLASSES = {"diffusers-unet": "UNet2DConditionModel", "pixart": "PixArtTransformer2DModel",
-           "sd3": "SD3Transformer2DModel"}
+           "sd3": "SD3Transformer2DModel", "hunyuandit": "HunyuanDiT2DModel"}
+ROPE_BASE = 512 // 8  # pipeline_hunyuandit: base_size = 512 // 8 // patch_size (latents of 512 pixels, rope base512)
 
 
 def diffusers_class(arch: str):
@@ -104,6 +118,7 @@ class TextNet(nn.Module):
         # SDXL's time ids (original size, crop top-left, target size) and PixArt's resolution, in pixels: a
         # buffer, so a step copies nothing from the host; not persistent, so state dicts are diffusers' alone.
         self.register_buffer("pixels", torch.tensor([float(pixel_size)]), persistent=False)
+        self._rope = {}  # hunyuandit: (grid h, grid w, device) -> diffusers' (cos, sin)
 
     @property
     def checkpointing(self) -> bool:
@@ -113,6 +128,9 @@ class TextNet(nn.Module):
 
     @checkpointing.setter
     def checkpointing(self, on: bool) -> None:
+        if on and not self.model._supports_gradient_checkpointing:
+            raise UserError(f"train.activation_checkpointing: diffusers' {type(self.model).__name__} has no gradient "
+                            "checkpointing (its _supports_gradient_checkpointing is false); set it false")
         if on:
             self.model.enable_gradient_checkpointing()
         else:
@@ -126,6 +144,8 @@ class TextNet(nn.Module):
         t = c_noise if self.time_scale == 1 else c_noise * self.time_scale
         states = text.states.to(x.dtype)
         mask = text.mask if self.use_mask else None
+        if self.arch == "hunyuandit":
+            return self._hunyuandit(x, t, text, states)
         if self.arch == "sd3":
             return self.model(x, states, pooled_projections=text.pooled.to(x.dtype), timestep=t, return_dict=False)[0]
         if self.arch == "pixart":
@@ -140,6 +160,34 @@ class TextNet(nn.Module):
             ids = torch.cat([size, size, torch.zeros_like(size), torch.zeros_like(size), size, size])
             kw["added_cond_kwargs"] = {"text_embeds": text.pooled.to(x.dtype), "time_ids": ids.expand(b, 6)}
         return self.model(x, t, states, encoder_attention_mask=mask, return_dict=False, **kw)[0]
+
+    def rotary(self, h: int, w: int, device):
+        """HunyuanDiT's image_rotary_emb for an h x w latent, as pipeline_hunyuandit's __call__ makes it."""
+        key = (h, w, str(device))
+        if key not in self._rope:
+            from diffusers.models.embeddings import get_2d_rotary_pos_embed
+            from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
+
+            patch = self.model.config.patch_size
+            grid = (h // patch, w // patch)
+            crops = get_resize_crop_region_for_grid(grid, ROPE_BASE // patch)
+            self._rope[key] = get_2d_rotary_pos_embed(self.model.inner_dim // self.model.num_heads, crops, grid,
+                                                      device=device, output_type="pt")
+        return self._rope[key]
+
+    def _hunyuandit(self, x, t, text, states):
+        b, cfg = x.shape[0], self.model.config
+        n = cfg.text_len
+        t = t.to(x.dtype).reshape(-1).expand(b)  # a float timestep: an integer one fails in the time embedding
+        size = self.pixels.to(x.dtype)
+        meta = torch.cat([size, size, size, size, torch.zeros_like(size), torch.zeros_like(size)]).repeat(b, 1)
+        style = torch.zeros(b, dtype=torch.int64, device=x.device)
+        # Contiguous parts: diffusers views the T5's as (B x L, D).
+        first, second = states[:, :n, :cfg.cross_attention_dim].contiguous(), states[:, n:].contiguous()
+        return self.model(x, t, encoder_hidden_states=first, text_embedding_mask=text.mask[:, :n].contiguous(),
+                          encoder_hidden_states_t5=second, text_embedding_mask_t5=text.mask[:, n:].contiguous(),
+                          image_meta_size=meta, style=style,
+                          image_rotary_emb=self.rotary(x.shape[-2], x.shape[-1], x.device), return_dict=False)[0]
 
     def forward(self, x, c_noise, labels=None, text=None):
         out = self.forward_all(x, c_noise, labels, text)
@@ -193,3 +241,24 @@ def build_sd3(resolution: int, in_channels: int, num_classes: int, text: dict | 
     model = cls(sample_size=resolution, in_channels=in_channels, joint_attention_dim=text["states"],
                 pooled_projection_dim=text["pooled"], **config)
     return TextNet("sd3", model, in_channels, 0, time_scale, False, resolution)
+
+
+def build_hunyuandit(resolution: int, in_channels: int, num_classes: int, text: dict | None = None,
+                     time_scale: float = 1000.0, pixel_size: int | None = None, **config) -> TextNet:
+    """`arch: hunyuandit`: HunyuanDiT2DModel(sample_size=R, in_channels=C, cross_attention_dim_t5=D, **config);
+    the text's L tokens must be text_len + text_len_t5 and its width hold cross_attention_dim (the first encoder's)."""
+    _check("hunyuandit", config, text, num_classes)
+    cls = diffusers_class("hunyuandit")
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    first, second = (config.get(k, defaults[k]) for k in ("text_len", "text_len_t5"))
+    if first + second != text["length"]:
+        raise UserError(f"model.kwargs text_len {first} + text_len_t5 {second}: the text encoders give "
+                        f"{text['length']} tokens (the first encoder's, then the T5's); set them to the encoders' "
+                        "max_length")
+    width = config.get("cross_attention_dim", defaults["cross_attention_dim"])
+    if width > text["states"]:
+        raise UserError(f"model.kwargs.cross_attention_dim {width}: wider than the text states ({text['states']}); "
+                        "set it to the first encoder's width")
+    config = {"hidden_size": _width(cls, config), "patch_size": 2, **config}
+    model = cls(sample_size=resolution, in_channels=in_channels, cross_attention_dim_t5=text["states"], **config)
+    return TextNet("hunyuandit", model, in_channels, 0, time_scale, True, pixel_size or resolution)

@@ -243,13 +243,16 @@ def loss(net, images, labels, rnd_normal, noise, options: Options = DEFAULT):
     per_sample = ((target(images, noise, chain, t, kind) - eps) ** 2).mean(dim=(1, 2, 3))
     if options.snr_gamma is not None:
         per_sample = per_sample * snr_weights(chain, t, options.snr_gamma, kind, per_sample)
-    if out.shape[1] == 2 * c and kind != "epsilon":  # a network of one's own (config validation catches DiT's)
-        raise UserError(f"the network returns {2 * c} channels (learned sigma, L_vlb), which is defined for "
-                        f"model.ddpm.prediction_type epsilon, not {kind}; make it return {c} channels")
+    if out.shape[1] == 2 * c and kind == "sample":  # a network of one's own (config validation catches DiT's)
+        raise UserError(f"the network returns {2 * c} channels (learned sigma, L_vlb), which is defined here for "
+                        f"model.ddpm.prediction_type epsilon and v_prediction, not {kind}; make it return {c} channels")
     if out.shape[1] == 2 * c:  # learned sigma (read off the output: `net` may be a DDP wrapper)
-        # L_vlb trains the variance only: the mean comes from eps with its gradient stopped (iDDPM Sec. 3.1).
+        # L_vlb trains the variance only: the mean comes from eps with its gradient stopped (iDDPM Sec. 3.1); from
+        # v, through x0 = sqrt(abar) x_t - sqrt(1 - abar) v, as HunyuanDiT's gaussian_diffusion.py (VELOCITY).
         log_var = chain.log_var(t, out[:, c:], images)
-        mean = chain.posterior_mean(chain.x0_from_eps(x_t, t, eps.detach()), x_t, t)
+        pred = eps.detach()
+        x0 = chain.x0_from_eps(x_t, t, pred) if kind == "epsilon" else chain.x0_eps(x_t, t, pred, kind)[0]
+        mean = chain.posterior_mean(x0, x_t, t)
         true_mean = chain.posterior_mean(images, x_t, t)
         kl = _normal_kl(true_mean, _gather(chain.log_var_small, t, images), mean, log_var).mean(dim=(1, 2, 3))
         nll = _decoder_nll(images, mean, 0.5 * log_var).mean(dim=(1, 2, 3))

@@ -83,8 +83,8 @@ def check_config(d: dict) -> list[tuple[str, str]]:
                     "where a noise prediction says nothing about the image (Lin et al. 2024, Sec. 3.2); set "
                     "model.ddpm.prediction_type: v_prediction (or sample)"))
     out, channels = m.get("kwargs", {}).get("out_channels"), _image_channels(d)
-    if o.prediction_type != "epsilon" and out is not None and channels is not None and out == 2 * channels:
+    if o.prediction_type == "sample" and out is not None and channels is not None and out == 2 * channels:
         bad.append((f"model.kwargs.out_channels={out}", f"DiT's learned sigma (L_vlb) is defined for "
-                    f"prediction_type epsilon; with model.ddpm.prediction_type {o.prediction_type} set "
+                    f"prediction_type epsilon and v_prediction; with model.ddpm.prediction_type {o.prediction_type} set "
                     f"out_channels: {channels} (or drop it)"))
     return bad

@@ -68,8 +68,9 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     if m["arch"] not in ("unet", arch):
         bad.append(_conflict("model.arch", m["arch"], arch))
     kwargs["time_scale"] = 1 if kind == "ddpm" else 1000  # ddpm's integer steps; SD3's sigma x 1000
-    if arch == "pixart" or parts.sdxl(pipe):
-        kwargs["pixel_size"] = data["resolution"]  # SDXL's time ids and PixArt's resolution are in pixels
+    if arch in ("pixart", "hunyuandit") or parts.sdxl(pipe):
+        # SDXL's time ids, PixArt's resolution and HunyuanDiT's image_meta_size are in pixels
+        kwargs["pixel_size"] = data["resolution"]
     for key, value in m["kwargs"].items():
         if key in OWN_KWARGS:
             kwargs[key] = value

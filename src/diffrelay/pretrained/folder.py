@@ -13,11 +13,11 @@ from diffrelay import io
 from diffrelay.errors import UserError
 
 PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline",
-             "PixArtAlphaPipeline", "PixArtSigmaPipeline")
+             "PixArtAlphaPipeline", "PixArtSigmaPipeline", "HunyuanDiTPipeline")
 NETWORKS = {"UNet2DConditionModel": "diffusers-unet", "PixArtTransformer2DModel": "pixart",
-            "SD3Transformer2DModel": "sd3"}
+            "SD3Transformer2DModel": "sd3", "HunyuanDiT2DModel": "hunyuandit"}
 VAES = ("AutoencoderKL",)
-TEXT = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
+TEXT = ("CLIPTextModel", "CLIPTextModelWithProjection", "BertModel", "T5EncoderModel")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FIX = ("give model.pretrained a local folder written by DiffusionPipeline.save_pretrained(folder, "
        "safe_serialization=True); nothing is downloaded")

@@ -16,7 +16,8 @@ import os
 from diffrelay.errors import UserError
 
 # diffusers' LoRA training scripts adapt the attention projections: train_text_to_image_lora*.py these four (the
-# same names exist in PixArt's transformer); train_dreambooth_lora_sd3.py also the joint attention's text-side
+# same names exist in PixArt's and HunyuanDiT's transformers; HunyuanDiT's own repository names them Wqkv, q_proj,
+# kv_proj, out_proj, the network here is diffusers'); train_dreambooth_lora_sd3.py also the joint attention's text-side
 # projections (its default target_modules).
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
@@ -102,6 +103,23 @@ def attach(net, spec: dict, seed: int) -> list:
     return trainable
 
 
+def fuse(model) -> None:
+    """Merge the adapter into the base weights and drop its layers, leaving diffusers' plain keys: diffusers'
+    fuse_lora and unload_lora, or for a model without them (PixArt's, HunyuanDiT's) peft's merge of each layer."""
+    if hasattr(type(model), "fuse_lora"):  # diffusers' PeftAdapterMixin (UNet, SD3)
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, module.get_base_layer())
+    del model.peft_config
+
+
 def only(state: dict) -> dict:
     """The adapter's entries of a state dict."""
     return {k: v for k, v in state.items() if MARK in k}
@@ -120,7 +138,7 @@ def load(module, state: dict, path) -> None:
 def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
     """Write the adapter of each network of `nets` ({file name: an objective's wrapper}) into <folder>/, keys
     and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no LoRA loader
-    (PixArt): diffrelay's snapshot is then the only copy."""
+    (PixArt, HunyuanDiT): diffrelay's snapshot is then the only copy."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -139,20 +157,6 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)
     return True
-
-
-def merge(model) -> None:
-    """Fold each adapter into its base layer and put the base layer back in its place: diffusers' fuse_lora and
-    unload_lora, for a network without diffusers' PEFT mixin (PixArt, HunyuanDiT). peft's own merge does the
-    arithmetic (W + scale B A)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, BaseTunerLayer):
-            module.merge()
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
-    del model.peft_config
 
 
 def check_base(path, meta: dict, model_cfg: dict | None) -> dict:

@@ -14,6 +14,7 @@ DDPM_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "LMSDiscre
 FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 PIXART_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # their max_sequence_length
 SD3_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+HUNYUAN_LENGTHS = (77, 256)  # HunyuanDiTPipeline.__call__'s max_sequence_length for its BertModel and its mT5
 
 
 def network(pipe: Pipeline) -> tuple[str, dict]:
@@ -44,6 +45,10 @@ def text_encoders(pipe: Pipeline) -> list[dict]:
         want = [("text_encoder", clip), ("text_encoder_2", clip),
                 ("text_encoder_3", {"use_mask": False, "max_length": SD3_T5_LENGTH})]
         family = "an SD3 pipeline"
+    elif arch == "hunyuandit":  # both get the mask (encode_prompt passes attention_mask), [0] = last_hidden_state
+        want = [("text_encoder", {"max_length": HUNYUAN_LENGTHS[0]}),
+                ("text_encoder_2", {"max_length": HUNYUAN_LENGTHS[1]})]
+        family = "a HunyuanDiT pipeline (BertModel, then T5EncoderModel)"
     else:
         want = [("text_encoder", {"max_length": PIXART_LENGTH[pipe.cls]})]
         family = f"a {pipe.cls}"
@@ -101,8 +106,16 @@ def check_dims(pipe: Pipeline, arch: str, encoders: list[dict]) -> None:
     if c.get("in_channels", 4) != v.get("latent_channels", 4):
         raise UserError(f"{where}: in_channels {c.get('in_channels', 4)}, but the VAE makes "
                         f"{v.get('latent_channels', 4)} latent channels; {FIX}")
-    dims = text_encoders.combined_dims(text_encoders.records(encoders, hashed=False))
-    width = {"diffusers-unet": "cross_attention_dim", "pixart": "caption_channels", "sd3": "joint_attention_dim"}[arch]
+    recs = text_encoders.records(encoders, hashed=False)
+    dims = text_encoders.combined_dims(recs)
+    width = {"diffusers-unet": "cross_attention_dim", "pixart": "caption_channels", "sd3": "joint_attention_dim",
+             "hunyuandit": "cross_attention_dim_t5"}[arch]
     if c.get(width) is not None and c[width] != dims["states"]:
         raise UserError(f"{where}: {width} {c[width]}, but the text encoders give {dims['states']} features a token; "
                         f"{FIX}")
+    if arch == "hunyuandit":  # the first encoder's tokens and width, the T5's tokens (the net splits the states)
+        for key, value in (("text_len", recs[0]["length"]), ("cross_attention_dim", recs[0]["states_dim"]),
+                           ("text_len_t5", recs[-1]["length"])):
+            if c.get(key) is not None and c[key] != value:
+                raise UserError(f"{where}: {key} {c[key]}, but the text encoders give {value} ({key} of "
+                                f"HunyuanDiTPipeline's encoders); {FIX}")

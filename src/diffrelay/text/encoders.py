@@ -1,7 +1,7 @@
 """Text encoders (data.text_encoders): local transformers folders, tokenised and combined as diffusers' pipelines do.
 
-Each entry is a folder written by save_pretrained: CLIPTextModel, CLIPTextModelWithProjection or T5EncoderModel
-with its tokenizer (in the folder, or in a diffusers pipeline's sibling tokenizer[_N]/ folder), weights in
+Each entry is a folder written by save_pretrained: CLIPTextModel, CLIPTextModelWithProjection, BertModel or
+T5EncoderModel with its tokenizer (in the folder, or in a diffusers pipeline's sibling tokenizer[_N]/ folder), weights in
 safetensors only. Nothing is downloaded (local_files_only) and no pickle is opened: a folder with .bin or .pt
 weights only is refused before a byte of them is read.
 
@@ -16,13 +16,18 @@ encode_prompt):
         as encoder_attention_mask). use_mask false: SD3's _get_t5_prompt_embeds, which calls the T5 with no
         mask (the padding tokens attended); the mask is then all ones, as SD3's transformer takes no mask at
         all (SD3Transformer2DModel.forward has no such argument). A CLIP ignores use_mask.
+  Bert  (HunyuanDiT's bilingual CLIP text tower, text_encoder/) padding="max_length", max_length 77 unless set
+        (pipeline_hunyuandit's encode_prompt, text_encoder_index 0), truncation; use_mask true (default): the
+        encoder gets the attention mask and the mask travels with the states (HunyuanDiT's transformer gets it
+        as text_embedding_mask), as a T5's; [0] = last_hidden_state.
   layer last = last_hidden_state (CLIP's after its final layer norm: SD 1.x, PixArt); penultimate =
         hidden_states[-2], without the final norm (SDXL's and SD3's CLIP choice, clip_skip None).
   pooled CLIPTextModelWithProjection's text_embeds (SDXL's second CLIP, both of SD3's), CLIPTextModel's
         pooler_output; a T5 has none.
 Several encoders: the CLIPs' states concatenated along the features (SDXL: 768 + 1280), then a T5 after them
 along the sequence, the CLIP block zero-padded to its width (SD3: 77 + 256 tokens, 4096 wide); pooled
-embeddings concatenated in order (SD3: 768 + 1280).
+embeddings concatenated in order (SD3: 768 + 1280). A BertModel stands where a CLIP does (HunyuanDiT: 77 Bert
+tokens 1024 wide, zero-padded to the mT5's 2048, then 256 mT5 tokens), its mask in front of the T5's.
 
 A caption's embedding does not depend on the captions encoded with it: every call encodes ROWS captions, the
 last call padded by repeating a caption, so a caption lands in calls of one shape whatever the list.
@@ -35,12 +40,13 @@ from pathlib import Path
 from diffrelay import io, logs
 from diffrelay.errors import UserError
 
-CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
-MODEL_TYPES = {"clip_text_model": "CLIPTextModel", "t5": "T5EncoderModel"}  # config.json without architectures
+CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "BertModel", "T5EncoderModel")
+MODEL_TYPES = {"clip_text_model": "CLIPTextModel", "t5": "T5EncoderModel", "bert": "BertModel"}  # no architectures
 T5_LENGTH = 256  # SD3's default max_sequence_length
+BERT_LENGTH = 77  # pipeline_hunyuandit's max_sequence_length for its BertModel
 ROWS = 16  # captions per encoder call, padded (see the docstring)
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model")
 PROBE = "a photo"  # any tokenizer of these encoders spells it back
 FIX = ("give data.text_encoders a folder written by transformers' save_pretrained (e.g. a diffusers pipeline's "
        "text_encoder/) with its tokenizer")
@@ -50,6 +56,10 @@ RECORD_KEYS = ("class", "sha256", "length", "layer", "pooled", "states_dim", "po
 
 def is_t5(record: dict) -> bool:
     return record["class"] == "T5EncoderModel"
+
+
+def is_bert(record: dict) -> bool:
+    return record["class"] == "BertModel"
 
 
 def _folder(entry: dict) -> Path:
@@ -114,6 +124,12 @@ def _record(entry: dict, hashed: bool = True) -> dict:
                 raise UserError(f"{path}: data.text_encoders: pooled: true, but a T5 encoder has no pooled "
                                 "embedding; set pooled: false (SD3 pools its CLIPs only)")
             width, pooled_dim, length = int(c["d_model"]), None, max_length or T5_LENGTH
+        elif cls == "BertModel":
+            positions, width = int(c.get("max_position_embeddings", 512)), int(c.get("hidden_size", 768))
+            length, pooled_dim = max_length or BERT_LENGTH, width  # pooler_output
+            if length > positions:
+                raise UserError(f"{path}: data.text_encoders: max_length {length} is more than this BertModel's "
+                                f"{positions} positions; set max_length to at most {positions}")
         else:
             # CLIPTextConfig's defaults, for a config.json that leaves them out.
             positions = int(c.get("max_position_embeddings", 77))
@@ -206,7 +222,7 @@ def _check_tokenizer(tokenizer, c: dict, rec: dict, where: Path) -> None:
     if len(tokenizer) > vocab:
         raise UserError(f"{where}: data.text_encoders: the tokenizer has {len(tokenizer)} tokens and the encoder "
                         f"{vocab} (config.json vocab_size): they are not a pair; {fix}")
-    names = ("pad", "eos") if is_t5(rec) else ("bos", "eos", "pad")
+    names = ("pad", "eos") if is_t5(rec) else ("cls", "sep", "pad") if is_bert(rec) else ("bos", "eos", "pad")
     for name in names:
         i = getattr(tokenizer, f"{name}_token_id", None)
         if i is None or not 0 <= i < vocab:
@@ -214,12 +230,13 @@ def _check_tokenizer(tokenizer, c: dict, rec: dict, where: Path) -> None:
                             f"encoder's {vocab}; {fix}")
     ids = tokenizer(PROBE)["input_ids"]
     back = tokenizer.decode(ids, skip_special_tokens=True).strip()
-    if back != PROBE or ids[-1] != tokenizer.eos_token_id or max(ids) >= vocab or (
-            not is_t5(rec) and ids[0] != tokenizer.bos_token_id):
+    first, last = (tokenizer.cls_token_id, tokenizer.sep_token_id) if is_bert(rec) else (
+        None if is_t5(rec) else tokenizer.bos_token_id, tokenizer.eos_token_id)
+    if back != PROBE or ids[-1] != last or max(ids) >= vocab or (first is not None and ids[0] != first):
         raise UserError(f"{where}: data.text_encoders: the tokenizer spells {PROBE!r} as ids {ids[:8]}, read back as "
                         f"{back!r}: it does not work (a transformers 5 CLIPTokenizer made with v4's vocab_file= "
                         f"holds only its special tokens); {fix}")
-    if rec["pooled"] and not is_t5(rec):
+    if rec["pooled"] and not is_t5(rec) and not is_bert(rec):
         # CLIP pools at the first eos token, or, in configs with the legacy eos_token_id 2, at the largest id
         # (transformers' CLIPTextTransformer).
         legacy = c.get("eos_token_id", 49407) == 2  # (CLIPTextConfig's default is 49407)
@@ -295,7 +312,7 @@ def _forward(enc: Encoder, prompts: list[str], device):
     ids, mask = ids.to(device), mask.to(device=device, dtype=torch.int64)
     deep = rec["layer"] == "penultimate"
     with torch.inference_mode():
-        if is_t5(rec):
+        if is_t5(rec) or is_bert(rec):
             out = enc.model(input_ids=ids, attention_mask=mask if rec["use_mask"] else None, output_hidden_states=deep)
             if not rec["use_mask"]:
                 mask = torch.ones_like(mask)  # every token attended, in the encoder and (SD3) in the network
@@ -304,7 +321,7 @@ def _forward(enc: Encoder, prompts: list[str], device):
             mask = torch.ones_like(mask)
     states = out.hidden_states[-2] if deep else out.last_hidden_state
     pooled = None
-    if rec["pooled"]:
+    if rec["pooled"]:  # (BertModel: pooler_output, as CLIPTextModel's)
         pooled = out.text_embeds if rec["class"] == "CLIPTextModelWithProjection" else out.pooler_output
     return states.float(), mask, None if pooled is None else pooled.float()
 

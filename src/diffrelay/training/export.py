@@ -44,7 +44,6 @@ def export(snapshot, model_cfg: dict, out: Path, weights: str = "ema", decay: fl
     import torch
 
     from diffrelay.pretrained import folder
-    from diffrelay.pretrained import lora as lora_module
     from diffrelay.pretrained import weights as base_weights
     from diffrelay.training import checkpoint
 
@@ -53,11 +52,9 @@ def export(snapshot, model_cfg: dict, out: Path, weights: str = "ema", decay: fl
     model = base_weights.text_net(net)
     lora = bool(getattr(model, "peft_config", None))
     if lora:  # into the base weights, then the adapter layers go: plain diffusers keys
-        if hasattr(type(model), "fuse_lora"):  # diffusers' PeftAdapterMixin
-            model.fuse_lora(lora_scale=1.0)
-            model.unload_lora()
-        else:
-            lora_module.merge(model)
+        from diffrelay.pretrained import lora as lora_adapter
+
+        lora_adapter.fuse(model)
     record = {"snapshot": str(Path(snapshot).resolve()), "snapshot_sha256": io.sha256_file(Path(snapshot)),
               "step": meta.get("step"), "weights": weights if decay is None else f"{weights} {decay}",
               "network": pipe.net, "lora_fused": lora, "pipeline": str(pipe.root),
