@@ -123,6 +123,8 @@ def pixart_sigma(folder, work=None, seed: int = 0) -> Path:
     pipe = PixArtSigmaPipeline(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
                                scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001,
                                                                      beta_end=0.02))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 # HunyuanDiT-v1.1-Diffusers' scheduler/scheduler_config.json (Tencent's train_v1.1.sh: --noise-schedule

@@ -1,5 +1,5 @@
-"""Every supported pipeline family end to end on the CPU (issue 40): a tiny SD, SDXL, SD3 and PixArt-Sigma pipeline
-(tests/pipelines.py) fills its run's config, fine-tunes one step in full and with LoRA, exports to a diffusers
+"""Every supported pipeline family end to end on the CPU (issue 40): a tiny SD, SDXL, SD3, PixArt-Sigma and
+HunyuanDiT pipeline (tests/pipelines.py) fills its run's config, fine-tunes one step in full and with LoRA, exports to a diffusers
 folder, and the exported pipeline's own __call__ (from_pretrained, its prompts, negative prompts, one generator
 per image, steps, guidance and scheduler) gives the PNGs `diffrelay sample` wrote for the snapshot, byte for byte
 (a LoRA run's exported network has the adapter fused into its weights: a pixel may move by 1 in 255 there; none
@@ -29,8 +29,13 @@ PROMPTS = [{"prompt": "a red circle", "seed": 3}, {"prompt": "a blue square", "n
 FAMILIES = {"sd": (pipelines.sd, "StableDiffusionPipeline", "EulerAncestralDiscreteScheduler", "ddim"),
             "sdxl": (pipelines.sdxl, "StableDiffusionXLPipeline", "EulerDiscreteScheduler", "ddim"),
             "sd3": (pipelines.sd3, "StableDiffusion3Pipeline", "FlowMatchEulerDiscreteScheduler", "euler"),
-            "pixart": (pipelines.pixart_sigma, "PixArtSigmaPipeline", "DPMSolverMultistepScheduler", "ddim")}
-CALL = {"pixart": {"use_resolution_binning": False, "clean_caption": False}}  # the pipeline's pre-processing off
+            "pixart": (pipelines.pixart_sigma, "PixArtSigmaPipeline", "DPMSolverMultistepScheduler", "ddim"),
+            "hunyuandit": (pipelines.hunyuandit, "HunyuanDiTPipeline", "DDPMScheduler", "ddim")}
+SIDE = {"hunyuandit": 32}  # its VAE divides by 8 (the pipeline's rotary grid assumes it): 4 x 4 latents
+# The pipeline's pre-processing off: PixArt's and HunyuanDiT's resolution binning and PixArt's caption cleaning;
+# HunyuanDiT's image_meta_size of the image's own size (its default original_size is 1024), as diffrelay gives it.
+CALL = {"pixart": {"use_resolution_binning": False, "clean_caption": False},
+        "hunyuandit": {"use_resolution_binning": False, "original_size": (32, 32)}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -44,6 +49,7 @@ def family(request, tmp_path_factory):
     for kind, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4.0})):
         d = raw(work, pipe, name=kind, total_steps=1, lora=lora)
         d["sample"] = {**d["sample"], "solver": solver}
+        d["data"]["resolution"] = SIDE.get(name, 16)
         runs[kind] = config.validate(d)
         (work / f"{kind}.yaml").write_text(yaml.safe_dump(runs[kind]))
     run_cli("prepare", "--config", work / "full.yaml", "--out", work / "dataset")
@@ -58,7 +64,8 @@ def test_the_family_fills_its_config_and_trains_from_its_weights(family):
     want = {"sd": ("diffusers-unet", "ddpm", ["text_encoder"]),
             "sdxl": ("diffusers-unet", "ddpm", ["text_encoder", "text_encoder_2"]),
             "sd3": ("sd3", "flow", ["text_encoder", "text_encoder_2", "text_encoder_3"]),
-            "pixart": ("pixart", "ddpm", ["text_encoder"])}[family["name"]]
+            "pixart": ("pixart", "ddpm", ["text_encoder"]),
+            "hunyuandit": ("hunyuandit", "ddpm", ["text_encoder", "text_encoder_2"])}[family["name"]]
     assert (m["arch"], m["objective"], [os.path.basename(e["path"]) for e in encoders]) == want
     if family["name"] == "sd3":  # the scheduler's shift; the T5 after the pooled CLIPs, unmasked as SD3 calls it
         assert d["train"]["flow"]["shift"] == 3.0 and [e["pooled"] for e in encoders] == [True, True, False]
@@ -82,6 +89,7 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
                                 "prompts.yaml"), scheduler=family["scheduler"], solver=d["sample"]["solver"])
     manifest = sample.run(snap, tmp_path / "ours", s, model_cfg=d["model"], data_cfg=d["data"],
                           resources=d["run"]["resources"])
+    side = SIDE.get(family["name"], 16)
     ours = np.stack([np.asarray(Image.open(tmp_path / "ours" / f"{i:06d}.png")) for i in range(2)])
 
     export.export(snap, d["model"], tmp_path / "exported", "raw")
@@ -96,11 +104,11 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     # prompt: SDXL's force_zeros_for_empty_prompt); a batch gives the same (one generator per image).
     out = np.concatenate([pipe(prompt=p["prompt"], **{k: v for k, v in p.items() if k == "negative_prompt"},
                                generator=[torch.Generator().manual_seed(p["seed"])], num_inference_steps=3,
-                               guidance_scale=4.0, height=16, width=16, output_type="np",
+                               guidance_scale=4.0, height=side, width=side, output_type="np",
                                **CALL.get(family["name"], {})).images for p in PROMPTS])
     theirs = (out * 255).round().astype(np.uint8)
     diff = np.abs(ours.astype(int) - theirs.astype(int))
-    assert ours.shape == theirs.shape == (2, 16, 16, 3)
+    assert ours.shape == theirs.shape == (2, side, side, 3)
     assert ours.dtype == theirs.dtype == np.uint8
     if kind == "full":  # the same weights: the same bytes (measured: every family, every pixel)
         assert diff.max() == 0, (diff.max(), (diff > 0).mean())
