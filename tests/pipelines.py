@@ -105,24 +105,29 @@ def sd3(folder, work=None, seed: int = 0) -> Path:
     return folder
 
 
-def pixart_sigma(folder, work=None, seed: int = 0) -> Path:
+def pixart_sigma(folder, work=None, seed: int = 0, alpha: bool = False) -> Path:
     """A PixArt-Sigma-style pipeline: PixArtTransformer2DModel with learned sigma (8 = 2 x 4 output channels) and
     no additional conditions (PixArt-Sigma's), one T5 (the mask passed), DPMSolverMultistepScheduler as the
-    pipeline ships it (epsilon, linear betas)."""
+    pipeline ships it (epsilon, linear betas). alpha: PixArt-alpha's, with the resolution and aspect-ratio
+    conditions (use_additional_conditions; PixArtAlphaPipeline passes them only to a transformer of sample_size 128,
+    the 1024 px model's, so a tiny one cannot be called by the pipeline with them) and PixArtAlphaPipeline."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
     folder = Path(folder)
     work = Path(work or folder.parent / f"{folder.name}-parts")
     enc, tok = _t5(work / "t5", 32, seed=3)
     torch.manual_seed(seed)
+    # PixArt-alpha's size embeddings take a third of the width each: heads x head dim divisible by 3 there.
     net = PixArtTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=2,
-                                   attention_head_dim=8, num_attention_heads=2, cross_attention_dim=16,
-                                   caption_channels=32, norm_num_groups=8, use_additional_conditions=False,
+                                   attention_head_dim=8, num_attention_heads=3 if alpha else 2,
+                                   cross_attention_dim=24 if alpha else 16,
+                                   caption_channels=32, norm_num_groups=8, use_additional_conditions=alpha,
                                    interpolation_scale=None)
-    pipe = PixArtSigmaPipeline(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
-                               scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001,
-                                                                     beta_end=0.02))
+    cls = diffusers.PixArtAlphaPipeline if alpha else diffusers.PixArtSigmaPipeline
+    pipe = cls(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
+               scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02))
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
