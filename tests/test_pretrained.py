@@ -184,3 +184,11 @@ def test_two_training_steps_of_a_tiny_sd_pipeline_start_from_it_and_record_its_s
     assert recorded == meta["config"]["model"]["pretrained"]["sha256"] == config.validate(d)["model"]["pretrained"][
         "sha256"]
     assert "unet/diffusion_pytorch_model.safetensors" in recorded
+
+
+def test_pixart_alpha_takes_120_masked_t5_tokens_and_its_size_conditions_in_pixels(tmp_path):
+    alpha = pipelines.pixart_sigma(tmp_path / "alpha", alpha=True)
+    d = config.validate(raw(tmp_path, alpha))
+    assert (d["model"]["arch"], d["model"]["kwargs"]["use_additional_conditions"]) == ("pixart", True)
+    assert d["model"]["kwargs"]["pixel_size"] == 16  # resolution and aspect ratio in pixels, as the pipeline's
+    assert [(e["max_length"], e["use_mask"]) for e in d["data"]["text_encoders"]] == [(120, True)]
