@@ -332,7 +332,7 @@ def main() -> int:
     global HALF, IMAGES, LATENTS, SMALL
     started, DEVICE, SMALL = time.time(), args.device, args.small
     if args.small:
-        HALF, IMAGES, LATENTS = 4, 16, 64
+        HALF, IMAGES, LATENTS = 4, 16, 16
         TINY["data"]["count"], TINY["train"]["batch_size"], TINY["sample"]["num_images"] = 128, 8, IMAGES
         TINY["train"] |= {"total_steps": 2 * HALF, "segment_steps": HALF, "log_every": 2, "warmup_steps": 2}
     DEADLINE = started + args.budget

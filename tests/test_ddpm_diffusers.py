@@ -142,8 +142,10 @@ def test_the_loss_targets_and_weights_as_min_snr_says():
         got = ddpm.loss(zero, x0, None, rnd, noise, o)
         assert abs(float(got) - float(((want**2).mean(dim=(1, 2, 3)) * w).mean())) < 1e-12, kind
     learned = lambda x, t, labels: torch.cat([x, x], 1)  # noqa: E731 -- 2C channels: learned sigma
-    with pytest.raises(UserError, match="prediction_type epsilon"):
-        ddpm.loss(learned, x0, None, rnd, noise, Options(prediction_type="v_prediction"))
+    # L_vlb is defined for epsilon and v (HunyuanDiT trains its learned sigma with v), not for x0-prediction
+    with pytest.raises(UserError, match="prediction_type epsilon and v_prediction, not sample"):
+        ddpm.loss(learned, x0, None, rnd, noise, Options(prediction_type="sample"))
+    assert torch.isfinite(ddpm.loss(learned, x0, None, rnd, noise, Options(prediction_type="v_prediction")))
 
 
 def test_noise_offset_is_one_loader_draw_per_sample_and_channel(tmp_path):

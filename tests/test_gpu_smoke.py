@@ -20,8 +20,8 @@ import gpu_bundle  # noqa: E402
 import gpu_smoke  # noqa: E402
 
 # What bench_gpu runs inside the smoke: every case, at sizes the CPU does in seconds.
-BENCH = ("--steps 4 --cases ditxl,ditxl-sample --ditxl-size S --ditxl-batch 4 --ditxl-res 64 --ditxl-images 32 --ditxl-samples 2 "
-         "--ditxl-steps 3")
+BENCH = ("--steps 4 --cases ditxl,ditxl-sample --ditxl-size S --ditxl-batch 4 --ditxl-res 32 --ditxl-images 8 --ditxl-samples 1 "
+         "--ditxl-steps 2")
 
 
 def norm(name: str) -> str:

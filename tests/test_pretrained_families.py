@@ -4,7 +4,8 @@ folder, and the exported pipeline's own __call__ (from_pretrained, its prompts, 
 per image, steps, guidance and scheduler) gives the PNGs `diffrelay sample` wrote for the snapshot, byte for byte
 (a LoRA run's exported network has the adapter fused into its weights: a pixel may move by 1 in 255 there; none
 did). diffusers rounds half to even and diffrelay's decode (y x 127.5 + 128, truncated) half up, so a pixel could
-differ by 1 at an exact half; none did. Nothing is downloaded."""
+differ by 1 at an exact half; none did. `diffrelay export` replaces only a folder it wrote. Nothing is
+downloaded."""
 
 import json
 import os
@@ -14,10 +15,12 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from safetensors.torch import load_file
 
 import pipelines
 from conftest import run_cli
 from diffrelay import config
+from diffrelay.errors import UserError
 from diffrelay.sampling import sample
 from diffrelay.training import export, train
 from test_lora import raw
@@ -114,4 +117,41 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
         assert diff.max() == 0, (diff.max(), (diff > 0).mean())
     else:  # the adapter fused into the base: float32 rounding may move a pixel by 1 (measured: none did)
         assert diff.max() <= 1 and (diff > 0).mean() < 0.02, (diff.max(), (diff > 0).mean())
-    assert json.loads((tmp_path / "exported" / export.MARK).read_text())["lora_fused"] == (kind == "lora")
+    # The export's folder: the network in plain diffusers keys (a LoRA run's adapter fused, no peft
+    # base_layer/lora_* keys), every other part byte for byte the pipeline's, and its record.
+    net_part = "unet" if (family["pipe"] / "unet").is_dir() else "transformer"
+    keys = load_file(tmp_path / "exported" / net_part / "diffusion_pytorch_model.safetensors").keys()
+    assert keys and not [k for k in keys if "lora" in k or "base_layer" in k]
+    parts = [p for p in family["pipe"].iterdir() if p.is_dir() and p.name != net_part]
+    for f in (f for part in parts for f in part.rglob("*") if f.is_file()):
+        assert (tmp_path / "exported" / f.relative_to(family["pipe"])).read_bytes() == f.read_bytes(), f
+    record = json.loads((tmp_path / "exported" / export.MARK).read_text())
+    assert (record["lora_fused"], record["step"], record["weights"]) == (kind == "lora", 1, "raw")
+
+
+def test_export_replaces_only_its_own_folder_and_needs_a_pipeline(family, tmp_path):
+    if family["name"] != "sd":
+        pytest.skip("the refusals do not depend on the family: checked once, on SD")
+    work = family["work"]
+    snap = work / "results" / "full" / "snapshots" / "step_0000001.safetensors"
+    theirs = tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    p = run_cli("export", "--config", work / "full.yaml", "--snapshot", snap, "--out", theirs, check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"{theirs}: exists and is not a folder `diffrelay export` wrote" in p.stderr
+    assert sorted(x.name for x in theirs.iterdir()) == ["notes.txt"]
+    # An earlier export is replaced (ema weights this time); the command says how to load it.
+    out = tmp_path / "again"
+    export.export(snap, family["full"]["model"], out, "raw")
+    p = run_cli("export", "--config", work / "full.yaml", "--snapshot", snap, "--out", out, "--weights", "ema")
+    assert "DiffusionPipeline.from_pretrained" in p.stdout
+    assert json.loads((out / export.MARK).read_text())["weights"] == "ema"
+    from diffrelay import cli
+
+    (tmp_path / "scratch.yaml").write_text(yaml.safe_dump({"model": {"arch": "unet"}}))  # a run from scratch
+    args = cli.build_parser().parse_args(["export", "--config", str(tmp_path / "scratch.yaml"), "--snapshot",
+                                          str(snap), "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match=r"scratch.yaml: model.pretrained is not set: export writes a diffusers"):
+        export.main(args)
+    assert not (tmp_path / "x").exists()
