@@ -301,11 +301,7 @@ def main() -> None:
     g.equal("scripts found (train_text_to_image.py at least)", (folder / "train_text_to_image.py").exists(), True)
     results = {"schedules": schedules(g, diffusers), "forward": forward_terms(g, diffusers),
                "sampler_x0": sampler_x0(g, diffusers), "loss": losses(g, diffusers, scripts)}
-    worst = {}
-    for row in g.rows:
-        if row["rule"] == "<=":
-            key = row["case"].split("/")[0]
-            worst[key] = max(worst.get(key, 0.0), row["value"])
+    worst = g.worst()
     print("max differences:", {k: f"{v:.2e}" for k, v in worst.items()})
     write_results(a.out, "diffrelay's ddpm objective with model.ddpm against diffusers' schedulers and training "
                   "scripts", diffusers=diffusers.__version__, diffusers_file=diffusers.__file__,

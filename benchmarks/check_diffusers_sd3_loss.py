@@ -137,11 +137,7 @@ def main() -> None:
         for key, value in figures.items():
             g.at_most(f"{key}/{case}", value, BOUNDS[key])
         results[case] = {"ours": float(ours), "diffusers": float(theirs), **figures}
-    worst = {}
-    for row in g.rows:
-        if row["rule"] == "<=":
-            key = row["case"].split("/")[0]
-            worst[key] = max(worst.get(key, 0.0), row["value"])
+    worst = g.worst()
     print("max differences:", {k: f"{v:.2e}" for k, v in worst.items()})
     write_results(a.out, "diffrelay's flow loss (train.flow lognormal, precondition_outputs) against diffusers' "
                   "train_dreambooth_lora_sd3.py", diffusers=diffusers.__version__, diffusers_file=diffusers.__file__,

@@ -48,6 +48,15 @@ class Gate:
     def failures(self) -> list[str]:
         return [f"FAIL {r['case']}: {r['value']!r} not {r['rule']} {r['bound']!r}" for r in self.rows if not r["ok"]]
 
+    def worst(self) -> dict[str, float]:
+        """The largest figure of each kind of bounded case (the case name up to its first "/")."""
+        out: dict[str, float] = {}
+        for row in self.rows:
+            if row["rule"] == "<=":
+                key = row["case"].split("/")[0]
+                out[key] = max(out.get(key, 0.0), row["value"])
+        return out
+
     def to_json(self) -> dict:
         """What the results JSON records: every figure with its bound, and how many failed."""
         return {"failed": len(self.failures()), "checked": len(self.rows), "bounds": self.rows}

@@ -48,6 +48,17 @@ def write_config(tmp_path):
     return write
 
 
+def benchmark(name: str):
+    """benchmarks/<name>.py imported as a module (benchmarks/ first on sys.path, for its own imports)."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(*args, env=None, check=True, timeout=600, cwd=None) -> subprocess.CompletedProcess:
     """Run `diffrelay ...` (or any command when args[0] is an executable name) and capture its output."""
     cmd = list(map(str, args))

@@ -4,13 +4,13 @@ read a v- or x0-prediction as the equivalent noise prediction; the offset noise 
 are one line; benchmarks/check_diffusers_objective.py passes against the installed diffusers and fails when a
 stand-in training script's min-SNR division is dropped."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import benchmark
 from diffrelay import config
 from diffrelay.errors import UserError
 from diffrelay.objectives import ddpm
@@ -165,12 +165,7 @@ def test_noise_offset_is_one_loader_draw_per_sample_and_channel(tmp_path):
 
 
 def _check_script():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("check_diffusers_objective",
-                                                  REPO / "benchmarks" / "check_diffusers_objective.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("check_diffusers_objective")
 
 
 # The loss of Hang et al. 2023 (min-SNR-gamma) and of offset noise, restated from the papers in the shape of

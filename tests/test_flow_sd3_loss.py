@@ -4,13 +4,12 @@ restates its lines (get_sigmas and the accumulate block, SD3 paper's rectified-f
 preconditioning of EDM's section 5); the check passes against it with the installed diffusers and fails when one
 line changes."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import benchmark
 
 STAND_IN = '''
 def main(args):
@@ -55,11 +54,7 @@ def main(args):
 def test_the_check_passes_and_fails_when_the_x0_preconditioning_changes(tmp_path, monkeypatch, capsys):
     import diffusers
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("check_diffusers_sd3_loss",
-                                                  REPO / "benchmarks" / "check_diffusers_sd3_loss.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = benchmark("check_diffusers_sd3_loss")
     site = Path(diffusers.__file__).resolve().parents[1]
 
     def run(text):

@@ -4,17 +4,15 @@ the encoders embed as the pipeline's encode_prompt, the network takes ddpm's int
 weights, full and LoRA training run, sampling equals HunyuanDiTPipeline's loop bit for bit, and a folder without
 its T5 is one line. The pipeline is tests/pipelines.py's tiny one; nothing is downloaded."""
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import pipelines
-from conftest import REPO, run_cli
+from conftest import benchmark, run_cli
 from diffrelay import config
 from diffrelay.errors import UserError
 from test_pretrained import edit_json, raw, refusal
@@ -157,11 +155,7 @@ def test_a_lora_snapshot_exports_fused_into_a_pipeline_folder_diffusers_loads(hy
 def test_sampling_equals_hunyuandit_pipelines_loop_bit_for_bit():
     import diffusers
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("check_diffusers_sampling",
-                                                  REPO / "benchmarks" / "check_diffusers_sampling.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = benchmark("check_diffusers_sampling")
     pipe = check.hunyuandit_pipeline(diffusers)
     assert check.compare_hunyuandit(diffusers, pipe, "DDPMScheduler") == (0.0, True)
 

@@ -7,13 +7,11 @@ and multistep schedulers included; a scheduler that does not fit the network is 
 folder; without sample.scheduler nothing changes (no key in the folder's manifest)."""
 
 import dataclasses
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import benchmark
 from diffrelay import cli, config
 from diffrelay.errors import UserError
 from diffrelay.sampling import sample, settings as sample_settings
@@ -26,12 +24,7 @@ REQUIRED = ("DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler", "U
 
 
 def _check_script():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("check_diffusers_sampling",
-                                                  REPO / "benchmarks" / "check_diffusers_sampling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("check_diffusers_sampling")
 
 
 def test_latents_equal_the_diffusers_pipelines_bit_for_bit():
