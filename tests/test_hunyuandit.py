@@ -14,7 +14,6 @@ import torch
 import pipelines
 from conftest import benchmark, run_cli
 from diffrelay import config
-from diffrelay.errors import UserError
 from test_pretrained import edit_json, raw, refusal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,8 +90,23 @@ def test_step_0_is_the_folders_and_ddpm_integer_steps_work(hy, tmp_path):
     assert out.shape == (2, 8, 4, 4)  # learn_sigma: the 2C layout
     assert torch.equal(out, text_net.forward_all(x, steps.float(), text=text))
     assert torch.equal(text_net(x, steps, text=text), out[:, :4])
-    with pytest.raises(UserError, match="train.activation_checkpointing: diffusers' HunyuanDiT2DModel has no gradient"):
-        text_net.checkpointing = True  # diffusers 0.42's HunyuanDiT2DModel has no gradient checkpointing
+    # Activation checkpointing: diffusers 0.42's HunyuanDiT2DModel has none, so diffrelay recomputes each of its
+    # blocks with torch's checkpoint: the same gradients bit for bit, fewer bytes saved for the backward.
+    from diffrelay.nets import footprint, memory
+
+    def grads():
+        net.zero_grad()
+        text_net.forward_all(x, steps, text=text).square().mean().backward()
+        return {k: p.grad.clone() for k, p in net.named_parameters()}
+
+    plain, saved = grads(), footprint.saved_bytes(net, lambda n: n.net.forward_all(x, steps, text=text).sum())
+    assert memory.enable(net) and text_net.checkpointing
+    assert set(weights.text_net(net).state_dict()) == set(want)  # the blocks keep diffusers' names
+    again = grads()
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    assert footprint.saved_bytes(net, lambda n: n.net.forward_all(x, steps, text=text).sum()) < saved
+    text_net.checkpointing = False
+    assert not text_net.checkpointing and type(weights.text_net(net).blocks[0]).__name__ == "HunyuanDiTBlock"
 
 
 @pytest.fixture(scope="module")

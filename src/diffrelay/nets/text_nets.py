@@ -31,7 +31,8 @@ model.kwargs (their config keys) and the contract's text dims, called as their p
                   // patch), grid), the grid = the latents' side / patch_size, cached per shape and device. The
                   timestep is given as a float of x's dtype (the pipeline's t_expand; the time embedding casts to
                   the timestep's dtype, so ddpm's integer steps would fail). Learned sigma: learn_sigma (diffusers'
-                  default true, out 2C) is the 2C layout below; hidden_size defaults to heads x head dim.
+                  default true, out 2C) is the 2C layout below; hidden_size defaults to heads x head dim. Activation
+                  checkpointing: diffusers has none for it, so each block is recomputed (recomputed, below).
 
 Time input: diffusers embeds the timestep with sinusoids (Timesteps); c_noise is multiplied by `time_scale` first,
 as nets/dit.py does: 1000 (default) stretches EDM's ln(sigma)/4 and flow's t in [0, 1] (SD3's pipeline gives its
@@ -103,6 +104,34 @@ def _out_channels(config: dict, in_channels: int) -> int:
     return out
 
 
+class Recomputed:
+    """Mixed into a block's class by `recomputed`: its forward runs under torch's non-reentrant checkpoint while
+    gradients are recorded (nets/memory.py says why the gradients stay bitwise a plain backward's). A class, not
+    a closure over the block: a deep copy (an EMA's) keeps calling its own weights."""
+
+    def forward(self, *args, **kwargs):
+        run = super().forward
+        if torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return run(*args, **kwargs)
+
+
+_RECOMPUTED: dict = {}  # a block class -> its Recomputed subclass
+
+
+def recomputed(block: nn.Module, on: bool) -> None:
+    """Checkpoint `block` (on) or not, by swapping its class; its parameters and state-dict keys stay as they are."""
+    base = type(block).__mro__[2] if isinstance(block, Recomputed) else type(block)
+    if on:
+        if base not in _RECOMPUTED:
+            _RECOMPUTED[base] = type(f"Recomputed{base.__name__}", (Recomputed, base), {})
+        block.__class__ = _RECOMPUTED[base]
+    else:
+        block.__class__ = base
+
+
 class TextNet(nn.Module):
     """F(x, c_noise, labels, text) -> like x, around one diffusers model (`model`, its parameters named as in
     diffusers under `model.`, so diffusers' state dicts load with that prefix)."""
@@ -123,11 +152,18 @@ class TextNet(nn.Module):
     @property
     def checkpointing(self) -> bool:
         """train.activation_checkpointing (nets.memory.enable): diffusers' own gradient checkpointing, which is
-        torch's non-reentrant checkpoint of each block (modeling_utils.enable_gradient_checkpointing)."""
+        torch's non-reentrant checkpoint of each block (modeling_utils.enable_gradient_checkpointing); for
+        HunyuanDiT2DModel, which has none, the same around each of its blocks (recomputed)."""
+        if self.arch == "hunyuandit" and not self.model._supports_gradient_checkpointing:
+            return any(isinstance(b, Recomputed) for b in self.model.blocks)
         return bool(self.model.is_gradient_checkpointing)
 
     @checkpointing.setter
     def checkpointing(self, on: bool) -> None:
+        if self.arch == "hunyuandit" and not self.model._supports_gradient_checkpointing:
+            for block in self.model.blocks:  # diffusers' HunyuanDiT2DModel has none: its blocks, by torch's
+                recomputed(block, on)
+            return
         if on and not self.model._supports_gradient_checkpointing:
             raise UserError(f"train.activation_checkpointing: diffusers' {type(self.model).__name__} has no gradient "
                             "checkpointing (its _supports_gradient_checkpointing is false); set it false")
