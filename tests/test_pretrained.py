@@ -192,3 +192,29 @@ def test_pixart_alpha_takes_120_masked_t5_tokens_and_its_size_conditions_in_pixe
     assert (d["model"]["arch"], d["model"]["kwargs"]["use_additional_conditions"]) == ("pixart", True)
     assert d["model"]["kwargs"]["pixel_size"] == 16  # resolution and aspect ratio in pixels, as the pipeline's
     assert [(e["max_length"], e["use_mask"]) for e in d["data"]["text_encoders"]] == [(120, True)]
+
+
+def test_a_pipeline_run_samples_with_the_folders_scheduler_unless_told_otherwise(sd, tmp_path):
+    from diffrelay.sampling import schedulers, settings
+
+    pipe = copy(sd, tmp_path / "p")
+    # SDXL base's scheduler_config.json as the Hub has it: Euler with keys of other classes (skip_prk_steps,
+    # set_alpha_to_one), which diffusers' from_config ignores too.
+    edit_json(pipe / "scheduler" / "scheduler_config.json", _class_name="EulerDiscreteScheduler",
+              timestep_spacing="leading", steps_offset=1, skip_prk_steps=True, set_alpha_to_one=False)
+    d = config.validate({**raw(tmp_path, pipe), "sample": {"steps": 4}})
+    assert d["sample"]["scheduler"] == "pipeline"
+    built = schedulers.build(settings.Settings.from_section(d["sample"]), d["model"], "ft.yaml")
+    assert type(built).__name__ == "EulerDiscreteScheduler"
+    assert (built.config.timestep_spacing, built.config.steps_offset, built.config.beta_end) == ("leading", 1, 0.012)
+    # The run's schedule over the folder's (a fine-tune to v-prediction samples v), the user's keys over both.
+    d = config.validate({**raw(tmp_path, pipe, model={"pretrained": str(pipe), "ddpm": {
+        "prediction_type": "v_prediction"}}), "sample": {"steps": 4, "scheduler": "pipeline",
+                                                          "scheduler_kwargs": {"timestep_spacing": "trailing"}}})
+    built = schedulers.build(settings.Settings.from_section(d["sample"]), d["model"], "ft.yaml")
+    assert (built.config.prediction_type, built.config.timestep_spacing) == ("v_prediction", "trailing")
+    # A solver of one's own keeps the objective's sampler; without a pipeline, `pipeline` is one line.
+    assert config.validate(raw(tmp_path, pipe))["sample"]["scheduler"] is None  # raw() sets solver: ddim
+    scratch = {"model": {"objective": "flow"}, "sample": {"scheduler": "pipeline", "solver": "euler"}}
+    with pytest.raises(UserError, match=r"sample.scheduler=pipeline: the scheduler of model.pretrained's folder"):
+        config.validate(scratch, "ft.yaml")

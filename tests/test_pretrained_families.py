@@ -1,12 +1,13 @@
 """Every supported pipeline family end to end on the CPU (issue 40): a tiny SD, SDXL, SD3, PixArt-Sigma and
 HunyuanDiT pipeline (tests/pipelines.py) fills its run's config, fine-tunes one step in full and with LoRA, exports to a diffusers
 folder, and the exported pipeline's own __call__ (from_pretrained, its prompts, negative prompts, one generator
-per image, steps, guidance and scheduler) gives the PNGs `diffrelay sample` wrote for the snapshot, byte for byte
-(a LoRA run's exported network has the adapter fused into its weights: a pixel may move by 1 in 255 there; none
-did). diffusers rounds half to even and diffrelay's decode (y x 127.5 + 128, truncated) half up, so a pixel could
-differ by 1 at an exact half; none did. `diffrelay export` replaces only a folder it wrote. Nothing is
+per image, steps, guidance and scheduler: by default its own, as it loads from the folder) gives the PNGs
+`diffrelay sample` wrote for the snapshot: equal up to the last rounding of the decode, which diffusers does half
+to even ((y / 2 + 0.5) x 255, rounded) and diffrelay half up (y x 127.5 + 128, truncated), so a value at a half may
+differ by 1 in 255. `diffrelay export` replaces only a folder it wrote. Nothing is
 downloaded."""
 
+import dataclasses
 import json
 import os
 
@@ -21,19 +22,19 @@ import pipelines
 from conftest import run_cli
 from diffrelay import config
 from diffrelay.errors import UserError
-from diffrelay.sampling import sample
+from diffrelay.sampling import sample, settings
 from diffrelay.training import export, train
 from test_lora import raw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = [{"prompt": "a red circle", "seed": 3}, {"prompt": "a blue square", "negative_prompt": "a green star",
                                                    "seed": 8}]
-# family: (builder, pipeline class, validation scheduler, the objective's sampler for config validation)
-FAMILIES = {"sd": (pipelines.sd, "StableDiffusionPipeline", "EulerAncestralDiscreteScheduler", "ddim"),
-            "sdxl": (pipelines.sdxl, "StableDiffusionXLPipeline", "EulerDiscreteScheduler", "ddim"),
-            "sd3": (pipelines.sd3, "StableDiffusion3Pipeline", "FlowMatchEulerDiscreteScheduler", "euler"),
-            "pixart": (pipelines.pixart_sigma, "PixArtSigmaPipeline", "DPMSolverMultistepScheduler", "ddim"),
-            "hunyuandit": (pipelines.hunyuandit, "HunyuanDiTPipeline", "DDPMScheduler", "ddim")}
+# family: (builder, pipeline class, validation scheduler: a class, or the pipeline's own (its default))
+FAMILIES = {"sd": (pipelines.sd, "StableDiffusionPipeline", "EulerAncestralDiscreteScheduler"),
+            "sdxl": (pipelines.sdxl, "StableDiffusionXLPipeline", "pipeline"),
+            "sd3": (pipelines.sd3, "StableDiffusion3Pipeline", "pipeline"),
+            "pixart": (pipelines.pixart_sigma, "PixArtSigmaPipeline", "pipeline"),
+            "hunyuandit": (pipelines.hunyuandit, "HunyuanDiTPipeline", "pipeline")}
 SIDE = {"hunyuandit": 32}  # its VAE divides by 8 (the pipeline's rotary grid assumes it): 4 x 4 latents
 # The pipeline's pre-processing off: PixArt's and HunyuanDiT's resolution binning and PixArt's caption cleaning;
 # HunyuanDiT's image_meta_size of the image's own size (its default original_size is 1024), as diffrelay gives it.
@@ -45,13 +46,13 @@ CALL = {"pixart": {"use_resolution_binning": False, "clean_caption": False},
 def family(request, tmp_path_factory):
     """One family's pipeline, a one-step full fine-tune and a one-step LoRA run of it on one dataset."""
     name = request.param
-    build, cls, scheduler, solver = FAMILIES[name]
+    build, cls, scheduler = FAMILIES[name]
     work = tmp_path_factory.mktemp(name)
     pipe = build(work / name)
     runs = {}
     for kind, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4.0})):
         d = raw(work, pipe, name=kind, total_steps=1, lora=lora)
-        d["sample"] = {**d["sample"], "solver": solver}
+        d["sample"] = {"steps": 3}  # sample.scheduler: pipeline, the default
         d["data"]["resolution"] = SIDE.get(name, 16)
         runs[kind] = config.validate(d)
         (work / f"{kind}.yaml").write_text(yaml.safe_dump(runs[kind]))
@@ -88,8 +89,9 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     work, d = family["work"], family[kind]
     snap = work / "results" / kind / "snapshots" / "step_0000001.safetensors"
     (tmp_path / "prompts.yaml").write_text(yaml.safe_dump(PROMPTS))
-    s = sample.default_settings(steps=3, guidance=4.0, batch_size=2, weights="raw", prompts=str(tmp_path /
-                                "prompts.yaml"), scheduler=family["scheduler"], solver=d["sample"]["solver"])
+    assert d["sample"]["scheduler"] == "pipeline"  # a pipeline run's default
+    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), guidance=4.0, batch_size=2, weights="raw",
+                            prompts=str(tmp_path / "prompts.yaml"), scheduler=family["scheduler"])
     manifest = sample.run(snap, tmp_path / "ours", s, model_cfg=d["model"], data_cfg=d["data"],
                           resources=d["run"]["resources"])
     side = SIDE.get(family["name"], 16)
@@ -99,9 +101,11 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     pipe = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "exported", local_files_only=True,
                                                        use_safetensors=True)
     assert type(pipe).__name__ == family["cls"]
-    # The manifest's scheduler config (a non-finite float is text there: strict JSON).
-    chosen = {k: float(v) if v in ("-inf", "inf") else v for k, v in manifest["scheduler"]["config"].items()}
-    pipe.scheduler = getattr(diffusers, manifest["scheduler"]["class"]).from_config(chosen)
+    if family["scheduler"] == "pipeline":  # the pipeline's own scheduler, as it loads from the folder
+        assert manifest["scheduler"]["class"] == type(pipe.scheduler).__name__
+    else:  # the manifest's scheduler config (a non-finite float is text there: strict JSON)
+        chosen = {k: float(v) if v in ("-inf", "inf") else v for k, v in manifest["scheduler"]["config"].items()}
+        pipe.scheduler = getattr(diffusers, manifest["scheduler"]["class"]).from_config(chosen)
     pipe.set_progress_bar_config(disable=True)
     # One call per image, each with the pipeline's defaults where the prompt file leaves a value out (no negative
     # prompt: SDXL's force_zeros_for_empty_prompt); a batch gives the same (one generator per image).
@@ -113,10 +117,9 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     diff = np.abs(ours.astype(int) - theirs.astype(int))
     assert ours.shape == theirs.shape == (2, side, side, 3)
     assert ours.dtype == theirs.dtype == np.uint8
-    if kind == "full":  # the same weights: the same bytes (measured: every family, every pixel)
-        assert diff.max() == 0, (diff.max(), (diff > 0).mean())
-    else:  # the adapter fused into the base: float32 rounding may move a pixel by 1 (measured: none did)
-        assert diff.max() <= 1 and (diff > 0).mean() < 0.02, (diff.max(), (diff > 0).mean())
+    # The same latents; the decode's last rounding may move a value by 1 where it lies at a half (measured: one
+    # value of 6,144 in one of the ten cases; the LoRA runs' fused weights moved none).
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.002, (diff.max(), (diff > 0).mean())
     # The export's folder: the network in plain diffusers keys (a LoRA run's adapter fused, no peft
     # base_layer/lora_* keys), every other part byte for byte the pipeline's, and its record.
     net_part = "unet" if (family["pipe"] / "unet").is_dir() else "transformer"

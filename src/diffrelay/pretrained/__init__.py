@@ -7,6 +7,7 @@ loads the network's weights with weights.load_initial.
   VAE             data.encoder sd-vae, data.encoder_path the vae/ folder (its config.json's scaling_factor)
   text encoders   data.text_encoders, each family's settings (parts.text_encoders); tokenizers from tokenizer*/
   LoRA            train.lora's defaults and checks (lora.check_config)
+  sampler         sample.scheduler: pipeline (the folder's scheduler) unless sample.scheduler or sample.solver is set
   identity        model.pretrained.sha256: {file: sha256} of model_index.json and every file of those parts.
                   It is part of the trajectory (the folder's path is not), so a changed file is refused on
                   resume (preflight.check_run_folder names it) and every checkpoint and snapshot records it.
@@ -27,6 +28,7 @@ from diffrelay.errors import UserError
 ENCODER_DEFAULTS = {"max_length": None, "layer": "last", "pooled": False, "use_mask": True}
 OWN_KWARGS = ("use_mask", "pixel_size")  # diffrelay's keys that a user may set beside the pipeline's config
 DDPM_CHOICES = ("prediction_type", "rescale_betas_zero_snr", "snr_gamma", "noise_offset")
+SOLVER_DEFAULT = "heun"  # sample.solver's schema default: left there, a pipeline run samples with its scheduler
 
 
 def path_of(spec) -> str | None:
@@ -103,6 +105,9 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
         bad.append(("data.text_encoders", f"contradicts model.pretrained, whose pipeline gives its own "
                     f"({', '.join(Path(e['path']).name for e in encoders)}); drop it"))
     data["text_encoders"] = encoders
+    sample = d["sample"]
+    if sample.get("scheduler") is None and sample["solver"] == SOLVER_DEFAULT and not sample.get("scheduler_kwargs"):
+        sample["scheduler"] = "pipeline"  # validation images as the pipeline samples them (sampling/schedulers.py)
     sums = folder.manifest(pipe)
     pinned = spec.get("sha256") if isinstance(spec, dict) else None
     if pinned and pinned != sums:

@@ -47,7 +47,8 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
                     "heun with sample.edm.S_churn > 0"))
     # sample.scheduler replaces sample.solver (sampling/schedulers.py; pure Python, no diffusers here)
     bad += problems(s.get("scheduler"), s.get("scheduler_kwargs"), kind, s["ddpm"]["eta"] if ddpm else 0.0,
-                    s["guidance_interval"] if max(scales) != 1 or min(scales) != 1 else None)
+                    s["guidance_interval"] if max(scales) != 1 or min(scales) != 1 else None,
+                    m.get("pretrained") is not None)
     chain = s.get("scheduler") is None  # the objective's own sampler: its solver must fit
     if chain and ddpm and s["solver"] not in ("ddpm", "ddim"):
         bad.append((f"sample.solver={s['solver']}", "model.objective: ddpm samples with its own chain; set "

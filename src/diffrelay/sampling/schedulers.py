@@ -11,13 +11,16 @@ The scheduler is built from the run's schedule, so it samples the objective the 
         timestep / 1000, its t in [0, 1] (SD3's pipeline gives the transformer sigma x 1000: a TextNet with
         time_scale 1000).
 sample.scheduler_kwargs adds the scheduler's other config keys (use_karras_sigmas, algorithm_type, ...).
+sample.scheduler: pipeline (a model.pretrained run's default) is the class and keys of the folder's
+scheduler/scheduler_config.json, the pipeline's own sampler when it is called; the run's keys above are set over
+them, and scheduler_kwargs over those.
 
 One generator per image, as a pipeline called with generator=[one per image]: the image's seed draws its initial
 noise (randn per image, then x init_noise_sigma: prepare_latents) and then every noise the scheduler's step draws
 (randn_tensor with a list of generators draws each row from its own). Every step is elementwise per image (the
 multistep schedulers' history too), so an image does not depend on the batch size or the process count.
 
-Imports the base modules and objectives (the run's schedule).
+Imports the base modules, objectives (the run's schedule) and pretrained (the folder's scheduler).
 """
 
 import inspect
@@ -39,22 +42,31 @@ RUN_KEYS = {"ddpm": {"num_train_timesteps": "the run", "beta_schedule": "model.d
             "flow": {"num_train_timesteps": "the run", "shift": "sample.flow.shift"}}
 
 
+PIPELINE = "pipeline"  # model.pretrained's own scheduler: scheduler/scheduler_config.json's class and keys
+
+
 def _supported() -> str:
     return f"{', '.join(DDPM_FAMILY)} (model.objective ddpm); {', '.join(FLOW_FAMILY)} (flow)"
 
 
-def problems(name, kwargs, kind: str, eta: float = 0.0, interval=None) -> list[tuple[str, str]]:
-    """(key, message) pairs for sample.scheduler against the objective `kind`; pure Python (the config's checks)."""
+def problems(name, kwargs, kind: str, eta: float = 0.0, interval=None, pretrained: bool = True) -> list[tuple[str, str]]:
+    """(key, message) pairs for sample.scheduler against the objective `kind`; pure Python (the config's checks).
+    `pretrained`: the run has model.pretrained (sample.scheduler: pipeline needs it)."""
     if name is None:
         return [("sample.scheduler_kwargs", "applies with sample.scheduler only; set a scheduler or remove it")] \
             if kwargs else []
     key = f"sample.scheduler={name}"
-    if name not in DDPM_FAMILY + FLOW_FAMILY:
+    if name == PIPELINE and not pretrained:
+        return [(key, "the scheduler of model.pretrained's folder, and this run has none; name a scheduler class "
+                 f"({_supported()}) or set model.pretrained")]
+    if name == PIPELINE:
+        pass  # its class is the folder's, which fits the objective the folder gave (pretrained.parts.objective)
+    elif name not in DDPM_FAMILY + FLOW_FAMILY:
         return [(key, f"not a scheduler diffrelay samples with; use one of {_supported()}")]
     if kind not in FAMILY:
         return [(key, f"model.objective {kind} has no diffusers scheduler here; use sample.solver (heun or euler), "
                  "or remove sample.scheduler")]
-    if name not in FAMILY[kind]:
+    if name != PIPELINE and name not in FAMILY[kind]:
         return [(key, f"does not fit model.objective {kind}'s network; use one of {', '.join(FAMILY[kind])}")]
     for k in kwargs or {}:
         if k in RUN_KEYS[kind]:
@@ -63,7 +75,7 @@ def problems(name, kwargs, kind: str, eta: float = 0.0, interval=None) -> list[t
     if interval is not None:
         return [("sample.guidance_interval", "not with sample.scheduler (the pipelines guide at every step); set "
                  "it to null or drop sample.scheduler")]
-    if eta and name != "DDIMScheduler":
+    if eta and name not in ("DDIMScheduler", PIPELINE):
         return [(f"sample.ddpm.eta={eta}", f"DDIM's eta, which {name}.step does not take; remove it or use "
                  "DDIMScheduler")]
     return []
@@ -102,19 +114,22 @@ def build(s, model_cfg: dict, source):
 
     kind = objective(model_cfg)
     check(s, kind, source)
-    cls = getattr(diffusers, s.scheduler)
+    name, config = pipeline_scheduler(model_cfg, kind, source) if s.scheduler == PIPELINE else (s.scheduler, {})
+    cls = getattr(diffusers, name)
     params = inspect.signature(cls.__init__).parameters
-    config = {}
+    # The folder's keys the class takes (a Hub config may carry keys of other classes, which diffusers'
+    # from_config ignores too); a key of the user's that the class lacks is an error below.
+    config = {k: v for k, v in config.items() if k in params and k not in RUN_KEYS[kind]}
     for k, v in run_config(kind, model_cfg, s).items():
         if k in params:
             config[k] = v
         elif v:  # a schedule or clipping the class cannot make (False/0 is every class's behaviour)
             has = [n for n in FAMILY[kind] if k in inspect.signature(getattr(diffusers, n).__init__).parameters]
-            raise UserError(f"sample.scheduler={s.scheduler}: {source}: has no {k} ({RUN_KEYS[kind][k]}={v}); use "
+            raise UserError(f"sample.scheduler={name}: {source}: has no {k} ({RUN_KEYS[kind][k]}={v}); use "
                             f"one of {', '.join(has)}")
-    where = f"sample.scheduler={s.scheduler}, sample.scheduler_kwargs={json.dumps(s.scheduler_kwargs or {})}"
+    where = f"sample.scheduler={name}, sample.scheduler_kwargs={json.dumps(s.scheduler_kwargs or {})}"
     try:
-        scheduler = cls(**config, **(s.scheduler_kwargs or {}))
+        scheduler = cls(**{**config, **(s.scheduler_kwargs or {})})
         probe = cls.from_config(scheduler.config)
         x = torch.zeros(1, 1, 1, 1)
         probe.set_timesteps(s.steps)
@@ -125,8 +140,27 @@ def build(s, model_cfg: dict, source):
             x = probe.step(torch.zeros_like(x), t, _scaled(probe, x, t), return_dict=False, **extra)[0]
     except (TypeError, ValueError, NotImplementedError, KeyError, IndexError) as e:
         raise UserError(f"{where}: {source}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}; "
-                        f"see {s.scheduler}'s config keys in diffusers' documentation") from e
+                        f"see {name}'s config keys in diffusers' documentation") from e
     return scheduler
+
+
+def pipeline_scheduler(model_cfg: dict, kind: str, source) -> tuple[str, dict]:
+    """(class name, config keys) of model.pretrained's scheduler/scheduler_config.json (sample.scheduler: pipeline):
+    what the pipeline samples with when called, the run's own schedule keys then set over it by build."""
+    from diffrelay.errors import UserError
+    from diffrelay.pretrained import folder
+
+    spec = (model_cfg or {}).get("pretrained")
+    if spec is None:
+        raise UserError(f"sample.scheduler={PIPELINE}: {source}: was not trained from model.pretrained, so there is "
+                        f"no pipeline scheduler; name a scheduler class ({_supported()})")
+    pipe = folder.read(spec)
+    c = folder.config(pipe, "scheduler", "scheduler_config.json")
+    name = c.get("_class_name")
+    if name not in FAMILY[kind]:
+        raise UserError(f"{pipe.root / 'scheduler' / 'scheduler_config.json'}: _class_name {name} does not sample "
+                        f"model.objective {kind}; set sample.scheduler to one of {', '.join(FAMILY[kind])}")
+    return name, {k: v for k, v in c.items() if not k.startswith("_")}
 
 
 def record(scheduler) -> dict:
