@@ -137,7 +137,8 @@ def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
     ("pipeline", "_class_name KandinskyPipeline: not supported; diffrelay fine-tunes StableDiffusionPipeline, "),
     ("component", "unet is a UNet2DModel, not supported; diffrelay loads UNet2DConditionModel, "),
     ("scaling", "vae/config.json: no scaling_factor"),
-    ("single", "a single-file checkpoint is not loaded; convert it once with diffusers"),
+    ("single", "unet.ckpt: a single-file checkpoint is loaded from .safetensors only"),
+    ("file", "a single file; give model.pretrained {path: "),
     ("arch", "model.arch=dit: contradicts model.pretrained, whose pipeline gives diffusers-unet; drop it"),
     ("kwargs", "model.kwargs.block_out_channels=[8, 16]: contradicts model.pretrained"),
     ("schedule", "model.ddpm.beta_end=0.03: contradicts model.pretrained, whose pipeline gives 0.012"),
@@ -158,8 +159,10 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
         del c["scaling_factor"]
         (pipe / "vae" / "config.json").write_text(json.dumps(c))
     elif case == "single":
-        over = {"model": {"pretrained": {"path": str(pipe / "unet" / "diffusion_pytorch_model.safetensors"),
-                                         "config": str(pipe)}}}
+        (tmp_path / "unet.ckpt").write_bytes(b"\x80\x04not read")  # never opened
+        over = {"model": {"pretrained": {"path": str(tmp_path / "unet.ckpt"), "config": str(pipe)}}}
+    elif case == "file":
+        over = {"model": {"pretrained": str(pipe / "unet" / "diffusion_pytorch_model.safetensors")}}
     elif case in ("arch", "kwargs", "schedule"):
         extra = {"arch": {"arch": "dit"}, "kwargs": {"kwargs": {"block_out_channels": [8, 16]}},
                  "schedule": {"ddpm": {"beta_end": 0.03}}}[case]
@@ -218,3 +221,32 @@ def test_a_pipeline_run_samples_with_the_folders_scheduler_unless_told_otherwise
     scratch = {"model": {"objective": "flow"}, "sample": {"scheduler": "pipeline", "solver": "euler"}}
     with pytest.raises(UserError, match=r"sample.scheduler=pipeline: the scheduler of model.pretrained's folder"):
         config.validate(scratch, "ft.yaml")
+
+
+def test_a_single_file_network_loads_with_its_config_folder_as_from_single_file_does(sd, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from diffrelay import objectives
+    from diffrelay.pretrained import weights
+
+    # A fine-tuned UNet shared as one file, beside its base pipeline's folder (here without the UNet's own weights).
+    tuned = {k: v + 0.01 for k, v in load_file(sd / "unet" / "diffusion_pytorch_model.safetensors").items()}
+    save_file(tuned, tmp_path / "tuned.safetensors")
+    base = copy(sd, tmp_path / "base")
+    (base / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    spec = {"path": str(tmp_path / "tuned.safetensors"), "config": str(base)}
+    d = config.validate(raw(tmp_path, base, model={"pretrained": spec}))
+    sums = d["model"]["pretrained"]["sha256"]
+    assert sums["single-file/tuned.safetensors"] == hashlib.sha256((tmp_path / "tuned.safetensors").read_bytes()
+                                                                    ).hexdigest()
+    assert d["model"]["pretrained"]["config"] == str(base) and config.validate(d) == d
+    net = objectives.build(d["model"], 8, 0, 4, text={"states": 32, "length": 77, "pooled": 0})
+    weights.load_initial(net, d["model"]["pretrained"])
+    got = weights.text_net(net).state_dict()
+    assert set(got) == set(tuned) and all(torch.equal(got[k], tuned[k]) for k in tuned)
+    # PixArt's transformer is no class diffusers' from_single_file loads: one line, before any weight is read.
+    pix = pipelines.pixart_sigma(tmp_path / "pix")
+    spec = {"path": str(tmp_path / "tuned.safetensors"), "config": str(pix)}
+    assert "a single-file PixArtTransformer2DModel is not loaded" in refusal(raw(tmp_path, pix, model={
+        "pretrained": spec}))

@@ -115,7 +115,8 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
         bad.insert(0, ("model.pretrained.sha256", f"{pipe.root / name}: sha256 {str(sums.get(name))[:12]}..., but "
                        f"this config records {str(pinned.get(name))[:12]}...: the pipeline folder changed; restore "
                        "it, or start a new run.name (and drop model.pretrained.sha256)"))
-    m["pretrained"] = {"path": str(path_of(spec)), "config": None, "sha256": sums}
+    given = spec.get("config") if isinstance(spec, dict) else None
+    m["pretrained"] = {"path": str(path_of(spec)), "config": given, "sha256": sums}
     return bad
 
 

@@ -1,5 +1,6 @@
 """A diffusers pipeline folder (model.pretrained) read without torch: model_index.json, the parts diffrelay uses and
-their classes, pickled weights refused before anything opens them, and the sha256 of every file of those parts.
+their classes, pickled weights refused before anything opens them, and the sha256 of every file of those parts
+(and of a single-file network checkpoint given with the folder as its config).
 
 Raises UserError with the message alone; pretrained.expand puts the config key in front.
 """
@@ -24,11 +25,17 @@ FIX = ("give model.pretrained a local folder written by DiffusionPipeline.save_p
 _SHA: dict = {}  # (path, size, mtime_ns) -> sha256: each file is hashed once a process
 
 
+# Networks diffusers' from_single_file loads (diffusers.loaders.single_file_model.SINGLE_FILE_LOADABLE_CLASSES).
+SINGLE_FILE = ("UNet2DConditionModel", "SD3Transformer2DModel")
+SINGLE_KEY = "single-file/"  # the manifest's key of model.pretrained.path when it is a single file
+
+
 @dataclass
 class Pipeline:
     root: Path
     cls: str  # model_index.json's _class_name
     parts: dict = field(default_factory=dict)  # component name -> class, those present (unet, vae, text_encoder...)
+    single: Path | None = None  # the network's single-file checkpoint (model.pretrained {path: file, config: root})
 
     @property
     def net(self) -> str:
@@ -43,14 +50,28 @@ def sha256(path: Path) -> str:
     return _SHA[key]
 
 
+def _single(spec) -> Path | None:
+    """model.pretrained.path when it is a single-file checkpoint given with a config folder; pickles refused
+    before they are opened."""
+    if not (isinstance(spec, dict) and spec.get("config") is not None):
+        return None
+    path = Path(spec["path"]).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path}: no such file; with model.pretrained.config, model.pretrained.path is the network's "
+                        "single-file checkpoint (.safetensors)")
+    if path.suffix != ".safetensors":
+        raise UserError(f"{path}: a single-file checkpoint is loaded from .safetensors only (a {path.suffix or 'file'} "
+                        "may hold a pickle, which is never loaded); convert it where you trust it, e.g. "
+                        "safetensors.torch.save_file(state_dict, 'model.safetensors')")
+    return path
+
+
 def _root(spec) -> Path:
-    path = spec["path"] if isinstance(spec, dict) else spec
+    path = (spec.get("config") or spec["path"]) if isinstance(spec, dict) else spec
     root = Path(path).expanduser()
-    if isinstance(spec, dict) and spec.get("config") is not None or root.is_file():
-        # diffusers' from_single_file converts the original checkpoints' key layouts; diffrelay does not load them.
-        raise UserError(f"{root}: a single-file checkpoint is not loaded; convert it once with diffusers, e.g. "
-                        "StableDiffusionPipeline.from_single_file(file, config=folder, local_files_only=True)"
-                        ".save_pretrained(out, safe_serialization=True), and give model.pretrained that folder")
+    if root.is_file():
+        raise UserError(f"{root}: a single file; give model.pretrained {{path: {root}, config: <its pipeline "
+                        "folder>}} (diffusers' from_single_file(file, config=folder)), or a pipeline folder")
     if not root.is_dir():
         raise UserError(f"{root}: no such folder; model.pretrained must be a local folder written by "
                         "DiffusionPipeline.save_pretrained (not a Hub id: nothing is downloaded)")
@@ -60,8 +81,8 @@ def _root(spec) -> Path:
 
 
 def read(spec) -> Pipeline:
-    """The pipeline at model.pretrained (a path, or {path, config}); refused in one line when diffrelay cannot
-    use it. Reads JSON files only."""
+    """The pipeline at model.pretrained (a folder, or {path: a single-file network, config: the folder}); refused
+    in one line when diffrelay cannot use it. Reads JSON files only (and hashes nothing)."""
     root = _root(spec)
     index = io.read_json(root / "model_index.json")
     cls = index.get("_class_name") if isinstance(index, dict) else None
@@ -88,6 +109,10 @@ def read(spec) -> Pipeline:
             raise UserError(f"{root / name}: model_index.json names it ({c}), but the folder is missing; {FIX}")
     for name in pipe.parts:
         _safetensors_only(root / name)
+    pipe.single = _single(spec)
+    if pipe.single is not None and pipe.parts[pipe.net] not in SINGLE_FILE:
+        raise UserError(f"{pipe.single}: a single-file {pipe.parts[pipe.net]} is not loaded (diffusers' from_single_file "
+                        f"takes {', '.join(SINGLE_FILE)} here); give model.pretrained a pipeline folder")
     return pipe
 
 
@@ -113,8 +138,11 @@ def files(pipe: Pipeline, parts=None) -> list[Path]:
 
 
 def manifest(pipe: Pipeline, parts=None) -> dict:
-    """{relative path: sha256} of files(pipe, parts)."""
-    return {p.relative_to(pipe.root).as_posix(): sha256(p) for p in files(pipe, parts)}
+    """{relative path: sha256} of files(pipe, parts), and the single-file checkpoint's under SINGLE_KEY + its name."""
+    out = {p.relative_to(pipe.root).as_posix(): sha256(p) for p in files(pipe, parts)}
+    if pipe.single is not None:
+        out[SINGLE_KEY + pipe.single.name] = sha256(pipe.single)
+    return out
 
 
 def digest(sums: dict) -> str:
