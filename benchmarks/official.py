@@ -15,7 +15,9 @@ def write_results(path: Path, what: str, **fields) -> None:
     """benchmarks/results/<name>.json: what was compared, torch, machine and date, then the script's fields."""
     out = {"what": what, "torch": torch.__version__, "machine": platform.machine(),
            "time": time.strftime("%Y-%m-%d"), **fields}
-    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    part = Path(path).with_name(Path(path).name + ".part")  # atomic: a run cut short leaves the last file whole
+    part.write_text(json.dumps(out, indent=2) + "\n")
+    part.replace(path)
     print(f"wrote {path}")
 
 

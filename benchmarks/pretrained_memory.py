@@ -13,13 +13,13 @@ adapter gets gradients, moments and an EMA (the frozen base is shared, training.
 these figures: `diffrelay validate` measures them per run (resolution, batch, precision, checkpointing).
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
 
 GB = 1e9
 # The network config.json of each diffusers folder (less _class_name/_diffusers_version and the keys diffrelay sets
@@ -98,14 +98,11 @@ def main() -> None:
         print(f"{name:24} {r['full']['params']:>14,} {r['full']['total_gb']:>15.1f} {r['lora']['trainable']:>16,} "
               f"{r['lora']['total_gb']:>9.1f}")
     out = HERE / "results" / "pretrained_memory.json"
-    import torch
+    from official import write_results  # atomic, with torch, machine and date
 
-    out.write_text(json.dumps({"what": "training state (fp32 weights, gradients, AdamW moments, one EMA) of each "
-                               "pipeline's network, full and LoRA rank 4, from its published config on the meta "
-                               "device; activations not included", "torch": torch.__version__,
-                               "time": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t0, 1),
-                               "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(out, "training state (fp32 weights, gradients, AdamW moments, one EMA) of each pipeline's network, "
+                  "full and LoRA rank 4, from its published config on the meta device; activations not included",
+                  seconds=round(time.perf_counter() - t0, 1), results=results)
 
 
 if __name__ == "__main__":

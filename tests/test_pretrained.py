@@ -250,3 +250,43 @@ def test_a_single_file_network_loads_with_its_config_folder_as_from_single_file_
     spec = {"path": str(tmp_path / "tuned.safetensors"), "config": str(pix)}
     assert "a single-file PixArtTransformer2DModel is not loaded" in refusal(raw(tmp_path, pix, model={
         "pretrained": spec}))
+
+
+def test_the_pipeline_sampler_is_checked_against_the_folders_class_before_any_work(sd, tmp_path):
+    import inspect
+
+    import diffusers
+
+    from diffrelay.pretrained import parts
+
+    # The static table is the installed diffusers' (the check is torch-free).
+    for key, classes in parts.TAKES.items():
+        have = {n for n in parts.DDPM_SCHEDULERS if key in inspect.signature(getattr(diffusers, n).__init__).parameters}
+        assert have == set(classes), key
+    pipe = copy(sd, tmp_path / "p")
+    edit_json(pipe / "scheduler" / "scheduler_config.json", _class_name="PNDMScheduler")  # SD 1.5's
+    zsnr = {"pretrained": str(pipe), "ddpm": {"rescale_betas_zero_snr": True, "prediction_type": "v_prediction"}}
+    msg = refusal({**raw(tmp_path, pipe, model=zsnr), "sample": {"steps": 4}})
+    assert "sample.scheduler=pipeline: the folder's PNDMScheduler has no rescale_betas_zero_snr" in msg
+    assert "DDIMScheduler" in msg
+    # A guidance interval keeps the objective's sampler: no pipeline default (the pipelines guide every step).
+    (pipe / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}))
+    d = config.validate({**raw(tmp_path, pipe), "sample": {"steps": 4, "guidance": [3.0],
+                                                           "guidance_interval": [0.2, 0.8]}})
+    assert (d["sample"]["scheduler"], d["sample"]["solver"]) == (None, "heun")
+    assert config.validate({**raw(tmp_path, pipe), "sample": {"steps": 4}})["sample"]["scheduler"] == "pipeline"
+
+
+def test_a_solver_given_to_diffrelay_sample_replaces_the_pipeline_sampler(sd, tmp_path):
+    from diffrelay import cli
+    from diffrelay.sampling import settings
+
+    d = config.validate({**raw(tmp_path, sd), "sample": {"steps": 4}})
+    assert d["sample"]["scheduler"] == "pipeline"
+    for flags, want in ((["--solver", "ddim"], (None, "ddim")), ([], ("pipeline", "heun")),
+                        (["--solver", "ddim", "--scheduler", "UniPCMultistepScheduler"],
+                         ("UniPCMultistepScheduler", "ddim"))):
+        args = cli.build_parser().parse_args(["sample", "--snapshot", "s.safetensors", "--out", "o", *flags])
+        s, _ = settings.from_args(args, json.loads(json.dumps(d)), config.validate)
+        assert (s.scheduler, s.solver) == want, flags

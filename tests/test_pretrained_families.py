@@ -158,3 +158,27 @@ def test_export_replaces_only_its_own_folder_and_needs_a_pipeline(family, tmp_pa
     with pytest.raises(UserError, match=r"scratch.yaml: model.pretrained is not set: export writes a diffusers"):
         export.main(args)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_moved_pipeline_samples_as_before_and_default_settings_keep_the_folders_shift(family, tmp_path):
+    import shutil
+
+    if family["name"] != "sd3":
+        pytest.skip("the flow shift is SD3's; a move is the same for every family")
+    work, d = family["work"], family["full"]
+    snap = work / "results" / "full" / "snapshots" / "step_0000001.safetensors"
+    (tmp_path / "prompts.yaml").write_text(yaml.safe_dump(PROMPTS[:1]))
+    moved = shutil.copytree(family["pipe"], tmp_path / "moved")  # the same files elsewhere: the same run
+    model = {**d["model"], "pretrained": {**d["model"]["pretrained"], "path": str(moved)}}
+    data = {**d["data"], "text_encoders": [{**e, "path": e["path"].replace(str(family["pipe"]), str(moved))}
+                                           for e in d["data"]["text_encoders"]]}
+    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), batch_size=1, weights="raw",
+                            prompts=str(tmp_path / "prompts.yaml"))
+    a = sample.run(snap, tmp_path / "a", s, model_cfg=model, data_cfg=data, resources=d["run"]["resources"])
+    # Without the run's config (a hand-run with --scheduler pipeline): the schema's sample.flow.shift (1) is the
+    # default, so the folder's shift (3) is the sampler's, as in the run.
+    bare = dataclasses.replace(sample.default_settings(), steps=s.steps, batch_size=1, weights="raw",
+                               prompts=str(tmp_path / "prompts.yaml"), scheduler="pipeline")
+    b = sample.run(snap, tmp_path / "b", bare, data_cfg=data, resources=d["run"]["resources"])
+    assert a["scheduler"] == b["scheduler"] and a["scheduler"]["config"]["shift"] == 3.0
+    assert (tmp_path / "a" / "000000.png").read_bytes() == (tmp_path / "b" / "000000.png").read_bytes()

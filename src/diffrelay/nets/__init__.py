@@ -150,11 +150,18 @@ def text_problems(model_cfg: dict, has_text: bool) -> list[tuple[str, str]]:
     return []
 
 
+def _files(spec):
+    return spec.get("sha256") if isinstance(spec, dict) else spec
+
+
 def same_network(recorded: dict, wanted: dict) -> str | None:
     """None when a snapshot's recorded `model` section builds the network `wanted` names, else the first
     differing key. Sections from before model.arch existed read as arch unet with no kwargs."""
     recorded = {"arch": "unet", "kwargs": {}, "objective": "edm"} | recorded
     wanted = {"objective": "edm"} | wanted
+    # A pipeline is its files' sha256 (docs/pretrained.md: moving the folder keeps the run), not where it lies.
+    recorded, wanted = ({**m, "pretrained": _files(m.get("pretrained"))} if m.get("pretrained") else m
+                        for m in (recorded, wanted))
     # Settings neither network uses (a UNet key in a DiT's section) do not make it another network.
     unused = unused_keys(recorded) & unused_keys(wanted)
     for key in sorted((set(recorded) | set(wanted)) - unused):

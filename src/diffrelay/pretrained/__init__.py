@@ -106,8 +106,11 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
                     f"({', '.join(Path(e['path']).name for e in encoders)}); drop it"))
     data["text_encoders"] = encoders
     sample = d["sample"]
-    if sample.get("scheduler") is None and sample["solver"] == SOLVER_DEFAULT and not sample.get("scheduler_kwargs"):
+    if sample.get("scheduler") is None and sample["solver"] == SOLVER_DEFAULT and not sample.get("scheduler_kwargs") \
+            and sample.get("guidance_interval") is None:  # the pipelines guide at every step
         sample["scheduler"] = "pipeline"  # validation images as the pipeline samples them (sampling/schedulers.py)
+    if sample.get("scheduler") == "pipeline":
+        bad += parts.pipeline_sampler_problems(pipe, m, sample)
     sums = folder.manifest(pipe)
     pinned = spec.get("sha256") if isinstance(spec, dict) else None
     if pinned and pinned != sums:

@@ -12,6 +12,12 @@ DDPM_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "LMSDiscre
                    "DPMSolverSinglestepScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
                    "UniPCMultistepScheduler", "DEISMultistepScheduler")
 FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
+# The DDPM-family schedulers whose __init__ takes these run keys (diffusers 0.42; tests/test_pretrained.py checks the
+# installed diffusers): sample.scheduler: pipeline cannot sample a schedule its class cannot make.
+TAKES = {"rescale_betas_zero_snr": ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler",
+                                    "UniPCMultistepScheduler", "EulerDiscreteScheduler",
+                                    "EulerAncestralDiscreteScheduler"),
+         "clip_sample": ("DDPMScheduler", "DDIMScheduler", "HeunDiscreteScheduler")}
 PIXART_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # their max_sequence_length
 SD3_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
 HUNYUAN_LENGTHS = (77, 256)  # HunyuanDiTPipeline.__call__'s max_sequence_length for its BertModel and its mT5
@@ -119,3 +125,22 @@ def check_dims(pipe: Pipeline, arch: str, encoders: list[dict]) -> None:
             if c.get(key) is not None and c[key] != value:
                 raise UserError(f"{where}: {key} {c[key]}, but the text encoders give {value} ({key} of "
                                 f"HunyuanDiTPipeline's encoders); {FIX}")
+
+
+def pipeline_sampler_problems(pipe: Pipeline, model: dict, sample: dict) -> list[tuple[str, str]]:
+    """sample.scheduler: pipeline against the folder's scheduler class, before any work: the run's schedule keys
+    and DDIM's eta that the class cannot take (sampling/schedulers.py would refuse them at the first sample job)."""
+    cls = config(pipe, "scheduler", "scheduler_config.json").get("_class_name")
+    if cls in FLOW_SCHEDULERS:
+        return []
+    given = {"rescale_betas_zero_snr": (model.get("ddpm") or {}).get("rescale_betas_zero_snr", False),
+             "clip_sample": sample["ddpm"]["clip_denoised"]}
+    for key, value in given.items():
+        if value and cls not in TAKES[key]:
+            where = "model.ddpm" if key == "rescale_betas_zero_snr" else "sample.ddpm.clip_denoised"
+            return [("sample.scheduler=pipeline", f"the folder's {cls} has no {key} ({where} is {value}); set "
+                     f"sample.scheduler to one of {', '.join(TAKES[key])}")]
+    if sample["ddpm"]["eta"] and cls != "DDIMScheduler":
+        return [("sample.scheduler=pipeline", f"the folder's {cls} takes no eta (sample.ddpm.eta="
+                 f"{sample['ddpm']['eta']}); remove it or set sample.scheduler: DDIMScheduler")]
+    return []

@@ -52,7 +52,8 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     chain = s.get("scheduler") is None  # the objective's own sampler: its solver must fit
     if chain and ddpm and s["solver"] not in ("ddpm", "ddim"):
         bad.append((f"sample.solver={s['solver']}", "model.objective: ddpm samples with its own chain; set "
-                    "sample.solver: ddpm (DiT's sampler, with sample.steps: 250) or ddim"))
+                    "sample.solver: ddpm (DiT's sampler, with sample.steps: 250) or ddim, or sample.scheduler (a "
+                    "diffusers class; pipeline: a model.pretrained folder's own)"))
     if chain and not ddpm and s["solver"] in ("ddpm", "ddim"):
         bad.append((f"sample.solver={s['solver']}", f"a sampler of model.objective: ddpm; for {kind} use heun or "
                     f"euler{' or sde' if flow else ''}"))

@@ -288,6 +288,10 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         raise UserError(f"sample.edm {s.edm.changed()}: {snapshot} is a model.objective flow network and these are "
                         "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
     _check_ddpm(kind, s, snapshot, shape)
+    # sample.scheduler: pipeline reads the folder the config names (it may have moved), else the recorded one;
+    # the sampler (generate) builds its scheduler from meta["model"] too.
+    if (model_cfg or {}).get("pretrained") is not None:
+        meta = meta | {"model": meta["model"] | {"pretrained": model_cfg["pretrained"]}}
     scheduler = None if s.scheduler is None else schedulers.build(s, meta["model"], snapshot)
     key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
                                                      "image_shape": list(latent_data.output_shape(meta))}
@@ -297,7 +301,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["flow"] = s.flow.changed()
     if s.ddpm.changed():
         key["ddpm"] = s.ddpm.changed()
-    if zeros and s.guidance != 1:  # SDXL's zeros, not the empty caption: other pixels than before they were
+    if zeros:  # SDXL's zeros, not the empty caption: other pixels than before they were (where guided)
         key["zeros_for_empty_prompt"] = True
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)

@@ -119,8 +119,11 @@ def build(s, model_cfg: dict, source):
     params = inspect.signature(cls.__init__).parameters
     # The folder's keys the class takes (a Hub config may carry keys of other classes, which diffusers'
     # from_config ignores too); a key of the user's that the class lacks is an error below.
+    run = run_config(kind, model_cfg, s)
+    if s.scheduler == PIPELINE and kind == "flow" and s.flow.shift == 1.0:
+        run["shift"] = config.get("shift", 1.0)  # sample.flow.shift left at its default: the folder's (as expand)
     config = {k: v for k, v in config.items() if k in params and k not in RUN_KEYS[kind]}
-    for k, v in run_config(kind, model_cfg, s).items():
+    for k, v in run.items():
         if k in params:
             config[k] = v
         elif v:  # a schedule or clipping the class cannot make (False/0 is every class's behaviour)

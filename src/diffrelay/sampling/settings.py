@@ -134,6 +134,8 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         # A step: this run's snapshot there (the workflow passes the path; this serves a hand-run with --config).
         step = cfg["sample"]["guide"]
         cfg["sample"]["guide"] = str(Path(cfg["run"]["results"]) / cfg["run"]["name"] / "snapshots" / f"step_{step:07d}.safetensors")
+    if "solver" in over and "scheduler" not in over:  # --solver asks for the objective's own sampler
+        over["scheduler"], over["scheduler_kwargs"] = None, {}
     s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
     if s.ema_decay is not None and s.weights == "raw":
         raise UserError(f"--ema-decay={s.ema_decay:g}: with --weights raw there is no EMA to choose; drop one of them")

@@ -3,7 +3,7 @@
 The folder is the run's pipeline folder (model.pretrained) with its network replaced by a snapshot's weights
 (EMA, raw, or a post-hoc EMA snapshot from `diffrelay phema`), written by diffusers' own save_pretrained, so
 DiffusionPipeline.from_pretrained(folder) loads it. A LoRA run's adapter is merged into the base first (diffusers'
-fuse_lora, then unload_lora): save_pretrained of a network with a live adapter would write peft's base_layer/lora_*
+fuse_lora, then unload_lora; pretrained.lora.fuse with peft's merge for PixArt and HunyuanDiT): save_pretrained of a network with a live adapter would write peft's base_layer/lora_*
 keys, which from_pretrained does not read (it initialises those weights anew, with only a warning).
 
 Every other part is copied byte for byte. The folder is written beside its target and renamed into place; an
