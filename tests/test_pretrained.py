@@ -172,23 +172,6 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
     assert says in refusal(raw(tmp_path, pipe, **over))
 
 
-def test_two_training_steps_of_a_tiny_sd_pipeline_start_from_it_and_record_its_sha256(sd, tmp_path):
-    import yaml
-    from conftest import run_cli
-
-    d = raw(tmp_path, sd)
-    cfg = tmp_path / "ft.yaml"
-    cfg.write_text(yaml.safe_dump(d))
-    run_cli("prepare", "--config", cfg)
-    run_cli("train", "--config", cfg, "--until-step", 2)
-    run = tmp_path / "results" / "ft"
-    recorded = json.loads((run / "run.json").read_text())["trajectory"]["model"]["pretrained"]["sha256"]
-    meta = json.loads(next((run / "checkpoints").glob("*/meta.json")).read_text())
-    assert recorded == meta["config"]["model"]["pretrained"]["sha256"] == config.validate(d)["model"]["pretrained"][
-        "sha256"]
-    assert "unet/diffusion_pytorch_model.safetensors" in recorded
-
-
 def test_pixart_alpha_takes_120_masked_t5_tokens_and_its_size_conditions_in_pixels(tmp_path):
     alpha = pipelines.pixart_sigma(tmp_path / "alpha", alpha=True)
     d = config.validate(raw(tmp_path, alpha))

@@ -76,6 +76,12 @@ def test_the_family_fills_its_config_and_trains_from_its_weights(family):
         assert encoders[2]["use_mask"] is False and encoders[2]["max_length"] == 256
     if family["name"] == "pixart":  # PixArt-Sigma's 300 T5 tokens, masked; learned sigma kept as the config says
         assert encoders[0]["max_length"] == 300 and encoders[0]["use_mask"] and m["kwargs"]["out_channels"] == 8
+    # The folder's files' sha256, in the run's record (its identity) and in every checkpoint's config.
+    run = family["work"] / "results" / "full"
+    recorded = json.loads((run / "run.json").read_text())["trajectory"]["model"]["pretrained"]["sha256"]
+    meta = json.loads(next((run / "checkpoints").glob("*/meta.json")).read_text())
+    assert recorded == meta["config"]["model"]["pretrained"]["sha256"] == m["pretrained"]["sha256"]
+    assert any(k.endswith("diffusion_pytorch_model.safetensors") for k in recorded)
     # Only the adapter of the LoRA run trained: its checkpoint is a fraction of the full run's.
     size = {k: sum(f.stat().st_size for f in (family["work"] / "results" / k / "checkpoints").rglob("*") if
                    f.is_file()) for k in ("full", "lora")}
