@@ -127,6 +127,7 @@ def zeros_for_empty_prompt(model: dict) -> bool:
     """Whether the pipeline's unconditional branch is zeros, not the empty caption's embedding, for an image without
     a negative prompt: StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json, default true),
     which its __call__ applies to the states and the pooled embedding alike."""
+    from diffrelay import io
     from diffrelay.pretrained import folder
 
     spec = (model or {}).get("pretrained")
@@ -135,8 +136,6 @@ def zeros_for_empty_prompt(model: dict) -> bool:
     pipe = folder.read(spec)
     if pipe.cls != "StableDiffusionXLPipeline":
         return False
-    from diffrelay import io
-
     return bool(io.read_json(pipe.root / "model_index.json").get("force_zeros_for_empty_prompt", True))
 
 
