@@ -31,8 +31,9 @@ do_classifier_free_guidance=True) with negative_prompt None, so the unconditiona
           transformer takes none)
   pixart  PixArtSigmaPipeline (max_sequence_length 300, clean_caption=False): prompt_embeds, prompt_attention_mask
           vs [t5 max_length 300, use_mask true]. The pipeline lower-cases and strips every prompt
-          (_text_preprocessing, also with clean_caption False); diffrelay does not, so ours is given prompt.lower()
-          .strip() here, and the difference on the prompts as given is written to the JSON, not gated
+          (_text_preprocessing, also with clean_caption False); diffrelay's encoders take the text as given and
+          its sampling applies the pipeline's rule (pretrained.PromptRules), so ours is given the prompts through
+          that rule here, and the difference on the prompts as given is written to the JSON, not gated
 Prompts (PROMPTS): 21, so diffrelay's fixed calls of 16 are crossed; among them the empty prompt, one of 320 words
 (cut at 77 CLIP tokens, at 256 and 300 T5 tokens), mixed case, spaces around, a word outside the vocabulary.
 Bound (BOUND, every embedding): max |ours - theirs| <= 1e-6, float32 on the CPU, both sides the same transformers
@@ -224,7 +225,9 @@ def main() -> None:
         emb, mask, neg, neg_mask = pixart.encode_prompt(PROMPTS, do_classifier_free_guidance=True, device="cpu",
                                                         clean_caption=False, max_sequence_length=T5_PIXART)
         spec = [("t5", {"max_length": T5_PIXART, "use_mask": True})]
-        prepared = [p.lower().strip() for p in PROMPTS]
+        from diffrelay.pretrained import PromptRules
+
+        prepared = [PromptRules(lower=True).text(p) for p in PROMPTS]  # what sampling a PixArt run gives them
         mine, mine_empty = ours(f, spec, prepared), ours(f, spec, empty)
         gate("pixart-prompt_embeds", mine.states, emb, "states of [t5 300, use_mask true], prompts lower().strip()")
         g.equal("pixart-prompt_attention_mask", torch.equal(mine.mask, mask.long()), True)
@@ -241,8 +244,9 @@ def main() -> None:
             "max_abs_diff_on_the_others": max_abs(as_given.states[[i for i in range(len(PROMPTS)) if i not in
                                                                    changed]],
                                                   emb[[i for i in range(len(PROMPTS)) if i not in changed]]),
-            "what": "PixArt's _text_preprocessing lower-cases and strips (clean_caption False too); diffrelay "
-                    "encodes the caption as written"}
+            "what": "PixArt's _text_preprocessing lower-cases and strips (clean_caption False too); diffrelay's "
+                    "encoders take the text as given, and its sampling of a PixArt run does the same "
+                    "(pretrained.PromptRules)"}
         unmasked = ours(f, [("t5", {"max_length": T5_PIXART, "use_mask": False})], prepared)
         cases["sanity-pixart-without-t5-mask"] = {"max_abs_diff": max_abs(unmasked.states, emb)}
         g.at_least("sanity-pixart-without-t5-mask", cases["sanity-pixart-without-t5-mask"]["max_abs_diff"], SANITY)

@@ -5,6 +5,7 @@ Nothing is downloaded: the text encoders are tests/textmodels' (the shapes capti
 drawn from a seeded generator. A pipeline is a few 10k parameters and saves in about a second.
 """
 
+import shutil
 from pathlib import Path
 
 import textmodels
@@ -72,12 +73,21 @@ def sdxl(folder, work=None, seed: int = 0) -> Path:
     return folder
 
 
-def _t5(folder: Path, d_model: int, seed: int):
-    from transformers import PreTrainedTokenizerFast, T5EncoderModel
+def _t5(folder: Path, d_model: int, seed: int, spiece: bool = False):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, T5EncoderModel
 
-    textmodels.t5(folder, d_model=d_model, seed=seed)
+    textmodels.t5(folder, d_model=d_model, seed=seed, spiece=spiece)
     return (T5EncoderModel.from_pretrained(folder, local_files_only=True),
-            PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True))
+            (AutoTokenizer if spiece else PreTrainedTokenizerFast).from_pretrained(folder, local_files_only=True))
+
+
+def _as_spiece(tokenizer_folder: Path, source: Path) -> None:
+    """The pipeline's tokenizer folder as the Hub's PixArt and HunyuanDiT folders hold it: spiece.model and its
+    configs from `source` (textmodels.spiece_tokenizer), no tokenizer.json (save_pretrained wrote one)."""
+    shutil.rmtree(tokenizer_folder)
+    tokenizer_folder.mkdir()
+    for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, tokenizer_folder / name)
 
 
 def sd3(folder, work=None, seed: int = 0) -> Path:
@@ -117,7 +127,7 @@ def pixart_sigma(folder, work=None, seed: int = 0, alpha: bool = False) -> Path:
 
     folder = Path(folder)
     work = Path(work or folder.parent / f"{folder.name}-parts")
-    enc, tok = _t5(work / "t5", 32, seed=3)
+    enc, tok = _t5(work / "t5", 32, seed=3, spiece=True)  # case-sensitive, as the real T5's
     torch.manual_seed(seed)
     # PixArt-alpha's size embeddings take a third of the width each: heads x head dim divisible by 3 there.
     net = PixArtTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=2,
@@ -129,6 +139,7 @@ def pixart_sigma(folder, work=None, seed: int = 0, alpha: bool = False) -> Path:
     pipe = cls(transformer=net, vae=AutoencoderKL(**VAE), text_encoder=enc, tokenizer=tok,
                scheduler=DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02))
     pipe.save_pretrained(folder, safe_serialization=True)
+    _as_spiece(folder / "tokenizer", work / "t5")
     return folder
 
 
@@ -177,7 +188,7 @@ def hunyuandit(folder, work=None, seed: int = 0, **transformer) -> Path:
     folder = Path(folder)
     work = Path(work or folder.parent / f"{folder.name}-parts")
     enc1, tok1 = bert(work / "bert", seed=1)
-    textmodels.t5(work / "t5", seed=2)
+    textmodels.t5(work / "t5", seed=2, spiece=True)
     enc2 = T5EncoderModel.from_pretrained(work / "t5", local_files_only=True)
     tok2 = AutoTokenizer.from_pretrained(work / "t5", local_files_only=True)
     torch.manual_seed(seed)
@@ -186,4 +197,5 @@ def hunyuandit(folder, work=None, seed: int = 0, **transformer) -> Path:
                               scheduler=DDPMScheduler(**HUNYUAN_SCHEDULE), safety_checker=None, feature_extractor=None,
                               requires_safety_checker=False, text_encoder_2=enc2, tokenizer_2=tok2)
     pipe.save_pretrained(folder, safe_serialization=True)
+    _as_spiece(folder / "tokenizer_2", work / "t5")
     return folder

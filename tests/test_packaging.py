@@ -4,6 +4,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,16 +19,20 @@ def split(req: str) -> tuple[str, str]:
     return name.lower(), spec.replace(" ", "")
 
 
-def test_conda_env_mirrors_pyproject_ranges():
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    env = yaml.safe_load((REPO / "envs" / "diffrelay.yaml").read_text())["dependencies"]
+@pytest.mark.parametrize("env_file, extras", [("diffrelay.yaml", ()), ("track.yaml", ("wandb", "mlflow"))])
+def test_conda_env_mirrors_pyproject_ranges(env_file, extras):
+    """Every dependency, at pyproject's range; the track env (pip -e installs diffrelay's declared dependencies
+    there too) also holds its extras."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
+    env = yaml.safe_load((REPO / "envs" / env_file).read_text())["dependencies"]
     conda = dict(split(d) for d in env if isinstance(d, str) and d != "pip")
     pip = dict(split(d) for d in next(d["pip"] for d in env if isinstance(d, dict)) if not d.startswith("-e"))
     for name, spec in map(split, deps):
         if name in NOT_IN_ENV:
             continue
         have = conda.get(CONDA_NAME.get(name, name), pip.get(name))
-        assert have == spec, f"{name}: pyproject {spec!r}, envs/diffrelay.yaml {have!r}"
+        assert have == spec, f"{name}: pyproject {spec!r}, envs/{env_file} {have!r}"
 
 
 def test_the_torch_range_admits_only_versions_with_the_apis_diffrelay_uses():

@@ -27,7 +27,8 @@ from diffrelay.training import export, train
 from test_lora import raw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-PROMPTS = [{"prompt": "a red circle", "seed": 3}, {"prompt": "a blue square", "negative_prompt": "a green star",
+# Capitals and a trailing space: PixArt's pipeline lower-cases and strips (its T5 here is case-sensitive, as the real one).
+PROMPTS = [{"prompt": "A Red circle ", "seed": 3}, {"prompt": "a blue square", "negative_prompt": "a green star",
                                                    "seed": 8}]
 # family: (builder, pipeline class, validation scheduler: a class, or the pipeline's own (its default))
 FAMILIES = {"sd": (pipelines.sd, "StableDiffusionPipeline", "EulerAncestralDiscreteScheduler"),

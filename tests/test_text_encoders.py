@@ -255,16 +255,14 @@ def test_tokenizers_that_do_not_belong_are_refused(folders, tmp_path):
     with pytest.raises(UserError) as info:
         encoders.load(entry(nopad), "cpu")
     assert "pad token id is None" in one_line(info)
-    # A T5 tokenizer as PixArt's tokenizer/ folder holds it (spiece.model, no tokenizer.json): sentencepiece
-    # converts it, which is not installed here.
-    spiece = shutil.copytree(folders["t5"], tmp_path / "spiece")
-    (spiece / "tokenizer.json").unlink()
+    # A T5 tokenizer as PixArt's tokenizer/ folder holds it (spiece.model, no tokenizer.json), damaged.
+    spiece = tm.spiece_tokenizer(tmp_path / "spiece")
+    shutil.copy(folders["t5"] / "config.json", spiece)
+    shutil.copy(folders["t5"] / "model.safetensors", spiece)
     (spiece / "spiece.model").write_bytes(b"\n\x00")
-    config = json.loads((spiece / "tokenizer_config.json").read_text())
-    (spiece / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "T5Tokenizer"}))
     with pytest.raises(UserError) as info:
         encoders.load(entry(spiece), "cpu")
-    assert str(spiece) in one_line(info) and "pip install sentencepiece" in one_line(info)
+    assert one_line(info).startswith(str(spiece / "spiece.model")) and "not a sentencepiece model" in one_line(info)
     # A CLIP pooled where its tokenizer's eos is not.
     other = shutil.copytree(folders["clip"], tmp_path / "other")
     config = json.loads((other / "config.json").read_text())
@@ -273,6 +271,21 @@ def test_tokenizers_that_do_not_belong_are_refused(folders, tmp_path):
     with pytest.raises(UserError) as info:
         encoders.load(entry(other, pooled=True), "cpu")
     assert "pools" in one_line(info)
+
+
+def test_a_t5_tokenizer_saved_as_spiece_model_alone_tokenizes_as_sentencepiece(tmp_path):
+    """PixArt's and HunyuanDiT's T5 tokenizer folders hold spiece.model and no tokenizer.json: the sentencepiece
+    package (a dependency) converts it, and the ids are sentencepiece's own, case and punctuation kept."""
+    import sentencepiece
+
+    folder = tm.t5(tmp_path / "t5", spiece=True)
+    assert not (folder / "tokenizer.json").exists()
+    enc = encoders.load(entry(folder), "cpu")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
+    for text in ("a red circle top left", "A Red circle, #42!"):
+        assert enc.tokenizer(text)["input_ids"] == sp.encode(text) + [sp.eos_id()]
+    assert enc.tokenizer("A red")["input_ids"] != enc.tokenizer("a red")["input_ids"]
+    assert not (folder / "tokenizer.json").exists()  # loading wrote nothing into the folder
 
 
 def test_a_diffusers_pipeline_layout_and_a_tokenizer_without_tokenizer_json(folders, tmp_path):

@@ -27,19 +27,51 @@ def t5_tokenizer(words=WORDS, max_length: int = 512):
                                    model_max_length=max_length)
 
 
-def t5(folder, d_model: int = 32, layers: int = 2, heads: int = 4, words=WORDS, seed: int = 0) -> Path:
-    """A T5EncoderModel (T5 v1.1's gated-gelu) and a tokenizer.json in `folder`."""
-    import torch
-    from transformers import T5Config, T5EncoderModel
+def spiece_tokenizer(folder, words=WORDS, extra_ids: int = 100) -> Path:
+    """A T5 tokenizer as PixArt's and HunyuanDiT's tokenizer folders hold it: a sentencepiece unigram model
+    (spiece.model, trained here on the shapes' words; T5's ids: <pad> 0, </s> 1, <unk> 2, no <s>) and a
+    tokenizer_config.json naming T5Tokenizer, with no tokenizer.json: transformers converts it when it loads."""
+    import io
+
+    import sentencepiece
 
     folder = Path(folder)
-    tokenizer = t5_tokenizer(words)
+    folder.mkdir(parents=True, exist_ok=True)
+    unique = list(dict.fromkeys(words))
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([" ".join(unique[i:i + 6]) for i in range(0, len(unique), 3)] * 5), model_writer=model,
+        vocab_size=60, hard_vocab_limit=False, model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        num_threads=1, minloglevel=2)
+    (folder / "spiece.model").write_bytes(model.getvalue())
+    extra = [f"<extra_id_{i}>" for i in range(extra_ids)]
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5Tokenizer", "extra_ids": extra_ids, "additional_special_tokens": extra, "legacy": True,
+        "model_max_length": 512, "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "additional_special_tokens": extra, "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return folder
+
+
+def t5(folder, d_model: int = 32, layers: int = 2, heads: int = 4, words=WORDS, seed: int = 0,
+       spiece: bool = False) -> Path:
+    """A T5EncoderModel (T5 v1.1's gated-gelu) and a tokenizer.json in `folder`; spiece: the tokenizer as
+    spiece.model alone (spiece_tokenizer), as the real T5 folders of PixArt and HunyuanDiT ship it."""
+    import torch
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    folder = Path(folder)
+    if spiece:
+        tokenizer = AutoTokenizer.from_pretrained(spiece_tokenizer(folder, words), local_files_only=True)
+    else:
+        tokenizer = t5_tokenizer(words)
     config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // heads, d_ff=2 * d_model,
                       num_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
                       feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     torch.manual_seed(seed)
     T5EncoderModel(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    if not spiece:
+        tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -123,20 +123,42 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     return bad
 
 
-def zeros_for_empty_prompt(model: dict) -> bool:
-    """Whether the pipeline's unconditional branch is zeros, not the empty caption's embedding, for an image without
-    a negative prompt: StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json, default true),
-    which its __call__ applies to the states and the pooled embedding alike."""
+@dataclasses.dataclass(frozen=True)
+class PromptRules:
+    """What the folder's pipeline's __call__ does to prompts before its text encoders, which sampling repeats.
+    zeros: StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json, default true): an image
+    without a negative prompt is guided against zero states and pooled embedding, not the empty caption's.
+    lower: PixArtAlphaPipeline's and PixArtSigmaPipeline's _text_preprocessing, prompt and negative prompt
+    lower-cased and stripped (what it does with clean_caption off, or without bs4 and ftfy; diffrelay does not
+    clean captions). Training captions are encoded as written, as PixArt's own train.py tokenizes them."""
+
+    zeros: bool = False
+    lower: bool = False
+
+    def text(self, prompt: str) -> str:
+        return prompt.lower().strip() if self.lower else prompt
+
+    def key(self) -> dict:
+        """The sample folder's keys: only those set, so folders made before them keep their key."""
+        return {k: True for k, on in (("zeros_for_empty_prompt", self.zeros), ("lower_strip_prompts", self.lower))
+                if on}
+
+
+LOWERCASING = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
+
+
+def prompt_rules(model: dict) -> PromptRules:
+    """The PromptRules of a run's `model` section: none without model.pretrained."""
     from diffrelay import io
     from diffrelay.pretrained import folder
 
     spec = (model or {}).get("pretrained")
     if spec is None:
-        return False
+        return PromptRules()
     pipe = folder.read(spec)
-    if pipe.cls != "StableDiffusionXLPipeline":
-        return False
-    return bool(io.read_json(pipe.root / "model_index.json").get("force_zeros_for_empty_prompt", True))
+    zeros = pipe.cls == "StableDiffusionXLPipeline" and bool(
+        io.read_json(pipe.root / "model_index.json").get("force_zeros_for_empty_prompt", True))
+    return PromptRules(zeros=zeros, lower=pipe.cls in LOWERCASING)
 
 
 def trajectory(model: dict) -> dict:

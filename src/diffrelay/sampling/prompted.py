@@ -79,18 +79,18 @@ def check(meta: dict, chosen: list, guidance: float, source) -> None:
                             "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")
 
 
-def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0,
-              zeros: bool = False):
+def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0, rules=None):
     """The Text of the items' prompts (the sampler's conditioning); with guidance, its null rows are each item's
-    negative prompt, or the empty caption, with the contract's null class when class labels ride along. `zeros`:
-    an item without a negative prompt gets zero states and pooled embedding instead (an SDXL pipeline's
-    force_zeros_for_empty_prompt, pretrained.zeros_for_empty_prompt)."""
-    cond = text.encode([it.prompt for it in chosen], device)
+    negative prompt, or the empty caption, with the contract's null class when class labels ride along. `rules`:
+    the pipeline's own treatment of prompts (pretrained.PromptRules): PixArt's lower-casing, and SDXL's zero
+    states and pooled embedding for an item without a negative prompt."""
+    lower = rules.text if rules is not None else str
+    cond = text.encode([lower(it.prompt) for it in chosen], device)
     cond.labels = labels
     if guided:
-        null = text.encode([it.negative_prompt or "" for it in chosen], device)
+        null = text.encode([lower(it.negative_prompt or "") for it in chosen], device)
         empty = [i for i, it in enumerate(chosen) if it.negative_prompt is None]
-        if zeros and empty:
+        if rules is not None and rules.zeros and empty:
             null.states[empty] = 0
             if null.pooled is not None:
                 null.pooled[empty] = 0

@@ -89,10 +89,10 @@ class NonFiniteSamples(UserError):
 
 
 def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, decoder=None, text=None, items=None,
-             zeros: bool = False):
+             rules=None):
     """Yield (index, uint8 array H x W x C) for each index, in order. No files; the caller decides what to keep.
-    text, items: a text run's TextSource and prompt items (sampling/prompted.py): image i is items[i]; zeros:
-    prompted.condition's (an SDXL pipeline's unconditional branch without a negative prompt)."""
+    text, items: a text run's TextSource and prompt items (sampling/prompted.py): image i is items[i]; rules:
+    prompted.condition's (a pipeline's own treatment of prompts, pretrained.PromptRules)."""
     device = torch.device(device or next(net.parameters()).device)
     shape = tuple(meta["image_shape"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16")
@@ -136,7 +136,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         labels = None if labels is None else torch.tensor(labels, device=device)
         if text is not None:
             labels = prompted.condition(text, [items[i] for i in padded], device, labels, s.guidance != 1,
-                                        meta.get("num_classes", 0), zeros)
+                                        meta.get("num_classes", 0), rules)
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
                 images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta)
@@ -230,14 +230,14 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 # Entry points
 
 
-def _generate(model, meta, todo, s, device, guide, decoder, text, items, zeros=False):
+def _generate(model, meta, todo, s, device, guide, decoder, text, items, rules=None):
     """generate(), in one call per (guidance, steps) of a text run's items (a prompt entry may set its own)."""
     if items is None:
         yield from generate(model, meta, todo, s, device, guide, decoder)
         return
     for g, steps, part in prompted.groups(items, todo, s.guidance, s.steps):
         yield from generate(model, meta, part, dataclasses.replace(s, guidance=g, steps=steps), device, guide,
-                            decoder, text, items, zeros)
+                            decoder, text, items, rules)
 
 
 def _write_image(path: Path, pixels, prompt: str | None) -> None:
@@ -271,7 +271,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     items = None if text is None else (prompted.items(s.prompts, s.first_seed) if s.prompts else
                                        prompted.held_out(dataset, s.first_seed, s.num_images))
     prompted.refuse_mismatch(meta, items is not None or s.prompts is not None, snapshot)
-    zeros = text is not None and pretrained.zeros_for_empty_prompt(model_cfg or meta["model"])
+    rules = pretrained.prompt_rules(model_cfg or meta["model"]) if text is not None else None
     if items is not None:
         s = dataclasses.replace(s, num_images=len(items))
         prompted.check(meta, items, s.guidance, snapshot)
@@ -301,8 +301,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["flow"] = s.flow.changed()
     if s.ddpm.changed():
         key["ddpm"] = s.ddpm.changed()
-    if zeros:  # SDXL's zeros, not the empty caption: other pixels than before they were (where guided)
-        key["zeros_for_empty_prompt"] = True
+    if rules is not None:  # SDXL's zeros, PixArt's lower-casing: other pixels than before they were
+        key |= rules.key()
     if s.guidance_interval is not None and s.guidance != 1:
         key["guidance_interval"] = list(s.guidance_interval)
     if s.weights == "ema" and checkpoint.ema_index(snapshot, meta, s.ema_decay):  # only then: folders of the
@@ -353,7 +353,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
             pending = collections.deque()
             model = speed.compile_model(net, s.compile, resources, s.threads)
             try:
-                images = _generate(model, meta, todo, s, device, guide, decoder, text, items, zeros)
+                images = _generate(model, meta, todo, s, device, guide, decoder, text, items, rules)
                 for n, (i, pixels) in enumerate(images, start=1):
                     pending.append(writer.submit(_write_image, work / png_name(i), pixels, items and items[i].prompt))
                     while pending and pending[0].done():

@@ -215,6 +215,27 @@ def _tokenizer_folder(path: Path) -> Path:
                     "encoder's tokenizer into the folder (tokenizer.save_pretrained(folder))")
 
 
+def _check_spiece(where: Path) -> None:
+    """A tokenizer saved as spiece.model alone (PixArt's tokenizer/, HunyuanDiT's tokenizer_2/) is converted by the
+    sentencepiece package when it loads. A damaged file is read first by sentencepiece itself: transformers 5 would
+    make a tokenizer of its special tokens from it, silently."""
+    model = where / "spiece.model"
+    if not model.is_file() or (where / "tokenizer.json").is_file():
+        return
+    try:
+        import sentencepiece
+    except ImportError:
+        raise UserError(f"{model}: data.text_encoders: a T5 tokenizer saved as spiece.model is converted by the "
+                        "sentencepiece package, which is not installed: pip install sentencepiece protobuf (both "
+                        "are diffrelay dependencies)") from None
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model))
+    except (RuntimeError, OSError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{model}: data.text_encoders: not a sentencepiece model ({first}); it is damaged or cut "
+                        "short: copy the tokenizer folder again from the pipeline") from e
+
+
 def _check_tokenizer(tokenizer, c: dict, rec: dict, where: Path) -> None:
     """The tokenizer must be this encoder's: a wrong one gives ids past the embedding table or meaningless
     embeddings, with no error from transformers."""
@@ -257,6 +278,7 @@ def load(entry: dict, device) -> Encoder:
         rec["sha256"] = entry["sha256"]
     path = Path(rec["path"])
     c, where = _config(path), _tokenizer_folder(path)
+    _check_spiece(where)
     transformers.utils.logging.disable_progress_bar()  # prepare's stderr holds its own lines
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()  # a failure is said in one line, below
@@ -265,9 +287,6 @@ def load(entry: dict, device) -> Encoder:
     except Exception as e:  # noqa: BLE001 -- transformers raises many kinds; each is a bad folder here
         first = (str(e).strip().splitlines() or [""])[0][:200]
         fix = "save the encoder's tokenizer there with tokenizer.save_pretrained(folder)"
-        if (where / "spiece.model").is_file() and not (where / "tokenizer.json").is_file():  # PixArt's tokenizer/
-            fix = ("its spiece.model is converted by the sentencepiece package: pip install sentencepiece, or save a "
-                   "tokenizer.json into the folder where it is installed (tokenizer.save_pretrained(folder))")
         raise UserError(f"{where}: data.text_encoders: cannot load the tokenizer ({type(e).__name__}: {first}); "
                         f"{fix}") from e
     finally:
