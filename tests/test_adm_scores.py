@@ -1,8 +1,10 @@
 """ADM's five numbers from one Inception pass (evaluation/inception.py, scores.py): the heads against clean-fid
 and against a restatement, fid.metrics, ADM reference batches as fid.reference, scores.md, and the workflow."""
 
+import hashlib
 import json
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,31 @@ from diffrelay.evaluation import adm, extractor, features, fid
 from diffrelay.evaluation import inception as heads_module
 
 MODES = ("clean", "legacy_tensorflow")
+
+
+SQRTM: dict = {}  # (shape, dtype, sha256 of the bytes) -> scipy's sqrtm of that matrix
+
+
+def sqrtm_once(a: np.ndarray) -> np.ndarray:
+    """scipy's sqrtm, computed once per distinct matrix (by its bytes) in this module and handed out as a copy.
+    A 2048-d one costs 15-25 s on one core, and the tests here score the same samples against the same batch
+    again (the feature cache, the device, the record without metrics, the restatement): sqrtm is deterministic,
+    and a changed feature, mean or covariance is another matrix, which is computed."""
+    a = np.asarray(a)
+    key = (a.shape, a.dtype.str, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest())
+    if key not in SQRTM:
+        SQRTM[key] = linalg.sqrtm(a)
+    return SQRTM[key].copy()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scorer_sqrtm_once():
+    """The scorer's sqrtm (evaluation/frechet.py) through sqrtm_once while this module runs."""
+    from diffrelay.evaluation import frechet
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frechet, "linalg", types.SimpleNamespace(sqrtm=sqrtm_once))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +72,10 @@ def save_folder(images: np.ndarray, folder: Path) -> Path:
 
 def restated_fd(a: np.ndarray, mu2, sigma2) -> float:
     mu1, sigma1 = a.mean(0), np.cov(a, rowvar=False)
-    root = linalg.sqrtm(sigma1 @ sigma2)
+    root = sqrtm_once(sigma1 @ sigma2)
     if not np.isfinite(root).all():
         off = np.eye(len(mu1)) * 1e-6
-        root = linalg.sqrtm((sigma1 + off) @ (sigma2 + off))
+        root = sqrtm_once((sigma1 + off) @ (sigma2 + off))
     return float(((mu1 - mu2) ** 2).sum() + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(root.real))
 
 
