@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 import pipelines
 from diffrelay import config, preflight
@@ -170,6 +171,42 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
     elif case == "captions":
         over = {"data": {"captions": "none", "val_fraction": 0.0}}
     assert says in refusal(raw(tmp_path, pipe, **over))
+
+
+def test_a_part_with_only_variant_weights_is_one_line_naming_the_conversion_and_the_conversion_works(sd, tmp_path):
+    """save_pretrained(variant="fp16") writes diffusion_pytorch_model.fp16.safetensors and model.fp16.safetensors
+    only, as a Hub download of the fp16 files leaves them: diffrelay reads the plain weights, so the config is
+    refused when it is read (not at the first step, or in prepare), naming the part, the file and the fix."""
+    import diffusers
+    import torch
+
+    source = diffusers.DiffusionPipeline.from_pretrained(sd, local_files_only=True)
+    source.save_pretrained(tmp_path / "fp16", safe_serialization=True, variant="fp16")
+    says = refusal(raw(tmp_path, tmp_path / "fp16"))
+    assert "unet/diffusion_pytorch_model.fp16.safetensors: unet/ holds only the fp16 variant's weights" in says
+    assert "DiffusionPipeline.from_pretrained(folder, variant='fp16', torch_dtype=torch.float32)" in says
+    # Each loaded part is checked: the network, the VAE unless data.encoder_path replaces it, the text encoders.
+    mixed = copy(sd, tmp_path / "mixed")
+    for part in ("vae", "text_encoder"):
+        shutil.rmtree(mixed / part)
+        shutil.copytree(tmp_path / "fp16" / part, mixed / part)
+    assert "vae/ holds only the fp16 variant's weights" in refusal(raw(tmp_path, mixed))
+    says = refusal(raw(tmp_path, mixed, data={"encoder_path": str(sd / "vae")}))
+    assert "text_encoder/model.fp16.safetensors: text_encoder/ holds only" in says
+    (mixed / "text_encoder" / "model.fp16.safetensors").unlink()
+    says = refusal(raw(tmp_path, mixed, data={"encoder_path": str(sd / "vae")}))
+    assert f"{mixed / 'text_encoder'}: " in says and "no *.safetensors weights" in says
+    empty = copy(sd, tmp_path / "empty")
+    (empty / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    assert f"{empty / 'unet'}: no weights (*.safetensors) in unet/" in refusal(raw(tmp_path, empty))
+    # What the line says to do gives a folder that validates, with the variant's weights as float32.
+    diffusers.DiffusionPipeline.from_pretrained(tmp_path / "fp16", variant="fp16", torch_dtype=torch.float32,
+                                                local_files_only=True).save_pretrained(tmp_path / "out",
+                                                                                       safe_serialization=True)
+    config.validate(raw(tmp_path, tmp_path / "out"))
+    got = load_file(tmp_path / "out" / "unet" / "diffusion_pytorch_model.safetensors")
+    want = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_pixart_alpha_takes_120_masked_t5_tokens_and_its_size_conditions_in_pixels(tmp_path):

@@ -7,6 +7,7 @@ Raises UserError with the message alone; pretrained.expand puts the config key i
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,30 @@ def _safetensors_only(folder: Path) -> None:
         raise UserError(f"{folder / pickles[0]}: pickled weights are never loaded (unpickling runs code); convert "
                         "the pipeline where you trust it: DiffusionPipeline.from_pretrained(folder)"
                         ".save_pretrained(out, safe_serialization=True)")
+
+
+# A part's own weights, as save_pretrained names them (diffusers' and transformers', one file or shards); a variant
+# (save_pretrained(variant="fp16"): diffusion_pytorch_model.fp16.safetensors, model.fp16-00001-of-00002...) is not.
+PLAIN = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.safetensors$")
+VARIANT = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.(\w+)(-\d+-of-\d+)?\.safetensors$")
+
+
+def weights_problem(pipe: Pipeline, name: str) -> str | None:
+    """Why the part `name` has no weights diffrelay loads (diffusers' and transformers' from_pretrained without a
+    variant, as the training scripts call them by default), else None: checked when the config is read, not at
+    the first step or in prepare."""
+    folder = pipe.root / name
+    names = sorted(os.listdir(folder))
+    if any(PLAIN.match(n) for n in names):
+        return None
+    variants = [n for n in names if VARIANT.match(n)]
+    if variants:
+        v = VARIANT.match(variants[0]).group(3)
+        return (f"{folder / variants[0]}: {name}/ holds only the {v} variant's weights (save_pretrained(variant="
+                f"{v!r})); diffrelay reads a folder's plain weights, in float32: convert the pipeline once, "
+                f"DiffusionPipeline.from_pretrained(folder, variant={v!r}, torch_dtype=torch.float32)"
+                ".save_pretrained(out, safe_serialization=True), and give model.pretrained out")
+    return f"{folder}: no weights (*.safetensors) in {name}/; {FIX}"
 
 
 def files(pipe: Pipeline, parts=None) -> list[Path]:
