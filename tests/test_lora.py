@@ -66,8 +66,14 @@ def run(tmp_path_factory):
             assert train.run(two, until_step=until, dataset_dir=work / "dataset") == 0
     finally:
         mp.undo()
+    # The same without LoRA (every weight trains): one run, and two segments.
+    assert train.run(config.Config(config.validate(raw(work, sd, name="full", lora=None))), until_step=2,
+                     dataset_dir=work / "dataset") == 0
+    for until in (1, 2):
+        assert train.run(config.Config(config.validate(raw(work, sd, name="full2", lora=None))), until_step=until,
+                         dataset_dir=work / "dataset") == 0
     return {"work": work, "sd": sd, "cfg": d, "state": built[0], "one": work / "results" / "ft",
-            "two": work / "results" / "ft2"}
+            "two": work / "results" / "ft2", "full": work / "results" / "full", "full2": work / "results" / "full2"}
 
 
 def test_config_fills_diffusers_defaults_and_needs_a_pipeline(run, tmp_path):
@@ -99,15 +105,22 @@ def test_only_the_adapter_trains_and_the_base_stays_the_pipelines(run):
     assert all(p.requires_grad == (lora.MARK in n) for n, p in st.net.named_parameters())
 
 
-def test_two_segments_equal_one_run_bit_for_bit(run):
-    a, _ = checkpoint.load_checkpoint(run["one"] / "checkpoints" / "step_0000002")
-    b, _ = checkpoint.load_checkpoint(run["two"] / "checkpoints" / "step_0000002")
+@pytest.mark.parametrize("one, two", [("one", "two"), ("full", "full2")], ids=["lora", "full"])
+def test_two_segments_equal_one_run_bit_for_bit(run, one, two):
+    """A LoRA run and a full fine-tune of the pipeline: the second segment resumes from the checkpoint, not from
+    the folder's weights, and ends where one segment does."""
+    a, _ = checkpoint.load_checkpoint(run[one] / "checkpoints" / "step_0000002")
+    b, _ = checkpoint.load_checkpoint(run[two] / "checkpoints" / "step_0000002")
     for key in ("net", "ema"):
         left, right = (a[key], b[key]) if key == "net" else (a[key][0], b[key][0])
         assert set(left) == set(right) and left
         assert all(torch.equal(left[k], right[k]) for k in left), key
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    assert sa and all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    if one == "full":  # every weight trained: the folder's keys, and not the folder's values
+        base = load_file(run["sd"] / "unet" / "diffusion_pytorch_model.safetensors")
+        net = {k.removeprefix("net.model."): v for k, v in a["net"].items()}
+        assert set(net) == set(base) and not all(torch.equal(net[k], base[k]) for k in base), sorted(a["net"])[:3]
 
 
 def test_a_checkpoint_holds_the_adapter_only(run):
