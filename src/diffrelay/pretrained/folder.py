@@ -130,8 +130,8 @@ def _safetensors_only(folder: Path) -> None:
 
 # A part's own weights, as save_pretrained names them (diffusers' and transformers', one file or shards); a variant
 # (save_pretrained(variant="fp16"): diffusion_pytorch_model.fp16.safetensors, model.fp16-00001-of-00002...) is not.
-PLAIN = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.safetensors$")
-VARIANT = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.(\w+)(-\d+-of-\d+)?\.safetensors$")
+PLAIN = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.safetensors\Z")
+VARIANT = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.(\w+)(-\d+-of-\d+)?\.safetensors\Z")
 
 
 def weights_problem(pipe: Pipeline, name: str) -> str | None:
