@@ -57,7 +57,8 @@ def bare_venv(folder: Path) -> Path:
 def test_the_bundle_lists_the_runtime_less_torch_and_the_workflow():
     reqs = {gpu_bundle.name_of(r) for r in gpu_bundle.requirements()}
     assert {"numpy", "pyyaml", "jsonschema", "scipy", "clean-fid", "diffusers", "safetensors", "torchvision"} <= reqs
-    assert not reqs & {"torch", "snakemake", "pandas", "matplotlib", "peft"}  # peft: diffusers would import it
+    assert not reqs & {"torch", "snakemake", "pandas", "matplotlib", "peft",  # peft: diffusers would import it
+                       "transformers", "sentencepiece", "protobuf"}  # text runs only: not among the GPU checks
 
 
 def test_the_bundle_tool_refuses_a_target_it_did_not_make(tmp_path):

@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "build" / "gpu-bundle.tar.xz"
 # torch and its own requirements are the machine's; the others are never imported by the GPU checks.
-# Text runs (transformers, Parquet captions) and LoRA (peft) are not among the GPU checks; peft must stay out as
-# well: diffusers imports it whenever it is installed, and peft imports transformers.
+# Text runs (transformers and its sentencepiece and protobuf, Parquet captions) and LoRA (peft) are not among the
+# GPU checks; peft must stay out as well: diffusers imports it whenever it is installed, and peft imports transformers.
 LEFT_OUT = {"torch", "snakemake", "snakemake-executor-plugin-slurm", "pandas", "matplotlib",
-            "transformers", "pyarrow", "peft"}
+            "transformers", "sentencepiece", "protobuf", "pyarrow", "peft"}
 NO_DEPS = {"clean-fid", "torchvision"}  # both require torch, which pip would fetch (2.5 GB)
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
