@@ -111,8 +111,8 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
         sample["scheduler"] = "pipeline"  # validation images as the pipeline samples them (sampling/schedulers.py)
     if sample.get("scheduler") == "pipeline":
         bad += parts.pipeline_sampler_problems(pipe, m, sample)
-    used = [pipe.net] * (pipe.single is None) + ["vae"] * (data["encoder_path"] == vae) + [
-        Path(e["path"]).name for e in encoders]
+    used = ([] if pipe.single else [pipe.net]) + (["vae"] if data["encoder_path"] == vae else []) + [
+        Path(e["path"]).name for e in encoders]  # the parts this run loads from the folder
     why = next((w for w in (folder.weights_problem(pipe, name) for name in used) if w), None)
     if why:  # a variant-only part would fail only at the first step (the network) or in prepare (the VAE)
         bad.append((f"model.pretrained={path_of(spec)}", why))

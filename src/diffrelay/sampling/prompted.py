@@ -84,11 +84,11 @@ def condition(text, chosen: list, device, labels=None, guided: bool = False, nul
     negative prompt, or the empty caption, with the contract's null class when class labels ride along. `rules`:
     the pipeline's own treatment of prompts (pretrained.PromptRules): PixArt's lower-casing, and SDXL's zero
     states and pooled embedding for an item without a negative prompt."""
-    lower = rules.text if rules is not None else str
-    cond = text.encode([lower(it.prompt) for it in chosen], device)
+    prepare = rules.text if rules is not None else str
+    cond = text.encode([prepare(it.prompt) for it in chosen], device)
     cond.labels = labels
     if guided:
-        null = text.encode([lower(it.negative_prompt or "") for it in chosen], device)
+        null = text.encode([prepare(it.negative_prompt or "") for it in chosen], device)
         empty = [i for i, it in enumerate(chosen) if it.negative_prompt is None]
         if rules is not None and rules.zeros and empty:
             null.states[empty] = 0
