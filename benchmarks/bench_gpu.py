@@ -220,7 +220,8 @@ def ditxl_case(tmp: Path, args, peak) -> dict:
 def ditxl_sample_case(tmp: Path, args) -> dict:
     """Sampling alone: a randomly initialised DiT-XL/2 made a snapshot by `diffrelay import` (no training, no
     10.8 GB checkpoint), then --ditxl-steps DDPM steps with CFG 1.5, TF32 on and off. Nothing is encoded."""
-    from diffrelay import config, preflight
+    from diffrelay import config
+    from diffrelay.config import preflight
     from diffrelay.nets import registry
     from safetensors.torch import save_file
 

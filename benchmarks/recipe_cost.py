@@ -30,7 +30,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from diffrelay import config, nets, objectives, preflight  # noqa: E402
+from diffrelay import config, nets, objectives  # noqa: E402
+from diffrelay.config import preflight  # noqa: E402
 from diffrelay.nets import cost, registry  # noqa: E402
 
 PAPER_RECIPES = ["edm-cifar10-ddpmpp-cond", "dit-xl2-imagenet256", "sit-xl2-imagenet256", "edm2-xs-imagenet512"]

@@ -12,7 +12,7 @@ from conftest import REPO
 spec = importlib.util.spec_from_file_location("config_reference", REPO / "tools" / "config_reference.py")
 reference = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(reference)
-SCHEMA = yaml.safe_load((REPO / "src" / "diffrelay" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((REPO / "src" / "diffrelay" / "config" / "schema.yaml").read_text())
 PAGE = REPO / "docs" / "config.md"
 
 
@@ -53,7 +53,7 @@ def test_every_key_appears_with_its_default_and_description():
     rows = table_rows(text)
     keys = list(every_key(SCHEMA))
     assert len(keys) > 60 and len(rows) == len(keys), sorted(set(rows) ^ {path for path, _ in keys})
-    assert text.startswith("# Configuration reference\n\nGenerated from `src/diffrelay/config.schema.yaml` by "
+    assert text.startswith("# Configuration reference\n\nGenerated from `src/diffrelay/config/schema.yaml` by "
                            "`python tools/config_reference.py`")
     for path, child in keys:
         assert path in rows, f"{path} is missing from docs/config.md"

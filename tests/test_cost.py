@@ -10,7 +10,9 @@ import yaml
 from torch import nn
 
 from conftest import REPO
-from diffrelay import config, nets, objectives, preflight, validate
+from diffrelay import config, nets, objectives
+from diffrelay.config import preflight
+from diffrelay.config import report as validate
 from diffrelay.nets import cost, registry
 
 

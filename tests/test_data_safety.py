@@ -19,7 +19,7 @@ from PIL import Image
 
 from conftest import REPO, run_cli
 from diffrelay import config, io, logs
-from diffrelay.sampling import sample
+from diffrelay.sampling import folder, sample
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 from test_sample import make_snapshot, settings
@@ -233,8 +233,9 @@ def test_a_checkpoint_written_with_every_key_in_its_hash_still_belongs_to_its_ru
     old = tmp_path / "old.py"  # the earlier rule: every key, applicable or not, in the trajectory
     old.write_text("import sys\n"
                    "from diffrelay import config\n"
+                   "from diffrelay.config import identity\n"
                    "from diffrelay.training import train\n"
-                   "config.trajectory = lambda cfg: config._trajectory_of(cfg.to_dict() if isinstance(cfg, config.Config) else cfg)\n"
+                   "identity.trajectory = lambda cfg: identity.trajectory_of(cfg.to_dict() if isinstance(cfg, config.Config) else cfg)\n"
                    "assert train.run(config.load(sys.argv[1]), until_step=2) == 0\n")
     run_cli(sys.executable, old, a)
     meta = json.loads((tmp_path / "results/tiny/checkpoints/step_0000002/meta.json").read_text())
@@ -321,7 +322,7 @@ def test_damaged_image_in_a_finished_sample_folder_is_made_again(tmp_path):
     damaged = out / "000003.png"
     damaged.write_bytes(damaged.read_bytes()[:-20])  # truncated
     (out / "000005.png").write_bytes(bytes(reversed((out / "000005.png").read_bytes())))  # same size, other bytes
-    assert sample.damaged_files(out, m) == ["000003.png", "000005.png"]
+    assert folder.damaged_files(out, m) == ["000003.png", "000005.png"]
     sample.run(snap, out, settings(num_images=8))
     assert {k: v for k, v in tree(out).items() if k != "manifest.json"} == \
         {k: v for k, v in good.items() if k != "manifest.json"}

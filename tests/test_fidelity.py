@@ -4,7 +4,8 @@ a time_scale its code never used, and a papers' network trained with another los
 import pytest
 import torch
 
-from diffrelay import config, validate
+from diffrelay import config
+from diffrelay.config import report as validate
 from diffrelay.errors import UserError
 from diffrelay.training import convert
 from test_import import KW, official_state

@@ -150,7 +150,7 @@ def test_validate_prints_the_memory_lines_and_warns_only_when_the_gpu_is_smaller
     warnings = [line for line in err.splitlines() if line.startswith("diffrelay: warning:")]
     assert len(warnings) == 1 and "train.activation_checkpointing: true" in warnings[0], err
 
-    from diffrelay import validate_memory
+    from diffrelay.config import memory as validate_memory
 
     classes = 3  # the demo's shapes
     lines, warning = validate_memory.lines(cfg, 0, classes, gpu_memory_gib=1000)

@@ -165,8 +165,9 @@ def test_an_ema_decay_the_run_does_not_train_or_a_guide_step_past_the_end_is_one
 def test_validate_refuses_a_guide_step_the_run_writes_no_snapshot_at_as_the_workflow_plans_them(write_config):
     """sample.guide: 4 passed validate and was refused only by Snakemake. The steps are planned as the workflow
     plans them: segment ends already trained stay ends when train.segment_steps changes."""
-    from diffrelay import config, preflight
+    from diffrelay import config
 
+    from diffrelay.config import preflight
     def check(guide, **train):
         cfg = config.load(write_config({"train": train, "sample": {"guide": guide}}))
         preflight.check(cfg, "config.yaml")

@@ -31,7 +31,7 @@ def test_layout_covers_the_networks_package():
 
 
 # What each package may import besides the base modules and itself (its __init__ says the same). Library
-# code never reads the config: only a stage's entry module (one with `main`) imports config or preflight.
+# code never reads the config: only a stage's entry module (one with `main`) imports the config package.
 BASE = {"errors", "io", "logs"}
 ALLOWED = {
     "runtime": set(),
@@ -45,7 +45,11 @@ ALLOWED = {
     "sampling": {"runtime", "nets", "objectives", "data", "training", "text", "pretrained"},
     "tracking": {"runtime", "evaluation"},
 }
-FRONT = {"config", "preflight"}
+# The config package is the front: its rules call each concern's own checks, so it may import every library
+# package (and the YAML reader); no library package imports it (FRONT), and it imports no torch at module level
+# outside `memory.py` (test_the_config_package_imports_no_torch_at_module_level).
+ALLOWED["config"] = set(ALLOWED) | {"yamlfile"}
+FRONT = {"config"}
 
 
 def module_name(path: Path) -> str:
@@ -105,6 +109,16 @@ def test_each_package_imports_only_what_its_folder_allows():
         assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}; {package}/ may import {sorted(allowed)}"
 
 
+def test_the_config_package_imports_no_torch_at_module_level():
+    """The Snakefile reads the config at parse time: `diffrelay validate`'s memory lines alone need torch."""
+    for path in sorted((SRC / "config").glob("*.py")):
+        top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        if path.name != "memory.py":
+            assert not any(n.split(".")[0] == "torch" for n in names), path.name
+
+
 def test_every_package_says_what_it_may_import():
     for package in ALLOWED:
         doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text()))
@@ -135,3 +149,47 @@ def test_no_collective_call_inside_a_rank_condition():
                     if isinstance(inner, ast.Call):
                         name = ast.unparse(inner.func).rsplit(".", 1)[-1]
                         assert name not in collectives, f"{path.name}:{inner.lineno}: {name} under is_main()"
+
+
+PENDING: set = set()  # (file, what) pairs allowed for now; none
+
+
+def test_no_module_imports_another_modules_underscore_names():
+    """If another module needs a name, it is public: no `from diffrelay.x import _y`, no `x._y` on a diffrelay
+    module (dunder names such as __version__ aside)."""
+    known = {"diffrelay." + module_name(p) if module_name(p) else "diffrelay" for p in MODULES} | {"diffrelay"}
+
+    def private(name):
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    found = set()
+    for path in MODULES:
+        rel, me = path.relative_to(SRC).as_posix(), ".".join(["diffrelay", module_name(path)]).rstrip(".")
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        tree, aliases = ast.parse(path.read_text()), {}  # local name -> diffrelay module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from . import x, from ..data import y
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if base.split(".")[0] != "diffrelay":
+                    continue
+                for a in node.names:
+                    if private(a.name):
+                        found.add((rel, f"from {base} import {a.name}"))
+                    if f"{base}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "diffrelay":
+                        aliases[a.asname or "diffrelay"] = a.name if a.asname else "diffrelay"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                chain = ast.unparse(node.value).split(".")  # diffrelay.sampling.folder, folder, ...
+                if chain[0] in aliases and all(part.isidentifier() for part in chain):
+                    module = ".".join([aliases[chain[0]], *chain[1:]])
+                    if module in known and module != me:
+                        found.add((rel, f"{chain[-1]}.{node.attr}"))
+    assert not found - PENDING, "underscore names used across modules (make them public, or move the work " \
+        f"into the module that owns them): {sorted(found - PENDING)}"

@@ -184,7 +184,7 @@ def test_a_target_module_that_matches_nothing_is_one_line(run):
                           "module names it has, e.g. "), msg
     assert "to_q" in msg.split("e.g.")[1]
     # diffrelay validate (and the Snakefile, through validate.check_network) refuse it before any work.
-    from diffrelay import validate
+    from diffrelay.config import report as validate
 
     bad = config.Config(config.validate(raw(run["work"], run["sd"], lora={"target_modules": ["to_qkv"]})))
     assert "'to_qkv' matches no module" in one_line(lambda: validate.check_network(bad))

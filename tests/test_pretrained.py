@@ -12,7 +12,8 @@ import pytest
 from safetensors.torch import load_file
 
 import pipelines
-from diffrelay import config, preflight
+from diffrelay import config
+from diffrelay.config import preflight
 from diffrelay.errors import UserError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

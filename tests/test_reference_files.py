@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffrelay import config, preflight
+from diffrelay import config
+from diffrelay.config import preflight
 from diffrelay.errors import UserError
 from diffrelay.evaluation import adm, extractor, fid, metrics, npz, scores
 

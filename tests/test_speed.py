@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, run_cli
 from diffrelay import config
 from diffrelay.runtime import speed
-from diffrelay.sampling import sample
+from diffrelay.sampling import images, sample
 from diffrelay.training import optim
 from diffrelay.errors import UserError
 from test_sample import make_snapshot
@@ -79,8 +79,8 @@ def test_compiled_sampling_compiles_once_for_a_short_last_batch_and_matches_eage
                resources=tmp_path / "resources", model_cfg=mine)
     torch._dynamo.reset()
     for name in sorted(p.name for p in (tmp_path / "eager").glob("*.png")):
-        x = sample._read_png(tmp_path / "eager" / name).astype(int)
-        y = sample._read_png(tmp_path / "comp" / name).astype(int)
+        x = images.read_png(tmp_path / "eager" / name).astype(int)
+        y = images.read_png(tmp_path / "comp" / name).astype(int)
         assert abs(x - y).max() <= 1, name  # rounding may flip a pixel by one level, no more
     assert cache_files(tmp_path / "resources")
 
@@ -281,7 +281,7 @@ def test_determinism_off_imports_no_compiler_and_on_is_set():
 
 def test_reading_the_config_of_a_new_run_does_not_import_torch(tmp_path):
     # Every snakemake call reads the config (common.smk -> preflight.check); torch's import is 1.3 s of it.
-    code = (f"import sys; from pathlib import Path; from diffrelay import preflight; "
+    code = (f"import sys; from pathlib import Path; from diffrelay.config import preflight; "
             f"print(preflight._recorded(Path({str(tmp_path)!r})), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["None", "False"]

@@ -14,7 +14,8 @@ import yaml
 
 from conftest import TINY, deep_merge
 
-from diffrelay import config, preflight
+from diffrelay import config
+from diffrelay.config import preflight
 from diffrelay.errors import UserError
 from diffrelay.tracking import ledger as ledgers
 from diffrelay.tracking import publish, records, settings, wandb_sink

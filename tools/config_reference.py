@@ -1,4 +1,4 @@
-"""Render docs/config.md, the configuration reference, from src/diffrelay/config.schema.yaml.
+"""Render docs/config.md, the configuration reference, from src/diffrelay/config/schema.yaml.
 
   python tools/config_reference.py            # write docs/config.md (make docs)
   python tools/config_reference.py --check    # exit 1 if docs/config.md is out of date
@@ -16,7 +16,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-SCHEMA = SRC / "diffrelay" / "config.schema.yaml"
+SCHEMA = SRC / "diffrelay" / "config" / "schema.yaml"
 OUT = REPO / "docs" / "config.md"
 COMMAND = "python tools/config_reference.py"
 
@@ -120,7 +120,7 @@ def row(path: str, node: dict, required: bool) -> str:
 
 def render(schema: dict) -> str:
     lines = ["# Configuration reference", "",
-             f"Generated from `src/diffrelay/config.schema.yaml` by `{COMMAND}` (`make docs`); do not edit by "
+             f"Generated from `src/diffrelay/config/schema.yaml` by `{COMMAND}` (`make docs`); do not edit by "
              "hand, a test fails when it is out of date. `config/config.yaml` is the commented demo config; "
              "[runs.md](runs.md) says how config files are layered.", ""]
     if schema.get("description"):

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config(p)
     p.add_argument("--gpu-memory-gib", type=_gib, metavar="GIB", help="compare the training memory estimate with "
                    "GPUs of this many GiB instead of this machine's (planning on a CPU machine, e.g. 80)")
-    p.set_defaults(module="diffrelay.validate")
+    p.set_defaults(module="diffrelay.config.report")
 
     p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, dataset.json)")
     _config(p)

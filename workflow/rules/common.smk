@@ -16,7 +16,7 @@ from snakemake.utils import update_config
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
 from diffrelay.evaluation import protocol  # noqa: E402
-from diffrelay import preflight  # noqa: E402
+from diffrelay.config import preflight  # noqa: E402
 from diffrelay import nets as drnets  # noqa: E402
 from diffrelay import logs as drlogs  # noqa: E402
 from diffrelay import io as drio  # noqa: E402
@@ -210,7 +210,7 @@ wildcard_constraints:
 # module, kwargs or output shape stops the run before any job (built-in archs are checked by the schema;
 # the diffusers text networks take diffusers' config keys, so they are built here too).
 if not drnets.is_builtin(CFG.model.arch) or CFG.model.arch in drnets.TEXT_ARCHS:
-    from diffrelay.validate import check_network
+    from diffrelay.config.report import check_network
 
     try:
         check_network(CFG)

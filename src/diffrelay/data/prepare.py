@@ -18,7 +18,8 @@ import shlex
 import time
 from pathlib import Path
 
-from diffrelay import config, io, logs, preflight
+from diffrelay import config, io, logs
+from diffrelay.config import preflight
 from diffrelay.data import datasets, encoders, encoding
 from diffrelay.errors import UserError
 from diffrelay.runtime import claims, distributed, parallel

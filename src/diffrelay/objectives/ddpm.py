@@ -208,6 +208,12 @@ def _chain(steps: tuple | None, device: str, options: Options = DEFAULT) -> _Cha
     return _Chain(None if steps is None else list(steps), options).to(device)
 
 
+def make_tables(device: str, options: Options = DEFAULT) -> None:
+    """Make and cache the training chain's tables on `device` now (validate's memory pass: made on the real CPU
+    before a fake-tensor pass uses them, so the cache never holds fake tensors)."""
+    _chain(None, device, options)
+
+
 def target(images, noise, chain, t, prediction: str):
     """What the network learns to predict: eps, diffusers' get_velocity sqrt(abar) eps - sqrt(1 - abar) x0,
     or x0."""

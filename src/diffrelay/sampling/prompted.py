@@ -62,7 +62,7 @@ def groups(chosen: list, indices, guidance: float, steps: int):
 def check(meta: dict, chosen: list, guidance: float, source) -> None:
     """Before any image: guidance needs a network trained with caption dropout. A negative prompt is the
     unconditional branch, so at guidance 1 (the unguided images of a sweep such as [1, 4.5]) it is not used: said
-    once here; a run whose every scale is 1 is refused when its config is checked (config_text)."""
+    once here; a run whose every scale is 1 is refused when its config is checked (config.text)."""
     from diffrelay import logs
 
     recorded = meta.get("config", {})

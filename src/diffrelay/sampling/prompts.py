@@ -93,6 +93,22 @@ def read(path) -> list[Prompt]:
     return out
 
 
+def unguided_negatives(prompts) -> list[tuple[str, str]]:
+    """(key, message) for a prompt file (sample.prompts) whose entry has a negative prompt and no guidance above 1:
+    a negative prompt is guidance's unconditional branch, so it would never be used (config.text calls it)."""
+    for f in [prompts] if isinstance(prompts, str) else prompts or []:
+        try:
+            entries = read(f)
+        except UserError:
+            continue  # the file's own problem is said when it is sampled, naming its line
+        neg = next((k for k, e in enumerate(entries) if e.negative_prompt and (e.guidance or 1) == 1), None)
+        if neg is not None:
+            return [(f"sample.prompts={f}", f"prompt {neg + 1} has a negative prompt, and sample.guidance is 1: "
+                     "unguided, a negative prompt changes nothing; set sample.guidance above 1 (or a list such as "
+                     "[1, 4.5]), give the entry its own guidance, or drop the negative prompt")]
+    return []
+
+
 def expand(prompts: list[Prompt], first_seed: int) -> list[Item]:
     """Every image of `prompts`, in order: entry k's j-th image gets seed (entry seed + j) where the entry has a
     seed, else first_seed + i for image i of the whole list."""

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from diffrelay import config, io, nets, preflight
+from diffrelay import config, io, nets
+from diffrelay.config import preflight
 from diffrelay.data import encoders
 from diffrelay.errors import UserError
 from diffrelay.nets import dit, edm, edm2, registry

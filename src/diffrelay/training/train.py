@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diffrelay import config, io, logs, nets, objectives, preflight
+from diffrelay import config, io, logs, nets, objectives
+from diffrelay.config import preflight
 from diffrelay.data import augment, datasets, latents, loader
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed

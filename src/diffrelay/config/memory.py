@@ -7,9 +7,11 @@ import sys
 
 import torch
 
-from diffrelay import config, preflight
+from diffrelay import config
 
 
+
+from diffrelay.config import preflight
 def micro_batch(cfg: config.Config) -> int:
     """Images one process runs through forward and backward at once: train.batch_size over processes
     (nproc_per_node x nnodes) and grad_accum, as the training loop splits it (config checks it divides)."""
@@ -86,7 +88,7 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     if cfg.model.objective == "ddpm":
         # Its tables are made with NumPy (no fake tensors) and cached per device: made here, on the real CPU, the
         # fake pass uses them, and the cache never holds fake tensors.
-        ddpm._chain(None, "cpu", ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
+        ddpm.make_tables("cpu", ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
     _, side = preflight.net_geometry(cfg)
     small = n["params"] * side ** 2 <= registry.CPU_CHECK_MAX_PARAM_PIXELS  # as the network check decides
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print

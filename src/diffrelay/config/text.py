@@ -1,4 +1,5 @@
-"""Config checks of text runs that span several keys (config validation calls check_config; torch-free).
+"""The rules of text runs that span several keys (config.rules calls check_config; torch-free), and the text keys' part
+in a run's identity (config.identity calls trajectory).
 
 A text run is one with data.captions other than none. What belongs to text runs only (text encoders, caption
 dropout, a held-out split, prompt files, CLIP score) is refused elsewhere, one line each, as are a text network
@@ -8,13 +9,13 @@ without captions and the reverse (nets.text_problems) and caption settings that 
 from pathlib import Path
 
 # data keys of captioned datasets and their text encoders (docs/text.md): runs without captions drop them from
-# their trajectory, so their hashes are the ones they had before text existed (config._trajectory_of).
+# their trajectory, so their hashes are the ones they had before text existed (config.identity.trajectory_of).
 TEXT_KEYS = ("captions", "caption_column", "file_column", "caption_dropout", "val_fraction", "val_path",
              "text_encoders", "text_cache", "text_dtype")
 
 
 def trajectory(data: dict) -> None:
-    """The `data` section of a run's trajectory (config._trajectory_of), in place: runs without captions read as
+    """The `data` section of a run's trajectory (config.identity.trajectory_of), in place: runs without captions read as
     they did before text existed; a cache or not (text_cache) changes no weight, and where the encoders are is no
     part of the run (their sha256 is, through the dataset's fingerprint)."""
     for key in TEXT_KEYS if data.get("captions", "none") == "none" else ("text_cache",):
@@ -47,7 +48,9 @@ def check_config(d: dict) -> list[tuple[str, str]]:
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     if text and s.get("guide") is None and all(g == 1 for g in scales):
-        bad += _unguided_negatives(prompts)
+        from diffrelay.sampling import prompts as prompt_files  # reads the files: sampling's concern
+
+        bad += prompt_files.unguided_negatives(prompts)
     if text and d["fid"]["final"]["best"]:
         bad.append(("fid.final.best", "a text run samples its prompt file (or held-out captions) in every pass, so a "
                     "second pass would score the same images again; set it to 0"))
@@ -63,21 +66,3 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if (wants_clip or fid["clip_model"]) and not text:
         bad.append(("fid.clip_model", "CLIP score compares images with their prompts: a text run's (data.captions)"))
     return bad
-
-
-def _unguided_negatives(prompts) -> list[tuple[str, str]]:
-    """A negative prompt is guidance's unconditional branch: with every scale 1 it would never be used."""
-    from diffrelay.errors import UserError
-    from diffrelay.sampling import prompts as prompt_files
-
-    for f in [prompts] if isinstance(prompts, str) else prompts or []:
-        try:
-            entries = prompt_files.read(f)
-        except UserError:
-            continue  # the file's own problem is said when it is sampled, naming its line
-        neg = next((k for k, e in enumerate(entries) if e.negative_prompt and (e.guidance or 1) == 1), None)
-        if neg is not None:
-            return [(f"sample.prompts={f}", f"prompt {neg + 1} has a negative prompt, and sample.guidance is 1: "
-                     "unguided, a negative prompt changes nothing; set sample.guidance above 1 (or a list such as "
-                     "[1, 4.5]), give the entry its own guidance, or drop the negative prompt")]
-    return []

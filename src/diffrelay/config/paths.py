@@ -1,11 +1,12 @@
 """Config rules for the keys that name files and folders (run.results, run.resources, data.path, sample.guide,
 fid.reference, ...): values the schema's `string` lets through but a folder name or a command line cannot take.
-Each problem is a (key, message) pair; config.validate reports the first.
+Each problem is a (key, message) pair; config.validate reports the first. Also where a run's folder is (run_dir).
 
-Imports nothing of diffrelay: config.py reads it at Snakefile parse time.
+Imports nothing of diffrelay: the Snakefile reads it at parse time.
 """
 
 import json
+from pathlib import Path
 
 # Keys whose string value is a path (sample.guide may be a step, fid.reference a mapping: only strings count).
 PATH_KEYS = (("run", "results"), ("run", "resources"), ("data", "path"), ("data", "encoder_path"),
@@ -40,3 +41,9 @@ def check_paths(d: dict) -> list[tuple[str, str]]:
             bad.append((shown, f"starts with '-', which a command line reads as an option; write ./{value} "
                         "or an absolute path"))
     return bad
+
+
+def run_dir(cfg) -> Path:
+    return Path(cfg.run.results) / cfg.run.name
+
+

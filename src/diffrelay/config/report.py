@@ -7,7 +7,8 @@ import sys
 
 import yaml
 
-from diffrelay import config, preflight
+from diffrelay import config
+from diffrelay.config import preflight
 from diffrelay.training import settings
 from diffrelay.errors import UserError
 
@@ -132,9 +133,9 @@ def main(args) -> int:
     line = text_line(cfg)
     if line:
         print(line)
-    from diffrelay import validate_memory  # `# memory:` lines, and a warning when the GPUs are too small
+    from diffrelay.config import memory  # `# memory:` lines, and a warning when the GPUs are too small
 
-    validate_memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))
+    memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))
     for note in settings.paper_notes(cfg.to_dict()):  # YAML comments, so stdout stays a valid config
         print(f"# note: {note}")
     return 0

@@ -1,0 +1,30 @@
+"""A run's configuration: one package for one concern, a module each.
+
+- `schema.py` and `schema.yaml`: the JSON Schema, loading (`load`, `validate`), the read-only `Config`.
+- `rules.py`: rules across keys, in the order they are reported; each concern's own checks are called from here
+  (sampling.checks, evaluation.protocol, training.settings, training.profiles, data.captions, runtime.gpus,
+  nets.checks), so a rule that needs a concern's details lives in that concern's package. `model.pretrained` and
+  `train.lora` come first, from `schema.validate` (pretrained.expand; the LoRA rules in pretrained/lora.py).
+- `text.py`: the rules of text runs (captions, encoders, prompt files, CLIP score).
+- `paths.py`: the keys that name files and folders; `run_dir`.
+- `identity.py`: what changes the weights (`trajectory`), its hash, and whether a file belongs to a run.
+- `segments.py`: where segments end and which snapshots a segment writes.
+- `preflight.py`: checks against the disk before any job (the dataset, the run folder, latents, trackers).
+- `report.py`: `diffrelay validate`, the report of what a run will do; `memory.py`: its memory lines.
+
+The names below are the package's door: `from diffrelay import config; config.load(path)`.
+
+Imports: every library package (it is the front: its rules call each concern's checks) and the YAML reader; no
+torch at module level outside memory.py, so the Snakefile can use it. No library package imports it: configuration
+flows in as arguments, and only a stage's entry module (one with `main`) reads it.
+"""
+
+from diffrelay.config.identity import (applicable, applicable_model, data_hash, first_difference, is_same_run,
+                                       lookup, run_hash, section_hash, trajectory, trajectory_hash)
+from diffrelay.config.paths import run_dir
+from diffrelay.config.schema import Config, load, load_schema, non_finite, read_yaml, validate
+from diffrelay.config.segments import segment_ends, snapshot_steps
+
+__all__ = ["Config", "applicable", "applicable_model", "data_hash", "first_difference", "is_same_run", "load",
+           "load_schema", "lookup", "non_finite", "read_yaml", "run_dir", "run_hash", "section_hash", "segment_ends",
+           "snapshot_steps", "trajectory", "trajectory_hash", "validate"]
