@@ -14,7 +14,7 @@ from PIL import Image
 from conftest import BIN, run_cli
 from diffrelay import cli, config, io, logs
 from diffrelay.objectives import edm
-from diffrelay.sampling import sample
+from diffrelay.sampling import images, sample
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
 
@@ -258,9 +258,9 @@ def test_fixed_label_on_unconditional_model_is_refused(uncond_snap, tmp_path):
 
 def test_grid_has_eight_columns_with_class_names_under_enlarged_tiles(snap, uncond_snap, tmp_path):
     sample.run(snap, tmp_path / "cond", settings(num_images=20))
-    top = sample.TITLE_PX  # a title line, then 3 rows of 64 px tiles + 12 px names
+    top = images.TITLE_PX  # a title line, then 3 rows of 64 px tiles + 12 px names
     with Image.open(tmp_path / "cond" / "grid.png") as im:
-        assert im.size == (8 * 64, top + 3 * (64 + sample.LABEL_PX))
+        assert im.size == (8 * 64, top + 3 * (64 + images.LABEL_PX))
         grid = np.asarray(im.convert("RGB"))
     first = np.asarray(Image.open(tmp_path / "cond" / "000009.png"))  # row 1, column 1
     assert np.array_equal(grid[top + 76:top + 140:4, 64:128:4], first)

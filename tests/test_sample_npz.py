@@ -115,12 +115,12 @@ def test_damaged_npz_is_made_again_and_only_it(snap, tmp_path, damage):
         npz.write_bytes(bytes(data))
     else:
         npz.write_bytes(npz.read_bytes()[:-100])
-    assert sample.damaged_files(out, first) == ["samples.npz"]
+    assert folder.damaged_files(out, first) == ["samples.npz"]
     m = sample.run(snap, out, npz_settings(npz=True))
     assert png_stats(out) == pngs and m["generated"] == 0
     again = load(out)
     assert all(np.array_equal(again[k], arrays[k]) for k in arrays) and sorted(again) == sorted(arrays)
-    assert sample.damaged_files(out, m) == [] and m["files"]["samples.npz"]["sha256"] == io.sha256_file(npz)
+    assert folder.damaged_files(out, m) == [] and m["files"]["samples.npz"]["sha256"] == io.sha256_file(npz)
 
 
 def test_a_damaged_npz_with_npz_off_is_removed_not_remade(snap, tmp_path):

@@ -47,7 +47,7 @@ def _work_of_a_live_sampler(out, key):
 def test_a_sampler_claims_its_work_folder_for_as_long_as_it_runs(tmp_path):
     out = tmp_path / "out"
     work = folder.work_dir(out)
-    assert folder._open_work(work, out, {"steps": 3}, 0)
+    assert folder.open_work(work, out, {"steps": 3}, 0)
     (work / "000000.png").write_bytes(b"image 0")
     # Another process (here another open of the file) cannot take it exclusively: a run with other settings is
     # refused, in another process as the issue saw it.
@@ -58,7 +58,7 @@ def test_a_sampler_claims_its_work_folder_for_as_long_as_it_runs(tmp_path):
     code = ("import sys; from pathlib import Path; from diffrelay.sampling import folder\n"
             "from diffrelay.errors import UserError\n"
             f"out = Path({str(out)!r})\n"
-            "try:\n    folder._open_work(folder.work_dir(out), out, {'steps': 4}, 0)\n"
+            "try:\n    folder.open_work(folder.work_dir(out), out, {'steps': 4}, 0)\n"
             "except UserError as e:\n    sys.exit(str(e))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and BUSY in p.stderr and p.stderr.count("\n") == 1, p.stderr
@@ -92,7 +92,7 @@ def test_a_folder_being_finalized_is_not_cleared(tmp_path):
     fd = _lock(work, fcntl.LOCK_EX)
     try:
         with pytest.raises(UserError, match=BUSY):
-            folder._open_work(work, out, {"steps": 4}, 0)
+            folder.open_work(work, out, {"steps": 4}, 0)
     finally:
         os.close(fd)
     assert (work / "000000.png").exists()

@@ -35,13 +35,12 @@ def image_files(folder) -> list[Path]:
     return sorted(p for p in Path(folder).iterdir() if PNG_NAME.match(p.name))
 
 
-
-
 def work_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
-def _read_json_or_none(path: Path):
+def read_json_or_none(path: Path):
+    """A JSON file's content, or None when it is missing or unreadable (the markers, settings and manifests here)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -50,7 +49,7 @@ def _read_json_or_none(path: Path):
 
 def up_to_date(out: Path, key: dict) -> dict | None:
     """The manifest of `out` when it was made with the same pixel settings and snapshot bytes (no file check)."""
-    m = _read_json_or_none(out / "manifest.json")
+    m = read_json_or_none(out / "manifest.json")
     if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT and {k: m.get(k) for k in key} == key:
         return m
     return None
@@ -77,7 +76,7 @@ def damaged_files(folder: Path, manifest: dict) -> list[str]:
 
 def is_sample_folder(path) -> bool:
     """`path` is a finished sample folder (its manifest.json names our format): safe to replace."""
-    m = _read_json_or_none(Path(path) / "manifest.json")
+    m = read_json_or_none(Path(path) / "manifest.json")
     return isinstance(m, dict) and m.get("format") in (MANIFEST_FORMAT, *OLD_FORMATS)
 
 
@@ -100,7 +99,7 @@ def check_out(out: Path) -> None:
     io.check_replaceable(work_dir(out), _is_work_folder, "a sample work folder", f"move it aside; {fix}")
 
 
-def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = None) -> bool:
+def open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = None) -> bool:
     """Rank 0 makes the folder (clearing one of other settings that no live process holds); the others wait until it
     matches. Every process then claims it until it ends (_hold).
 
@@ -110,7 +109,7 @@ def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = 
     """
     settings_file = work / "settings.json"
     if rank == 0:
-        if work.exists() and _read_json_or_none(settings_file) != key:
+        if work.exists() and read_json_or_none(settings_file) != key:
             io.check_replaceable(work, _is_work_folder, "a sample work folder", "move it aside and rerun")
             _clear(work, out)
         if not work.exists():
@@ -126,11 +125,11 @@ def _open_work(work: Path, out: Path, key: dict, rank: int, seen: dict | None = 
             except OSError:  # another process made it first
                 claims.release(settings_file)
                 shutil.rmtree(fresh, ignore_errors=True)
-                if _read_json_or_none(settings_file) != key:
+                if read_json_or_none(settings_file) != key:
                     raise _busy(out) from None
         return _hold(work, out, key, seen)
     deadline = time.monotonic() + WAIT_SECONDS
-    while _read_json_or_none(settings_file) != key:
+    while read_json_or_none(settings_file) != key:
         if up_to_date(out, key) not in (None, seen):
             return False
         if time.monotonic() > deadline:
@@ -151,7 +150,7 @@ def _hold(work: Path, out: Path, key: dict, seen: dict | None) -> bool:
     meanwhile (finalized by another run of these settings)."""
     settings_file = work / "settings.json"
     if claims.claim(settings_file):
-        if _read_json_or_none(settings_file) == key:  # not replaced between reading it and claiming it
+        if read_json_or_none(settings_file) == key:  # not replaced between reading it and claiming it
             return True
         claims.release(settings_file)
     if up_to_date(out, key) not in (None, seen):
@@ -161,11 +160,11 @@ def _hold(work: Path, out: Path, key: dict, seen: dict | None) -> bool:
 
 def _clear(work: Path, out: Path) -> None:
     """Move aside and delete a work folder of other settings, only when no live process uses it: a sampler holds
-    its settings.json from before the folder appears until it ends (_hold), and a finalizer the folder (_lock)."""
+    its settings.json from before the folder appears until it ends (_hold), and a finalizer the folder (lock)."""
     settings_file = work / "settings.json"
     if os.path.lexists(settings_file) and not claims.claim(settings_file, shared=False):
         raise _busy(out)
-    fd = _lock(work)
+    fd = lock(work)
     try:
         if fd is None:
             if os.path.lexists(work):
@@ -180,7 +179,7 @@ def _clear(work: Path, out: Path) -> None:
         claims.release(settings_file)
 
 
-def _reuse_intact(out: Path, work: Path, mine, damaged: set) -> None:
+def reuse_intact(out: Path, work: Path, mine, damaged: set) -> None:
     """Hard-link this process's intact images of a damaged finished folder into the work folder, so only
     the damaged ones are made again. A later atomic write replaces a link, never the file it shares."""
     for i in mine:
@@ -195,13 +194,13 @@ def _reuse_intact(out: Path, work: Path, mine, damaged: set) -> None:
                 return  # another file system, or gone: those images are simply made again
 
 
-def _marker(work: Path, rank: int, world: int) -> Path:
+def marker(work: Path, rank: int, world: int) -> Path:
     # A marker says "all of this rank's images are in the folder"; that stays true, so a marker left by an
     # earlier launch with the same process count counts too. Other process counts split differently.
     return work / f"done-{rank}-of-{world}.json"
 
 
-def _lock(work: Path):
+def lock(work: Path):
     """An exclusive non-blocking lock on the work folder itself, or None if another process holds it or
     has already renamed it. The lock dies with its process, so a killed finalizer blocks nobody."""
     try:

@@ -18,7 +18,8 @@ def encode_png(pixels: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _read_png(path: Path) -> np.ndarray:
+def read_png(path: Path) -> np.ndarray:
+    """A PNG file's pixels as written (H x W, or H x W x C)."""
     with Image.open(path) as im:
         return np.asarray(im)
 

@@ -31,12 +31,10 @@ from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
 from diffrelay.errors import UserError
-from diffrelay.sampling.folder import (MANIFEST_FORMAT, _lock, _marker, _open_work, _read_json_or_none, _reuse_intact,
-                                     check_out, file_record, image_files, is_sample_folder, png_name, up_to_date,
-                                     work_dir)
-from diffrelay.sampling.folder import damaged_files  # noqa: F401 -- sample.damaged_files, used by the tests
-from diffrelay.sampling.images import (GRID_IMAGES, GRID_TILE_PX, LABEL_PX, TITLE_PX, _read_png, encode_png,  # noqa: F401
-                                       grid_title, is_valid_png, make_grid)
+from diffrelay.sampling.folder import (MANIFEST_FORMAT, check_out, file_record, image_files, is_sample_folder, lock,
+                                       marker, open_work, png_name, read_json_or_none, reuse_intact, up_to_date,
+                                       work_dir)
+from diffrelay.sampling.images import GRID_IMAGES, GRID_TILE_PX, encode_png, grid_title, is_valid_png, make_grid, read_png
 
 # CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
 # (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
@@ -45,7 +43,12 @@ from diffrelay.sampling.images import (GRID_IMAGES, GRID_TILE_PX, LABEL_PX, TITL
 # for different batch sizes, so there only the process count and resuming are sure not to matter (the shape
 # of every forward batch depends on the settings alone).
 PAD_ROWS = 16
-# Settings that change the pixels: a finished folder with the same values is up to date.
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: which images, which seeds, which classes
+
+
 def rank_share(num_images: int, rank: int, world: int) -> range:
     """Indices made by process `rank` of `world`: round robin, so each process gets about the same work."""
     return range(rank, num_images, world)
@@ -186,7 +189,7 @@ def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
 
 def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
     """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
-    fd = _lock(work)
+    fd = lock(work)
     if fd is None:
         return None
     try:
@@ -195,7 +198,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         if missing:
             raise RuntimeError(f"{work}: all done markers present but image {missing[0]} is missing")
         first = list(range(min(GRID_IMAGES, s.num_images)))
-        tiles = [_read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
+        tiles = [read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
         labels, known = class_labels(first, meta, s.class_labels), meta.get("class_names") or []
         names = None if labels is None else [str(known[c]) if c < len(known) else str(c) for c in labels]
         prompts = [prompted.sidecar(work / png_name(i)) for i in first]
@@ -209,7 +212,7 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         # sample.npz: samples.npz from the PNG files as written, with the labels generate() gave each image.
         exported = export.finish(work, s.npz, s.num_images, class_labels(range(s.num_images), meta, s.class_labels))
         # Rate of this launch: images made (not skipped) by all ranks over this process's wall time.
-        generated = sum((_read_json_or_none(_marker(work, r, world)) or {}).get("generated", 0) for r in range(world))
+        generated = sum((read_json_or_none(marker(work, r, world)) or {}).get("generated", 0) for r in range(world))
         finished = time.time()
         seconds = finished - manifest["started"]
         manifest |= {"finished": finished, "seconds": round(seconds, 3), "generated": generated,
@@ -329,14 +332,14 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
 
     # This process's share, minus images a killed run already wrote.
     work = work_dir(out)
-    if not _open_work(work, out, key, rank, done):
+    if not open_work(work, out, key, rank, done):
         return up_to_date(out, key)
     mine = rank_share(s.num_images, rank, world)
     if damaged or changed:
-        _reuse_intact(out, work, mine, set(damaged))
+        reuse_intact(out, work, mine, set(damaged))
     todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))
             or (items is not None and not prompted.sidecar(work / png_name(i)).is_file())]
-    if not work.is_dir():  # finalized and renamed by another process since _open_work
+    if not work.is_dir():  # finalized and renamed by another process since open_work
         return up_to_date(out, key)
     if len(todo) < len(mine):
         log.info("resuming: %d of %d images of this process already in %s; skipping them",
@@ -368,8 +371,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
 
         # Done marker, then the last process to finish writes grid and manifest and renames the folder.
         record = {"rank": rank, "world": world, "generated": len(todo), "started": started, "finished": time.time()}
-        io.write_json(_marker(work, rank, world), record, parents=False)
-        if not all(_marker(work, r, world).exists() for r in range(world)):
+        io.write_json(marker(work, rank, world), record, parents=False)
+        if not all(marker(work, r, world).exists() for r in range(world)):
             return None
         manifest = {"format": MANIFEST_FORMAT, "snapshot": str(snapshot), "step": meta["step"], **key,
                     "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
@@ -393,10 +396,6 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
 def default_settings(**overrides) -> "Settings":
     """Schema defaults with some keys replaced, e.g. default_settings(num_images=64, steps=8)."""
     return dataclasses.replace(Settings.from_section(config.validate({})["sample"]), **overrides)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure helpers: which images, which seeds, which classes
 
 
 def main(args) -> int:

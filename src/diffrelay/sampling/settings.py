@@ -15,6 +15,7 @@ from diffrelay.objectives.edm import SamplerSettings
 from diffrelay.objectives.ddpm import SamplerSettings as DdpmSamplerSettings
 from diffrelay.objectives.flow import SamplerSettings as FlowSamplerSettings
 
+# Settings that change the pixels: a finished folder with the same values is up to date.
 PIXEL_KEYS = ("num_images", "first_seed", "steps", "solver", "weights", "class_labels", "precision", "compile",
               "guidance")  # and ema_decay, guide_sha256, edm, flow, ddpm, guidance_interval where not the default
 # sample.edm keys and their `diffrelay sample` flags (argparse attribute names).
