@@ -173,6 +173,29 @@ def test_sampling_against_another_base_is_one_line(run):
     assert "a LoRA adapter trained on another base pipeline (unet/diffusion_pytorch_model.safetensors" in msg, msg
 
 
+def test_resuming_on_a_changed_base_pipeline_names_the_file_both_sha256s_and_the_fix(run):
+    """The base pipeline's files are part of the run's identity, keyed by file names that hold dots: the refusal names
+    the file and both sha256s (not `...sha256.unet/diffusion_pytorch_model.safetensors=None`) and no key to set."""
+    import shutil
+
+    from diffrelay.config import preflight
+
+    other = shutil.copytree(run["sd"], run["work"] / "other-base")  # the same folder with another UNet
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    shutil.copyfile(pipelines.sd(run["work"] / "seed-1", seed=1) / unet, other / unet)
+    cfg = config.Config(config.validate(raw(run["work"], other)))  # run "ft", already trained on run["sd"]
+    was = run["cfg"]["model"]["pretrained"]["sha256"]
+    now = cfg.to_dict()["model"]["pretrained"]["sha256"]
+    name = next(k for k in sorted(was) if was[k] != now[k])
+    assert name == unet
+    for fn in (lambda: preflight.check_run_folder(cfg, "ft.yaml"),
+               lambda: train.run(cfg, until_step=2, dataset_dir=run["work"] / "dataset")):
+        msg = one_line(fn)
+        assert f"pipeline's {name} has sha256 {now[name][:12]}... now" in msg, msg
+        assert f"made with {was[name][:12]}..." in msg and "restore the pipeline folder" in msg, msg
+        assert "=None" not in msg and "set model" not in msg, msg
+
+
 def test_a_target_module_that_matches_nothing_is_one_line(run):
     from diffrelay import objectives
 

@@ -19,12 +19,13 @@ torch at module level outside memory.py, so the Snakefile can use it. No library
 flows in as arguments, and only a stage's entry module (one with `main`) reads it.
 """
 
-from diffrelay.config.identity import (applicable, applicable_model, data_hash, first_difference, is_same_run,
-                                       lookup, run_hash, section_hash, trajectory, trajectory_hash)
+from diffrelay.config.identity import (applicable, applicable_model, check_same_files, data_hash, difference,
+                                       first_difference, is_same_run, lookup, run_hash, section_hash, trajectory,
+                                       trajectory_hash)
 from diffrelay.config.paths import run_dir
 from diffrelay.config.schema import Config, load, load_schema, non_finite, read_yaml, validate
 from diffrelay.config.segments import segment_ends, snapshot_steps
 
-__all__ = ["Config", "applicable", "applicable_model", "data_hash", "first_difference", "is_same_run", "load",
-           "load_schema", "lookup", "non_finite", "read_yaml", "run_dir", "run_hash", "section_hash", "segment_ends",
-           "snapshot_steps", "trajectory", "trajectory_hash", "validate"]
+__all__ = ["Config", "applicable", "applicable_model", "check_same_files", "data_hash", "difference",
+           "first_difference", "is_same_run", "load", "load_schema", "lookup", "non_finite", "read_yaml", "run_dir",
+           "run_hash", "section_hash", "segment_ends", "snapshot_steps", "trajectory", "trajectory_hash", "validate"]

@@ -148,12 +148,13 @@ def is_same_run(meta: dict, traj: str) -> bool:
     return meta.get("trajectory") == traj or run_hash(meta) == traj
 
 
-def first_difference(a, b, prefix: str = "") -> str | None:
-    """The first key path where two nested dicts differ, e.g. 'train.lr'; None when they are equal."""
+def difference(a, b, prefix: tuple = ()) -> tuple | None:
+    """The first key path, as a tuple of keys, where two nested dicts differ; None when they are equal. A tuple, as
+    keys may hold dots themselves (model.pretrained.sha256's file names: "unet/diffusion_pytorch_model.safetensors")."""
     for key in sorted(set(a) | set(b), key=str):
-        path = f"{prefix}{key}"
+        path = prefix + (key,)
         if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
-            inner = first_difference(a[key], b[key], f"{path}.")
+            inner = difference(a[key], b[key], path)
             if inner:
                 return inner
         elif a.get(key) != b.get(key):
@@ -161,7 +162,31 @@ def first_difference(a, b, prefix: str = "") -> str | None:
     return None
 
 
-def lookup(d: dict, path: str):
-    for part in path.split("."):
+def first_difference(a, b, prefix: str = "") -> str | None:
+    """The first key path where two nested dicts differ, e.g. 'train.lr'; None when they are equal."""
+    path = difference(a, b)
+    return prefix + ".".join(map(str, path)) if path else None
+
+
+def lookup(d: dict, path):
+    """The value at a key path: a tuple of keys (difference's), or a dotted string whose keys hold no dots."""
+    for part in path.split(".") if isinstance(path, str) else path:
         d = d.get(part) if isinstance(d, dict) else None
     return d
+
+
+def check_same_files(was: dict, now: dict, source: str, made: str) -> None:
+    """Raise one line when two model sections (or trajectories) differ first in a pretrained folder's file, naming
+    the file, both sha256s and the fix; return when they differ elsewhere, or not at all. `made`: what `was` made."""
+    path = difference(was, now)
+    if not path or "sha256" not in path[:-1] or "pretrained" not in path:
+        return
+    name = path[-1]
+    before, after = (_short_sha(lookup(d, path)) for d in (was, now))
+    raise UserError(f"{source}: the pretrained pipeline's {name} has sha256 {after} now, but {made} was made "
+                    f"with {before}: the base pipeline changed; restore the pipeline folder it was made with, or "
+                    "start a new run.name to train on this one")
+
+
+def _short_sha(value) -> str:
+    return "none (no such file)" if value is None else f"{str(value)[:12]}..."

@@ -256,6 +256,7 @@ def check_run_folder(cfg, source: str) -> None:
     ours = config.trajectory(cfg)
     # A record written before inapplicable keys were set aside holds them as given: set aside here too.
     recorded = config.applicable(_with_defaults(recorded, defaults))
+    config.check_same_files(recorded, ours, source, f"{run_dir} ({where.name})")  # names the file: its key has dots
     key = config.first_difference(recorded, ours)
     if key:
         was, now = config.lookup(recorded, key), config.lookup(ours, key)

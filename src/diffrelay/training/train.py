@@ -1,5 +1,4 @@
 """`diffrelay train`: one training segment. Resume, train to a target step, write one checkpoint, exit.
-
   python -m diffrelay train --config config/config.yaml --until-step 400
   torchrun --standalone --nproc-per-node 2 -m diffrelay train --config config/config.yaml --until-step 800 \\
       --init results/demo/checkpoints/step_0000400
@@ -24,13 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from diffrelay import config, io, logs, nets, objectives
 from diffrelay.config import preflight
 from diffrelay.data import augment, datasets, latents, loader
+from diffrelay.data.order import step_seed
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema
 from diffrelay.training.state import TrainState
 from diffrelay.training.stop import StopRequest
 from diffrelay.errors import UserError
-from diffrelay.data.order import step_seed
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving; a retry resumes from the recovery checkpoint
 
@@ -76,6 +75,7 @@ def _find_start(run_dir: Path, until: int, init, traj: str, log):
 def _check_resume(cfg, path, meta, data, traj: str) -> None:
     """One line instead of a silent wrong run or a state-dict traceback (a UNet key in a DiT run is no reason)."""
     model, made = config.applicable_model(cfg.to_dict()["model"]), config.applicable_model(meta.get("model") or {})
+    config.check_same_files(made, model, str(path), "the checkpoint")  # a LoRA run's base pipeline, by its files
     key = config.first_difference(made, model)
     if key:
         raise UserError(f"{path}: made with model.{key}={config.lookup(made, key)!r}; this config "
@@ -282,6 +282,7 @@ def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log
     checkpoint.verify_checkpoint(final_ckpt)
     made = io.read_json(final_ckpt / "meta.json")
     if not config.is_same_run(made, traj):
+        config.check_same_files(config.trajectory(made["config"]), config.trajectory(cfg), str(final_ckpt), "it")
         key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
         raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
                         "use a new run.name for these settings (nothing was deleted)")
