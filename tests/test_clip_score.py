@@ -112,7 +112,7 @@ def test_long_prompts_are_truncated_once(clip, caplog):
     assert sum("longer than CLIP's 77 tokens" in r.message for r in caplog.records) == 1
 
 
-def test_score_folder_reads_each_images_prompt(clip, tmp_path):
+def test_score_folder_reads_each_images_prompt(clip, tmp_path, caplog):
     from PIL import Image
 
     pics, texts = images(3, seed=3), ["a red circle", "a photo of a cat\n", "un chat \u732b"]
@@ -124,6 +124,13 @@ def test_score_folder_reads_each_images_prompt(clip, tmp_path):
     want = clip_score.score(clip, pics, texts)
     assert got["folder"] == str(tmp_path) and got["count"] == 3
     assert got["per_image"] == pytest.approx(want["per_image"], abs=1e-5)
+    (tmp_path / "000002.txt").write_bytes(b" \n")  # emptied: scored, and said
+    with caplog.at_level(logging.WARNING, logger="diffrelay"):
+        clip_score.score_folder(tmp_path, clip)
+    assert [r.message for r in caplog.records if "empty prompt" in r.message] == [
+        f"{tmp_path / '000002.txt'}: empty prompt (1 of 3 images' prompt files are empty or blank); those images "
+        "are scored against the empty text: if the files were emptied by mistake, sample the folder again "
+        "(diffrelay sample writes each image's prompt)"]
     (tmp_path / "000001.txt").write_bytes(b"\xffcat")
     with pytest.raises(UserError, match=r"000001.txt: not valid UTF-8"):
         clip_score.score_folder(tmp_path, clip)

@@ -212,3 +212,50 @@ def test_prepare_under_two_ranks_writes_the_bytes_of_one(entries, tmp_path):
     assert len(files) >= 12
     for f in files:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+
+
+def test_a_damaged_text_encoder_is_one_line_before_any_image_and_leaves_no_work_folder(entries, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Weights whose header cannot be read are refused when the config is read (validate, prepare's start); weights
+    that read but do not fit the model fail its load in one line, before any image is decoded; either way the
+    refused prepare removes the work folders it made, and keeps one an earlier (killed) prepare left."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from diffrelay import cli
+    from diffrelay.data import datasets
+
+    def refusal(*argv) -> str:
+        assert cli.main([*map(str, argv)]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("diffrelay: error:")]
+        assert "Traceback" not in err and len(lines) == 1, err
+        return lines[0]
+
+    monkeypatch.setattr(datasets, "build", lambda *a, **k: pytest.fail("an image was decoded before the encoders"))
+    clip = shutil.copytree(entries[0]["path"], tmp_path / "clip")
+    weights = clip / "model.safetensors"
+    whole = weights.read_bytes()
+    cfg = text_config(tmp_path, [entries[0] | {"path": str(clip)}, entries[1]])
+    for name, damage in (("truncated", lambda: weights.write_bytes(whole[:-100])),
+                         ("header", lambda: weights.write_bytes(whole[:8] + b"#" * 16 + whole[24:])),
+                         ("empty", lambda: weights.write_bytes(b"")),
+                         ("loop", lambda: (weights.unlink(), (clip / "loop").symlink_to(weights),
+                                           weights.symlink_to(clip / "loop")))):
+        damage()
+        for argv in (["validate", "--config", cfg], ["prepare", "--config", cfg, "--out", tmp_path / "ds"]):
+            line = refusal(*argv)
+            assert f"{weights}: data.text_encoders: " in line and "restore the file" in line, (name, line)
+    (clip / "loop").unlink()
+    weights.unlink()
+    # A whole file of other tensors: read by its header, refused by the model's load, before the images.
+    save_file({"text_model.embeddings.position_embedding.weight": torch.zeros(3, 5)}, weights)
+    earlier = tmp_path / ".kept.text"  # a killed prepare's work folder, for --out kept
+    earlier.mkdir()
+    (earlier / "chunk_000000.safetensors").write_bytes(b"partial")
+    for out in (tmp_path / "ds", tmp_path / "kept"):
+        line = refusal("prepare", "--config", cfg, "--out", out)
+        assert f"{clip}: data.text_encoders: cannot load the CLIPTextModel" in line, line
+    assert not (tmp_path / ".ds.text").exists() and not (tmp_path / ".ds").exists()
+    assert (earlier / "chunk_000000.safetensors").read_bytes() == b"partial"

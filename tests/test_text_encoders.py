@@ -214,6 +214,8 @@ def test_refusals_name_the_folder_and_the_fix_in_one_line(folders, tmp_path):
             "CLIPTextModel, CLIPTextModelWithProjection, BertModel, T5EncoderModel")
     refused(entry(folders["t5"], pooled=True), str(folders["t5"]), "no pooled")
     refused(entry(folders["clip"], max_length=78), "77 positions")
+    refused(entry(folders["t5"], max_length=1), str(folders["t5"]), "max_length 1 leaves no token", "at least 2")
+    refused(entry(folders["clip"], max_length=2), "max_length 2 leaves no token", "at least 3")
     notok = shutil.copytree(folders["clip"], tmp_path / "notok")
     for name in encoders.TOKENIZER_FILES + ("merges.txt",):
         (notok / name).unlink(missing_ok=True)

@@ -254,6 +254,53 @@ def signed_header(path, what: str, fix: str) -> tuple[dict, dict]:
     return stored, meta
 
 
+# Bytes per element of the dtypes a .safetensors header may name (the format's spec: huggingface/safetensors).
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+MAX_SAFETENSORS_HEADER = 100_000_000  # the format's own limit on the header's length
+
+
+def safetensors_problem(path) -> str | None:
+    """Why a .safetensors file cannot be loaded, from its header and size alone (no tensor is read, no torch): not
+    readable (a symlink loop, a folder), empty, a header cut off or not JSON, a tensor whose dtype, shape and byte
+    range disagree, or data the file does not cover (truncated) or leaves over. None when it is whole."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            if len(head) < 8:
+                return f"{size} bytes: empty or cut off before its header"
+            if n > min(MAX_SAFETENSORS_HEADER, size - 8):
+                return f"its header says {n} bytes, but the file has {size}: truncated or not a safetensors file"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or type(e).__name__})"
+    except (ValueError, UnicodeDecodeError):
+        return "its header is not valid JSON: damaged or not a safetensors file"
+    if not isinstance(header, dict):
+        return "its header is not a mapping of tensors: damaged or not a safetensors file"
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            width, (start, stop) = SAFETENSORS_DTYPES[t["dtype"]], t["data_offsets"]
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name!r}: its dtype, shape or data_offsets are missing or unknown: damaged file"
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop) or stop - start != count * width:
+            return f"tensor {name!r}: {t['dtype']} of shape {t['shape']} does not fill bytes {start} to {stop}"
+        end = max(end, stop)
+    if end != size - 8 - n:
+        return (f"its tensors need {end} bytes of data, the file holds {size - 8 - n}: "
+                + ("truncated" if end > size - 8 - n else "bytes left over, damaged"))
+    return None
+
+
 def remove_owned(folder, files) -> None:
     """Delete `files` (a stage's own, in `folder`), then `folder` if nothing else is left in it: what anyone else
     put there stays, and so does the folder then."""

@@ -301,6 +301,9 @@ def resolve(data, resources, fetch_missing: bool = True) -> dict | None:
             raise UserError(f"data.encoder_path={path}: not found; "
                             + (f"fetch {url(spec)} and place it there" if not data.encoder_path else
                                "give the folder save_pretrained wrote, or the .safetensors file"))
+        why = io.safetensors_problem(weights_file(path))  # its header, before any image is decoded
+        if why:
+            raise UserError(f"{weights_file(path)}: data.encoder_path: {why}; {FIX}")
         channels, factor = geometry(spec, path)
         if channels != SD_CHANNELS and data.latent_norm == "edm2":
             raise UserError(f"data.latent_norm=edm2: edm2's constants are for the SD-VAE's 4 channels, and "

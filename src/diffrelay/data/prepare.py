@@ -115,6 +115,7 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
     latent = encoders.is_latent(cfg.data.encoder)
     work, text_work = encoding.work_dir(out), cache.work_dir(out)
     verdict, error, plan = WORK, None, None
+    made = [w for w in (work, text_work) if not w.exists()]  # a refusal removes these, never an earlier one's
     if rank == 0:  # plans alone (fetching the weights, hashing the files); the others wait at from_main
         try:
             checks(args, cfg, out)
@@ -140,45 +141,55 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
     verdict = distributed.from_main(verdict, "planning the dataset")
     if verdict == FAILED:
         if error is not None:
+            remove_made(made)
             raise error
         return 0  # rank 0 prints the one line and fails the launch
     if verdict == CURRENT:
         return 0
     text = cache.read_plan(text_work) if wants_text(cfg.data) else None
-    with contextlib.ExitStack() as stack:
-        # atomic_dir: a killed prepare leaves only a hidden temp folder; made when rank 0 first writes into it.
-        tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder)) \
-            if rank == 0 and not latent else None
-        if latent:
-            plan = encoding.read_plan(work)
-            enc = encoders.load(plan.latent["encoder"], None if plan.latent["path"] is None else
-                                Path(plan.latent["path"]), plan.latent["norm"] or "dit", device)
-            local = max(1, distributed.env_local_world())
-            encoding.encode_chunks(plan, work, max(1, workers(args, cfg) // local), enc, device, rank, world)
-            del enc
-        elif rank == 0:
-            # Rank 0 decodes the pixels while the others encode captions, before its own encoders load. Spawned
-            # decoders: gloo's threads may run here (runtime/parallel.py).
-            try:
-                info = datasets.build(plan, tmp, workers=workers(args, cfg), start="spawn")
-            except UserError as e:  # a bad image: every rank hears it below, none waits at the barrier for it
-                error = e
-        if text is not None and error is None:
-            cache.build(*text[:2], text_work, rank, world, device, text[2])
-        if distributed.from_main(FAILED if error is not None else WORK, "building the dataset") == FAILED:
-            if error is not None:
-                raise error
-            return 0  # rank 0 prints the one line and fails the launch
-        distributed.barrier()  # every chunk is written
-        if rank != 0:
-            return 0
-        if latent:
-            tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder))
-            labels, rels, skipped = encoding.join(plan, work, tmp)
-            info = datasets.finish(plan, tmp, labels, rels, skipped, {"encoded_on": encoded_on(device, world)},
-                                   workers=workers(args, cfg))
-        if text is not None:
-            cache.join(text_work, tmp, *text[:2], text[2], device)
+    try:
+        # The text encoders load first: a bad one is said before any image is decoded or VAE-encoded.
+        loaded = cache.load_encoders(text[1], device) if text is not None else None
+        with contextlib.ExitStack() as stack:
+            # atomic_dir: a killed prepare leaves only a hidden temp folder; made when rank 0 first writes into it.
+            tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder)) \
+                if rank == 0 and not latent else None
+            if latent:
+                plan = encoding.read_plan(work)
+                enc = encoders.load(plan.latent["encoder"], None if plan.latent["path"] is None else
+                                    Path(plan.latent["path"]), plan.latent["norm"] or "dit", device)
+                local = max(1, distributed.env_local_world())
+                encoding.encode_chunks(plan, work, max(1, workers(args, cfg) // local), enc, device, rank, world)
+                del enc
+            elif rank == 0:
+                # Rank 0 decodes the pixels while the others encode captions, then encodes its own chunks.
+                # Spawned decoders: gloo's threads may run here (runtime/parallel.py).
+                try:
+                    info = datasets.build(plan, tmp, workers=workers(args, cfg), start="spawn")
+                except UserError as e:  # a bad image: every rank hears it below, none waits at the barrier for it
+                    error = e
+            if text is not None and error is None:
+                cache.build(*text[:2], text_work, rank, world, device, text[2], loaded)
+            del loaded
+            if distributed.from_main(FAILED if error is not None else WORK, "building the dataset") == FAILED:
+                if error is not None:
+                    remove_made(made)  # every rank is past its chunks: none writes into them now
+                    raise error
+                return 0  # rank 0 prints the one line and fails the launch
+            distributed.barrier()  # every chunk is written
+            if rank != 0:
+                return 0
+            if latent:
+                tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder))
+                labels, rels, skipped = encoding.join(plan, work, tmp)
+                info = datasets.finish(plan, tmp, labels, rels, skipped,
+                                       {"encoded_on": encoded_on(device, world)}, workers=workers(args, cfg))
+            if text is not None:
+                cache.join(text_work, tmp, *text[:2], text[2], device)
+    except UserError:
+        if world == 1:  # alone, nothing else writes into them; under torchrun, see "building the dataset"
+            remove_made(made)
+        raise
     encoding.remove_work(work)
     cache.remove_work(text_work)
     claims.release(work)
@@ -198,6 +209,14 @@ def claim_work(work: Path, out: Path) -> None:
     if not claims.claim(work, shared=False):
         raise UserError(f"{out}: another `diffrelay prepare` is making it (it holds {work}); wait for it to "
                         "finish, or give another --out")
+
+
+def remove_made(made: list) -> None:
+    """A refused prepare removes the work folders it made (their chunks and plan only: remove_work), and no
+    other: one a killed prepare left is kept for the next run to resume from."""
+    for w in made:
+        claims.release(w)
+        (encoding.remove_work if w.name.endswith(".encoding") else cache.remove_work)(w)
 
 
 def encoded_on(device, processes: int) -> dict:

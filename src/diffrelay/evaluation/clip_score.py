@@ -5,7 +5,7 @@ use instead of their 2.5): per image, 100 * max(cos(E_image, E_text), 0), where 
 embeddings; the score is the mean over the images. The clamp is per image, as Hessel et al. define it;
 torchmetrics' clip_score clamps the mean instead (functional/multimodal/clip_score.py: max(mean(100 cos), 0)),
 so the two differ only where some cosine is negative, which a real CLIP on images made from their own prompts
-does not give (benchmarks/check_clip_score.py compares them).
+does not give (benchmarks/checks/check_clip_score.py compares them).
 
 Inputs, as the model folder says: images through its image processor with the PIL backend
 (CLIPImageProcessorPil: bicubic resize of the shortest side, centre crop, CLIP's mean and std, as openai/CLIP's
@@ -134,6 +134,11 @@ def score_folder(folder, clip: Clip, batch_size: int = 32) -> dict:
     if not files:
         raise UserError(f"{folder}: no numbered images (000000.png ...); sample the checkpoint with prompts first")
     prompts = [_prompt_of(png) for png in files]
+    empty = [png.with_suffix(".txt") for png, p in zip(files, prompts) if not p.strip()]
+    if empty:  # a prompt file emptied by hand, or an empty caption: the score would compare with no text at all
+        log.warning(f"{empty[0]}: empty prompt ({len(empty)} of {len(files)} images' prompt files are empty or "
+                    "blank); those images are scored against the empty text: if the files were emptied by "
+                    "mistake, sample the folder again (diffrelay sample writes each image's prompt)")
     result = score(clip, _Lazy(files, features.decode), prompts, batch_size)
     return {**result, "folder": str(folder)}
 

@@ -64,6 +64,9 @@ def _single(spec) -> Path | None:
         raise UserError(f"{path}: a single-file checkpoint is loaded from .safetensors only (a {path.suffix or 'file'} "
                         "may hold a pickle, which is never loaded); convert it where you trust it, e.g. "
                         "safetensors.torch.save_file(state_dict, 'model.safetensors')")
+    why = io.safetensors_problem(path)
+    if why:
+        raise UserError(f"{path}: model.pretrained.path: {why}; restore the single-file checkpoint")
     return path
 
 
@@ -140,7 +143,12 @@ def weights_problem(pipe: Pipeline, name: str) -> str | None:
     the first step or in prepare."""
     folder = pipe.root / name
     names = sorted(os.listdir(folder))
-    if any(PLAIN.match(n) for n in names):
+    plain = [n for n in names if PLAIN.match(n)]
+    for n in plain:  # each header, before an hour of prepare or a training job's start (no tensor is read)
+        why = io.safetensors_problem(folder / n)
+        if why:
+            return f"{folder / n}: {why}; restore the file (copy the pipeline folder again)"
+    if plain:
         return None
     variants = [n for n in names if VARIANT.match(n)]
     if variants:

@@ -130,9 +130,17 @@ def _entries(entries) -> list[dict]:
     return entries if all(e.get("sha256") for e in entries) else encoders.records(entries)
 
 
-def build(texts, entries, work: Path, rank: int, world: int, device, dtype: str) -> None:
+def load_encoders(entries, device) -> list:
+    """The text encoders of `entries` (data.text_encoders or their records), loaded on `device`: prepare loads
+    them before its images, so a bad encoder is its first line."""
+    import torch
+
+    return [encoders.load(r, torch.device(device)) for r in _entries(entries)]
+
+
+def build(texts, entries, work: Path, rank: int, world: int, device, dtype: str, loaded=None) -> None:
     """Encode this rank's chunks of `texts` that are not in `work` yet. `entries`: data.text_encoders or their
-    records."""
+    records; `loaded`: their encoders, when load_encoders has loaded them already."""
     import torch
 
     recs, work = _entries(entries), Path(work)
@@ -153,7 +161,7 @@ def build(texts, entries, work: Path, rank: int, world: int, device, dtype: str)
     # The cache makes the dataset's bytes: no TF32, no kernels picked by a benchmark (data/encoding.py).
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
-    encs = [encoders.load(r, device) for r in recs]
+    encs = loaded if loaded is not None else [encoders.load(r, device) for r in recs]
     from safetensors.numpy import save
 
     total, done, t0 = sum(len(spans[c]) for c, _ in todo), 0, time.monotonic()

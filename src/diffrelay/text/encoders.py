@@ -92,6 +92,11 @@ def _class(path: Path, c: dict) -> str:
 def weight_files(path: Path) -> list[Path]:
     """The *.safetensors files of the folder, sorted; refused when its weights are pickles only (none is read)."""
     files = sorted(path.glob("*.safetensors"))
+    for f in files:  # each header, when the config is read: not a traceback after every image is decoded
+        why = io.safetensors_problem(f)
+        if why:
+            raise UserError(f"{f}: data.text_encoders: {why}; restore the file, or save the encoder again with "
+                            "save_pretrained(folder)")
     if files:
         return files
     pickles = sorted(f for pattern in PICKLES for f in path.glob(pattern))
@@ -140,6 +145,11 @@ def _record(entry: dict, hashed: bool = True) -> dict:
                                 f"{positions} positions; set max_length to at most {positions} or null")
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path / 'config.json'}: data.text_encoders: not a {cls} config ({e!r}); {FIX}") from e
+    special = 1 if cls == "T5EncoderModel" else 2  # T5 ends with </s>; CLIP and BERT open and close the text
+    if length <= special:
+        raise UserError(f"{path}: data.text_encoders: max_length {length} leaves no token for the caption ({cls} "
+                        f"spends {special} on its special token{'s' * (special > 1)}): every caption would embed "
+                        f"alike; use at least {special + 1}, or null for the model's own")
     return {"class": cls, "path": str(path), "sha256": weights_sha256(files) if hashed else None,
             "max_length": max_length, "layer": layer, "pooled": pooled, "states_dim": width,
             "pooled_dim": pooled_dim if pooled else None, "length": length, "use_mask": use_mask}
@@ -295,7 +305,7 @@ def load(entry: dict, device) -> Encoder:
     try:
         model = getattr(transformers, rec["class"]).from_pretrained(path, local_files_only=True, use_safetensors=True,
                                                                     dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 -- safetensors' and transformers' errors: each a bad folder here
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{path}: data.text_encoders: cannot load the {rec['class']} ({type(e).__name__}: {first}); "
                         f"{FIX}") from e
