@@ -126,7 +126,9 @@ def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
     (tmp_path / "results" / "ft").mkdir(parents=True)
     preflight.write_run_record(config.Config(d))
     edit_json(pipe / "scheduler" / "scheduler_config.json", steps_offset=0)  # a byte changes, no setting
-    with pytest.raises(UserError, match=r"model\.pretrained\.sha256\.scheduler/scheduler_config\.json="):
+    with pytest.raises(UserError, match=r"ft.yaml: the pretrained pipeline's scheduler/scheduler_config\.json has "
+                       r"sha256 [0-9a-f]{12}\.\.\. now, but .*ft \(run.json\) was made with [0-9a-f]{12}\.\.\.: the base "
+                       r"pipeline changed; restore the pipeline folder it was made with, or start a new run.name"):
         preflight.check_run_folder(config.Config(config.validate(raw(tmp_path, pipe))), "ft.yaml")
     # A recorded config (every checkpoint's) names the changed file.
     assert "scheduler/scheduler_config.json: sha256" in refusal(d)
@@ -145,6 +147,9 @@ def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
     ("kwargs", "model.kwargs.block_out_channels=[8, 16]: contradicts model.pretrained"),
     ("schedule", "model.ddpm.beta_end=0.03: contradicts model.pretrained, whose pipeline gives 0.012"),
     ("captions", "data.captions=none: model.pretrained is a text-to-image pipeline"),
+    ("truncated-vae", "vae/diffusion_pytorch_model.safetensors: its tensors need "),
+    ("header-unet", "unet/diffusion_pytorch_model.safetensors: its header is not valid JSON"),
+    ("truncated-single", "model.pretrained.path: its tensors need "),
 ])
 def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_read(sd, tmp_path, case, says):
     pipe = tmp_path / "nowhere" if case == "missing" else copy(sd, tmp_path / "p")
@@ -171,6 +176,12 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
         over = {"model": {"pretrained": str(pipe), **extra}}
     elif case == "captions":
         over = {"data": {"captions": "none", "val_fraction": 0.0}}
+    elif case in ("truncated-vae", "header-unet", "truncated-single"):
+        f = pipe / ("vae" if case == "truncated-vae" else "unet") / "diffusion_pytorch_model.safetensors"
+        b = f.read_bytes()
+        f.write_bytes(b[:8] + b"!" * 8 + b[16:] if case == "header-unet" else b[:-7])
+        if case == "truncated-single":
+            over = {"model": {"pretrained": {"path": str(f), "config": str(pipe)}}}
     assert says in refusal(raw(tmp_path, pipe, **over))
 
 
