@@ -399,6 +399,18 @@ def test_cpu_recipe_for_your_own_images_runs_on_a_tiny_folder(tmp_path):
     info = json.loads((run / "dataset" / "dataset.json").read_text())
     assert info["count"] == 40 and info["class_names"] == ["cats", "dogs"]
     assert (run / "report" / "metrics.csv").read_text().count("\n") == 3  # header + steps 2 and 4
+    # An image edited in place in the finished run's folder: Snakemake sees it (not "Nothing to be done"),
+    # prepare says what changed, and the run refuses in one line to go on with checkpoints of the old images.
+    Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype="uint8")).save(tmp_path / "data/my-images/dogs/3.png")
+    p = snakemake(tmp_path, "--configfile", REPO / "config/config.yaml", REPO / "config/examples/own-images-cpu.yaml",
+                  short, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and finished_rules(out)["prepare_dataset"] == 1, out
+    assert "changed since my-images-cpu was trained on it: image dogs/3.png changed" in \
+        (tmp_path / "logs/my-images-cpu/prepare_dataset/prepare_dataset.log").read_text()
+    refused = [line for log in (tmp_path / "logs/my-images-cpu/train_segment").glob("*.log")
+               for line in log.read_text().splitlines() if line.startswith("diffrelay: error:")]
+    assert len(refused) == 1 and "or captions edited: image dogs/3.png changed); restore them" in refused[0], refused
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from snakemake.utils import update_config
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from diffrelay import config as drconfig  # noqa: E402
 from diffrelay.evaluation import protocol  # noqa: E402
+from diffrelay.data import sources as drsources  # noqa: E402
 from diffrelay.config import preflight  # noqa: E402
 from diffrelay import nets as drnets  # noqa: E402
 from diffrelay import logs as drlogs  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from diffrelay import config, io, logs
 from diffrelay.config import preflight
-from diffrelay.data import datasets, encoders, encoding
+from diffrelay.data import datasets, encoders, encoding, sources
 from diffrelay.errors import UserError
 from diffrelay.runtime import claims, distributed, parallel
 from diffrelay.text import cache
@@ -98,6 +98,7 @@ def prepare_pixels(args, cfg, out: Path) -> int:
     checks(args, cfg, out)
     # Fingerprint first (cheap checks, then hashing a folder's files): an unchanged source means no work.
     plan = datasets.plan(cfg.data)
+    unchanged(args, cfg, out, plan)
     if datasets.is_current(out, plan):
         log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
         return 0
@@ -123,6 +124,7 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
                 preflight.net_geometry(cfg, ", ".join(args.config))  # the factor must divide the resolution
             plan = with_text(datasets.plan(cfg.data, encoders.resolve(cfg.data, cfg.run.resources) if latent
                                            else None), cfg.data)
+            unchanged(args, cfg, out, plan)
             if is_current(out, plan):
                 log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
                 for w, remove in ((work, encoding.remove_work), (text_work, cache.remove_work)):
@@ -227,9 +229,23 @@ def encoded_on(device, processes: int) -> dict:
     return {"device": device.type, "name": name, "processes": processes, "torch": torch.__version__}
 
 
+def is_runs(cfg, out: Path) -> bool:
+    """`out` is the run's own dataset folder (the workflow's), not one given elsewhere by hand."""
+    return out.resolve().parent == config.run_dir(cfg).resolve()
+
+
+def unchanged(args, cfg, out: Path, plan) -> None:
+    """A source changed since the run's checkpoints were trained on it is said, with what changed, before it is
+    prepared anew (training then refuses to continue the run on it: data/sources.py)."""
+    if is_runs(cfg, out):
+        sources.warn_if_changed(config.run_dir(cfg), plan, f"{', '.join(args.config)}: "
+                                + (f"data.path={cfg.data.path}" if cfg.data.kind == "folder" else "data"))
+
+
 def done(cfg, out: Path, plan, info: dict, t0: float) -> None:
-    if out.resolve().parent == config.run_dir(cfg).resolve():
+    if is_runs(cfg, out):
         preflight.write_run_record(cfg)
+        sources.write(config.run_dir(cfg), plan)
     logs.get().info(f"prepare: wrote {info['count']} images from {plan.source}, {info['num_classes']} classes, "
                     f"{len(info['skipped'])} skipped, in {logs.fmt_duration(time.time() - t0)} -> {out}")
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffrelay import config, io, logs, nets, objectives
 from diffrelay.config import preflight
-from diffrelay.data import augment, datasets, latents, loader
+from diffrelay.data import augment, datasets, latents, loader, sources as data_sources
 from diffrelay.data.order import step_seed
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
@@ -80,11 +80,9 @@ def _check_resume(cfg, path, meta, data, traj: str) -> None:
     if key:
         raise UserError(f"{path}: made with model.{key}={config.lookup(made, key)!r}; this config "
                         f"has model.{key}={config.lookup(model, key)!r}; use the same model settings to resume from it")
-    if config.is_same_run(meta, traj) and meta.get("dataset_fingerprint") != data.fingerprint:
-        raise UserError(f"{path}: trained on a dataset with fingerprint {str(meta.get('dataset_fingerprint'))[:12]}, "
-                        f"but {data.path} now has {data.fingerprint[:12]} (images added, removed or changed); "
-                        f"restore the images, or start a new run.name to train on the new set")
-    text_source.check_resume(path, meta, data.text)  # the same text encoders, by sha256 and settings
+    text_source.check_resume(path, meta, data.text)  # the same text encoders, by sha256 and settings: said first
+    if config.is_same_run(meta, traj):  # the dataset it was trained on; what changed, where the run's record knows
+        data_sources.check_trained_on(path, meta.get("dataset_fingerprint"), data, config.run_dir(cfg))
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -138,7 +136,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     device, log, data = _set_up(cfg, dataset_dir or run_dir / "dataset")
     rank, world = distributed.rank(), distributed.world()
     final_ckpt = run_dir / "checkpoints" / checkpoint.step_name(until)
-    if _already_done(final_ckpt, cfg, traj, until, record_path, log):
+    if _already_done(final_ckpt, cfg, traj, until, record_path, log, data):
         return 0
     _check_writable(run_dir)
     if distributed.is_main():
@@ -275,8 +273,9 @@ def _set_up(cfg, dataset_dir):
     return device, log, dataclasses.replace(data, text=text_source.for_training(cfg.data, data, device))
 
 
-def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log) -> bool:
-    """A complete checkpoint of this trajectory at `until` means nothing to do (the record is rewritten)."""
+def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log, data) -> bool:
+    """A complete checkpoint of this trajectory and dataset at `until` means nothing to do (the record is rewritten);
+    after its images, captions or text encoders changed the finished run refuses, as a resumed one does."""
     if not checkpoint.is_complete(final_ckpt):
         return False
     checkpoint.verify_checkpoint(final_ckpt)
@@ -286,6 +285,7 @@ def _already_done(final_ckpt: Path, cfg, traj: str, until: int, record_path, log
         key = config.first_difference(config.trajectory(made["config"]), config.trajectory(cfg)) or "train"
         raise UserError(f"{final_ckpt}: exists but was made with other settings ({key} differs); "
                         "use a new run.name for these settings (nothing was deleted)")
+    _check_resume(cfg, final_ckpt, made, data, traj)
     log.info(f"{final_ckpt} already exists; nothing to do")
     if distributed.is_main():
         _write_record(record_path, final_ckpt, until, traj)

@@ -1,0 +1,150 @@
+"""What a run's dataset was made from, so a changed source is noticed and said.
+
+- `listing`: a cheap digest of the source's file names, sizes and mtimes (data.path, data.val_path, a caption table,
+  the text encoders' and the encoder's weights), no file read: the Snakefile's `prepare_dataset` param, so an edited
+  caption or image reruns `prepare` instead of leaving a finished run at "Nothing to be done".
+- `record`: per source file, its sha256 and caption, with the text encoders' and the encoder's sha256: written beside
+  a run's dataset (`<run>/dataset-sources.json`) when `prepare` builds it, with what changed since the one before.
+- `warn_if_changed`: `prepare` of a run that has checkpoints says what changed in its source (images added, removed
+  or changed, captions edited, encoders swapped) before it builds the new dataset; `check_trained_on`: training
+  (a resumed segment, or a finished one Snakemake runs again) then refuses in one line, naming what changed.
+
+Torch-free (the Snakefile imports it).
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from diffrelay import io, logs
+from diffrelay.errors import UserError
+
+RECORD = "dataset-sources.json"
+SHOWN = 3  # names given per kind of change; the count says the rest
+
+
+def listing(data: dict) -> str:
+    """A digest of (name, size, mtime) of every file under the source's folders and files; no file is read."""
+    roots = [data.get("path"), data.get("val_path"), data.get("encoder_path")]
+    roots += [e.get("path") for e in data.get("text_encoders") or []]
+    cap = data.get("captions", "none")
+    if cap not in ("none", "auto"):  # a caption table, wherever it lies
+        roots.append(cap)
+    h = hashlib.sha256()
+    for root in (Path(r).expanduser() for r in roots if r):
+        h.update(f"{root}\0".encode())
+        for rel, st in _walk(root):
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _walk(root: Path):
+    """(relative path, stat) of root (a file) or of every file below it, sorted; what cannot be read is skipped
+    (prepare says why, in one line)."""
+    try:
+        if root.is_file():
+            yield "", root.stat()
+            return
+        for top, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                path = Path(top) / name
+                try:
+                    yield path.relative_to(root).as_posix(), path.stat()
+                except OSError:
+                    continue
+    except OSError:
+        return
+
+
+def record(plan) -> dict:
+    """Per source file its sha256 (first 16 hex digits) and caption, and the encoders' sha256, of a dataset plan."""
+    def captions(files, rows, texts):
+        return {str(f[0]): " | ".join(texts[i] for i in r) for f, r in zip(files, rows)} if texts else {}
+
+    return {"fingerprint": plan.fingerprint,
+            "files": {str(f[0]): (f[1] or "")[:16] if len(f) > 1 else "" for f in plan.files},
+            "captions": captions(plan.files, plan.caption_rows, plan.texts),
+            "val_files": {str(f[0]): (f[1] or "")[:16] if len(f) > 1 else "" for f in plan.val_files},
+            "val_captions": captions(plan.val_files, plan.val_caption_rows, plan.val_texts),
+            "text_encoders": [r.get("sha256") for r in plan.text],
+            "encoder": (plan.latent or {}).get("sha256")}
+
+
+def changes(was: dict, now: dict) -> str:
+    """What differs between two records, in words: 'image a.png changed, 2 images added (b.png, c.png), ...'."""
+    out = []
+    for key, what in (("files", "image"), ("val_files", "held-out image")):
+        a, b = was.get(key, {}), now.get(key, {})
+        out += _said(what, "changed", [k for k in b if k in a and a[k] != b[k]])
+        out += _said(what, "added", [k for k in b if k not in a])
+        out += _said(what, "removed", [k for k in a if k not in b])
+    for key, what in (("captions", "caption"), ("val_captions", "held-out caption")):
+        a, b = was.get(key, {}), now.get(key, {})
+        edited = [k for k in b if k in a and a[k] != b[k]]
+        out += [f"{what} of {_names(edited)} edited" if len(edited) == 1 else
+                f"{len(edited)} {what}s edited ({_names(edited)})"] if edited else []
+    if was.get("text_encoders") != now.get("text_encoders"):
+        out.append("the text encoders' weights changed (sha256 " + ", ".join(
+            f"{str(x)[:12]} -> {str(y)[:12]}" for x, y in zip(was.get("text_encoders") or [None],
+                                                            now.get("text_encoders") or [None]) if x != y) + ")")
+    if was.get("encoder") != now.get("encoder"):
+        out.append(f"the encoder's weights changed (sha256 {str(was.get('encoder'))[:12]} -> "
+                   f"{str(now.get('encoder'))[:12]})")
+    return ", ".join(out) or "its settings changed"
+
+
+def _said(what: str, how: str, names: list) -> list:
+    if not names:
+        return []
+    return [f"{what} {names[0]} {how}" if len(names) == 1 else f"{len(names)} {what}s {how} ({_names(names)})"]
+
+
+def _names(names: list) -> str:
+    return ", ".join(names[:SHOWN]) + (f", ... {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def trained(run_dir: Path) -> bool:
+    """The run has a checkpoint folder (a segment's or a recovery one): what was trained depends on its data."""
+    return any((Path(run_dir) / "checkpoints").glob("step_*"))
+
+
+def read(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        return None
+    rec = io.read_json(path)
+    return rec if isinstance(rec, dict) else None
+
+
+def warn_if_changed(run_dir: Path, plan, where: str) -> None:
+    """`prepare` builds a changed source anew (the run's checkpoints then refuse to continue on it): say first
+    what changed since they were trained."""
+    was = read(run_dir)
+    if was is not None and was.get("fingerprint") != plan.fingerprint and trained(run_dir):
+        logs.get().warning(f"{where}: changed since {Path(run_dir).name} was trained on it: "
+                           f"{changes(was, record(plan))}; preparing the new dataset (fingerprint "
+                           f"{plan.fingerprint[:12]}); the run's checkpoints will not continue on it: restore the "
+                           "files, or start a new run.name to train on them")
+
+
+def write(run_dir: Path, plan) -> None:
+    """Record what the run's dataset is made from (atomically), with what changed since the one before it."""
+    was, now = read(run_dir), record(plan)
+    if was is not None and was.get("fingerprint") != plan.fingerprint:
+        now["previous"] = {"fingerprint": was.get("fingerprint"), "changes": changes(was, now)}
+    io.write_bytes(Path(run_dir) / RECORD, json.dumps(now, sort_keys=True).encode())
+
+
+def check_trained_on(path, trained_on: str | None, data, run_dir: Path) -> None:
+    """A checkpoint (at `path`, trained on the dataset of fingerprint `trained_on`) continues only on that dataset:
+    one line naming both fingerprints and, where the run's record knows it, what changed."""
+    if trained_on == data.fingerprint:
+        return
+    rec = read(run_dir) or {}
+    known = rec.get("fingerprint") == data.fingerprint and (rec.get("previous") or {}).get("fingerprint") == trained_on
+    what = f": {rec['previous']['changes']}" if known else ""
+    raise UserError(f"{path}: trained on a dataset with fingerprint {str(trained_on)[:12]}, but {data.path} now has "
+                    f"{data.fingerprint[:12]} (images added, removed or changed, or captions edited{what}); restore "
+                    "them, or start a new run.name to train on the new set")
