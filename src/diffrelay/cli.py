@@ -292,19 +292,27 @@ def main(argv=None) -> int:
 def entry() -> None:
     """The `diffrelay` command and `python -m diffrelay`: main(), then a quick exit.
 
-    Python's own shutdown tears down every module object torch loaded, one by one: 0.4 s of each process
-    on an idle 2-core machine (more under load), paid by every job of a run and every hand-run command.
+    Python's own shutdown tears down every module object torch loaded, one by one, paid by every job of a run
+    and every hand-run command: 0.70 s of CPU and 1.8 s of wall time of a process with a training job's modules
+    loaded (benchmarks/bench_internals.py, results/internals.json: median of 7 paired runs on a shared 2-core
+    machine at load average 5-10; 0.4-0.7 s of wall time when idle, docs/benchmarks.md#start-up).
     Everything shutdown does that matters runs here first, in its order: non-daemon threads are joined and
     concurrent.futures' pools shut down (threading._shutdown), then the atexit handlers (logging's flush,
     multiprocessing's clean-up of child processes), then the standard streams are flushed. Only the module
-    teardown is skipped. An uncaught exception still takes Python's normal path (its traceback)."""
+    teardown is skipped. threading._shutdown and atexit._run_exitfuncs are private to Python, with no public
+    equivalent, and themselves cost nothing measurable (the benchmark's bare_exit); tests/test_internals.py fails,
+    naming them, where a Python renames them, and such a Python takes its own shutdown here. An uncaught
+    exception still takes Python's normal path (its traceback)."""
     code = main()
     import atexit
     import os
     import threading
 
-    threading._shutdown()
-    atexit._run_exitfuncs()
+    shutdown, exit_functions = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or exit_functions is None:
+        sys.exit(code)
+    shutdown()
+    exit_functions()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
