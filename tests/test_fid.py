@@ -324,3 +324,27 @@ def test_an_unwritable_cache_folder_keeps_the_written_statistics(data, tmp_path,
     plain = fid.make_ref(data["dataset"], data["ext"], num=20, out=tmp_path / "b.npz", device="cpu")
     assert "statistics not cached" in caplog.text and blocker.read_text().startswith("a file")
     assert np.array_equal(fid.load_ref(out)["mu"], fid.load_ref(plain)["mu"])
+
+
+def test_a_reference_of_no_more_images_than_features_is_said_in_scores_md_with_the_images_needed(data, tmp_path,
+                                                                                                  caplog):
+    """Issue 53, friction 3: a singular reference was said only in fid-ref's job log. `data`'s reference holds
+    N = 128 images for the random extractor's 128 features; the score carries both, and scores.md says it."""
+    from test_report import make_run
+
+    caplog.set_level("WARNING")
+    fid.make_ref(data["dataset"], data["ext"], num=20, out=tmp_path / "small.npz", device="cpu")
+    assert "20 images for its 128 features (it needs at least 129)" in caplog.text
+    result = fid.score(write_pngs(tmp_path / "few", shapes(8, seed=5)), data["ref"], data["ext"])
+    assert (result["num_ref"], result["feature_dim"]) == (N, extractor.RANDOM_DIM) == (128, 128)
+    run = make_run(tmp_path)
+    for path in (run / "metrics" / "fid").iterdir():
+        path.write_text(json.dumps(result))
+    assert cli.main(["report", "--run-dir", str(run), "--out", str(run / "report")]) == 0
+    text = (run / "report" / "scores.md").read_text()
+    warning = ("**Warning:** the reference of FD (random features) has 128 images for its 128 features (it needs at "
+               "least 129): its covariance is singular and FD (random features) is unreliable; hold out at least 129 "
+               "images (data.val_fraction, data.val_path), or use at least 129 reference images (fid.ref_images, "
+               "0 = all).")
+    assert text.count("**Warning:**") == 1 and warning in text.splitlines()
+    assert text.index("| step 8 |") < text.index(warning)  # under the table

@@ -89,7 +89,7 @@ def fake_run(run_dir, resumed=True):
     (run_dir / "trained" / "step_0000004.json").write_text('{"step": 4}')
     for name, fid in (("step_0000004", 3.0), ("step_0000004_g2", 2.0)):
         (run_dir / "metrics" / "fid" / f"{name}.json").write_text(json.dumps(
-            {"fid": fid, "kid": 0.1, "images": str(run_dir / "samples" / name), "scores": [{"fid": fid}]}))
+            {"fid": fid, "kid": 0.1, "images": str(run_dir / "samples" / name), "scores": [{"fid": fid, "kid": 0.1}]}))
     from PIL import Image
 
     for name, done in (("step_0000004", True), ("step_0000004_g2", False)):
@@ -465,3 +465,98 @@ def test_the_track_command_never_replaces_a_file_it_did_not_write(tmp_path, monk
             f"out=None, log={str(log)!r}, final=False, wait_minutes=0)))")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert log.read_text().startswith("a user's notes\n") and "diffrelay track" in log.read_text()
+
+
+# --- issue 53: every score of metrics.csv reaches every tracker ---------------------------------------------------
+
+def scored_file(fid=3.0, clip=31.5, **more) -> dict:
+    """A score file as `diffrelay fid` writes it for a text run scored with fid.metrics and two extractors: each
+    extractor's entry (the primary's repeated at the top level) and the file's CLIP score, a dict."""
+    scores = [{"metric": "FID-8", "fid": fid, "kid": 0.1, "precision": 0.5, "recall": 0.25, "sfid": 4.5, "is": 7.0,
+               "num_ref": 60, "reference": "reference_inception-2015-12-05.npz", **more},
+              {"metric": "FD_DINOv2-8", "fid": 30.0, "kid": 0.2, "precision": 0.4, "recall": 0.3, "num_ref": 60,
+               "reference": "reference_dinov2-vitl14.npz"}]
+    return {**scores[0], "scores": scores, "num_images": 8, "mode": "clean", "seconds": 2.0, "finished": 500.0,
+            "clip_score": {"clip_score": clip, "count": 8, "model": "clip-vit", "model_sha256": "ab" * 32}}
+
+
+def test_every_score_of_metrics_csv_reaches_both_trackers_under_its_column_name_and_a_non_number_is_named(
+        tmp_path, monkeypatch):
+    """Issue 53, defect 3: the CLIP score (a dict in the score file) never reached W&B or MLflow. Every score column
+    of metrics.csv must, under its name, read as the report reads it; a value no tracker takes is one warning."""
+    import io
+    import types
+
+    import pandas as pd
+
+    from diffrelay.evaluation import columns, report
+
+    pytest.importorskip("wandb")
+    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
+    cfg = make_config(tmp_path, {"wandb": {}, "mlflow": {}})
+    run_dir = config.run_dir(cfg)
+    fake_run(run_dir)
+    (run_dir / "metrics" / "fid" / "step_0000004_g2.json").unlink()  # its samples are still being written
+    (run_dir / "metrics" / "fid" / "step_0000004.json").write_text(json.dumps(scored_file()))
+    (run_dir / "samples" / "step_0000004" / "manifest.json").write_text(json.dumps(
+        {"snapshot_sha256": "ab" * 32, "num_images": 8, "seconds": 1.0}))
+
+    # metrics.csv's rows and columns, as `diffrelay report` writes them
+    table = report.build_table(report.read_fid(run_dir), *report.read_train(run_dir), run_dir)
+    csv = pd.read_csv(io.StringIO(table[report.csv_columns(table)].to_csv(index=False)))
+    assert set(csv.columns) <= set(columns.TRACKED) | set(columns.NOT_SCORES), "a new column: score it or say why not"
+    expected = {}
+    for (_, row), ref in zip(csv.iterrows(), table.reference):
+        tag = "" if row["metric"] == "FID-8" else "_" + ref.removesuffix(".npz")
+        expected.update({f"eval/main/{k}{tag}": row[k] for k in columns.TRACKED if k in csv and pd.notna(row[k])})
+    assert "eval/main/clip_score" in expected and "eval/main/fid_reference_dinov2-vitl14" in expected
+    assert len(expected) == 7 + 4  # the primary's six scores and the CLIP score; DINOv2's fid, kid, precision, recall
+
+    logged = []
+
+    class Client:  # MLflow's client as mlflow_sink uses it (test_mlflow_metrics_carry_the_time_of_their_record...)
+        def __init__(self, tracking_uri):
+            pass
+
+        def log_batch(self, run_id, metrics, synchronous):
+            logged.extend(metrics)
+
+        def log_dict(self, *a):
+            pass
+
+        def set_tag(self, *a):
+            pass
+
+        def log_image(self, *a, **k):
+            pass
+
+    monkeypatch.setitem(sys.modules, "mlflow.entities", types.SimpleNamespace(Metric=lambda *a: a))
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", types.SimpleNamespace(MlflowClient=Client))
+    from diffrelay.tracking import mlflow_sink
+
+    monkeypatch.setattr(mlflow_sink, "find_run", lambda *a: "r")
+    result = publish.publish(cfg, "cmd", pytest.fail)  # no warning: every value is a number
+    assert result["wandb"]["error"] is None and result["mlflow"]["error"] is None
+    [wandb_row] = [r for r in wandb_history(run_dir) if "eval/main/fid" in r]
+    mlflow_row = {name: value for name, value, _, step in logged if name.startswith("eval/") and step == 4}
+    for got in ({k: v for k, v in wandb_row.items() if k.startswith("eval/main/")}, mlflow_row):
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=1e-5)  # metrics.csv keeps 6 digits
+
+    # Not a finite number (a NaN FID of broken samples, a string): one warning naming the file and the metric,
+    # once however many trackers; the file's other scores are sent.
+    bad = run_dir / "metrics" / "fid" / "step_0000004_g3.json"
+    bad.write_text(json.dumps(scored_file(fid=float("nan"), clip="n/a")))
+    rec = Recorder()
+    monkeypatch.setattr(publish, "sink", rec)
+    warnings = []
+    publish.publish(cfg, "cmd", warnings.append)
+    assert sorted(warnings) == [f"diffrelay: warning: {bad}: clip_score='n/a': not a finite number, which no tracker "
+                                "can take; not sent (the file's other scores are)",
+                                f"diffrelay: warning: {bad}: fid=nan: not a finite number, which no tracker can take; "
+                                "not sent (the file's other scores are)"]
+    for _, _, batch in rec.sent:
+        assert "fid" not in batch["evals"][("g3", 4)] and batch["evals"][("g3", 4)]["kid"] == 0.1
+    publish.publish(cfg, "cmd", pytest.fail)  # sent: not named again
+

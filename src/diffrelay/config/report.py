@@ -138,4 +138,8 @@ def main(args) -> int:
     memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))
     for note in settings.paper_notes(cfg.to_dict()):  # YAML comments, so stdout stays a valid config
         print(f"# note: {note}")
+    from diffrelay.evaluation import refsize  # a reference of no more images than features (scores.md says it too)
+
+    for warning in refsize.config_notes(cfg.to_dict(), preflight.count_images, config.run_dir(cfg) / "dataset"):
+        print(f"diffrelay: warning: {warning}", file=sys.stderr, flush=True)
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from diffrelay import io, logs
-from diffrelay.evaluation import features
+from diffrelay.evaluation import features, refsize
 from diffrelay.evaluation.metrics import distances, frechet, kernel_distance, statistics  # noqa: F401 (used here and by callers)
 from diffrelay.runtime import distributed, parallel
 from diffrelay.errors import UserError
@@ -184,9 +184,8 @@ def make_ref(dataset, extractor_path, out, *, mode="clean", num=0, batch_size=64
     [feats] = features.features(features.array_images(prepared.images, index, views), [ext], mode, batch_size,
                                 device, workers)
     mu, sigma = statistics(feats)
-    if len(index) <= feats.shape[1]:
-        log.warning(f"{dataset}: {len(index)} reference images for {feats.shape[1]} features: sigma is singular; "
-                    "use more images than features")
+    if refsize.singular(len(index), feats.shape[1]):  # scores.md says it too (each score's num_ref, feature_dim)
+        log.warning(f"{dataset}: {refsize.note(len(index), int(feats.shape[1]), ext.label)}")
     if len(feats) > MAX_FEATURES:
         feats = feats[np.sort(np.random.default_rng(0).choice(len(feats), MAX_FEATURES, replace=False))]
     settings = {"format": FORMAT, "mode": mode, "metric": ext.label, "extractor": ext.path.name,
@@ -338,8 +337,9 @@ def _distances_record(images, ext, label, feats, ref, ref_path) -> dict:
     elif min(len(feats), len(ref["features"])) > metrics.PR_NEIGHBOURS:
         extra["precision"], extra["recall"] = metrics.precision_recall(ref["features"], feats)
     return {"metric": metrics.metric_name(label, len(feats)), "fid": fd, "kid": kid, **extra,
-            "num_ref": ref["settings"]["num_images"], "reference": Path(ref_path).name, "ref": str(ref_path),
-            "extractor": str(ext.path), "extractor_sha256": ext.sha256}
+            "num_ref": ref["settings"]["num_images"], "feature_dim": int(feats.shape[1]),  # scores.md: refsize.py
+            "reference": Path(ref_path).name, "ref": str(ref_path), "extractor": str(ext.path),
+            "extractor_sha256": ext.sha256}
 
 
 def _pairs(args) -> list[tuple[str, str]]:

@@ -29,13 +29,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from diffrelay import io, logs
-from diffrelay.evaluation import protocol, tables
+from diffrelay.evaluation import columns, protocol, refsize, tables
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
-COLUMNS = ["step", "phema", "phema_error", "ema_decay", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std", "fid_min", "kid", "precision",
-           "recall", "sfid", "is", "train_loss_mean", "train_skipped_steps", "train_images_per_s", "train_segment_s", "sample_s",
-           "sample_images_per_s", "fid_s"]
+# The score columns are columns.SCORES (fid first, then its spread over the seed sets), as the trackers send them.
+COLUMNS = ["step", "phema", "phema_error", "ema_decay", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std",
+           "fid_min", *columns.SCORES[1:], "train_loss_mean", "train_skipped_steps", "train_images_per_s",
+           "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
 # "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
 COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?\Z")
 
@@ -84,9 +85,10 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         ema = protocol.variant_ema(m.group(2))
         decay = protocol.variant_decay(m.group(2))
         prompts = protocol.variant_prompts(m.group(2))  # a text run's prompt file (sample.prompts k)
-        scores = rec.get("scores", [rec])  # files from before several extractors hold one score at the top
-        if not isinstance(scores, list) or not scores or not all(isinstance(r, dict) for r in scores):
-            raise UserError(f"{path}: scores={scores!r}: expected a list of results; regenerate it with `diffrelay fid`")
+        try:  # files from before several extractors hold one score at the top
+            scores = columns.entries(rec)
+        except ValueError as e:
+            raise UserError(f"{path}: {e}; regenerate it with `diffrelay fid`") from e
         for i, score in enumerate(scores):
             metric = score.get("metric")
             if not isinstance(metric, str) or not metric:
@@ -94,14 +96,11 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
             rows.append({"step": int(m.group(1)), "phema": math.nan if ema is None else ema,
                          "ema_decay": math.nan if decay is None else decay, "guidance": guidance, "seed_set": seed_set, "metric": metric,
                          "primary": i == 0, "num_images": _number(rec, "num_images", path, required=False),
-                         "fid": _number(score, "fid", path), "kid": _number(score, "kid", path, required=False),
-                         "precision": _number(score, "precision", path, required=False),
-                         "recall": _number(score, "recall", path, required=False),
-                         "sfid": _number(score, "sfid", path, required=False),
-                         "is": _number(score, "is", path, required=False),
-                         # a text run's CLIP score of the same images (one per file: on the primary row)
-                         "clip_score": _number(rec.get("clip_score") or {}, "clip_score", path, required=False)
-                         if i == 0 else math.nan,
+                         # every score column (a text run's CLIP score on the primary row): as the trackers read it
+                         **{k: _number(values, k, path, required=k == "fid")
+                            for values in [columns.values(rec, score, i == 0)] for k in columns.TRACKED},
+                         "num_ref": _number(score, "num_ref", path, required=False),
+                         "feature_dim": _number(score, "feature_dim", path, required=False),
                          "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
                          "mode": rec.get("mode"),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
@@ -110,15 +109,21 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
 
 
+def reference_notes(fid: pd.DataFrame) -> dict:
+    """metric -> the line scores.md prints under its table when its reference held no more images than the
+    extractor has features (each score entry's num_ref and feature_dim; refsize.py)."""
+    return {r.metric: refsize.note(int(r.num_ref), int(r.feature_dim), family(r.metric))
+            for r in fid.drop_duplicates("metric").itertuples() if refsize.singular(r.num_ref, r.feature_dim)}
+
+
 def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
     """One row per (step, post-hoc EMA width, EMA decay, guidance, metric): mean, standard deviation and minimum
     over the seed sets. Rows of the training's own (first) EMA have no width or decay (NaN), which must stay a
     group of its own."""
     groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "prompts", "metric"], sort=True, dropna=False)
-    out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), fid=("fid", "mean"),
-                     fid_std=("fid", "std"), fid_min=("fid", "min"), kid=("kid", "mean"),
-                     precision=("precision", "mean"), recall=("recall", "mean"), sfid=("sfid", "mean"),
-                     is_=("is", "mean"), clip_score=("clip_score", "mean"), reference=("reference", "first"),
+    means = {f"{k}_" if k == "is" else k: (k, "mean") for k in columns.TRACKED}
+    out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), **means,
+                     fid_std=("fid", "std"), fid_min=("fid", "min"), reference=("reference", "first"),
                      protocol=("protocol", "first"),
                      mode=("mode", "first"), fid_s=("fid_s", "mean"),
                      primary=("primary", "any"), grid=("grid", "first"), samples=("samples", list))
@@ -189,9 +194,8 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
         rows.append({
             "step": r.step, "phema": r.phema, "phema_error": samples[0]["phema_error"], "ema_decay": r.ema_decay,
             "guidance": r.guidance, "metric": r.metric, "num_images": r.num_images,
-            "seed_sets": r.seed_sets, "fid": r.fid, "fid_std": r.fid_std, "fid_min": r.fid_min, "kid": r.kid,
-            "precision": r.precision, "recall": r.recall, "sfid": r.sfid, "is": r.is_,
-            "reference": r.reference, "protocol": r.protocol, "mode": r.mode,
+            "seed_sets": r.seed_sets, **{k: getattr(r, f"{k}_" if k == "is" else k) for k in columns.TRACKED},
+            "fid_std": r.fid_std, "fid_min": r.fid_min, "reference": r.reference, "protocol": r.protocol, "mode": r.mode,
             "train_loss_mean": window.loss.mean() if len(window) else math.nan,
             # Updates skipped for non-finite loss or gradients since the start of the run, up to this step.
             "train_skipped_steps": train[train.step <= r.step].skipped.iloc[-1] if (train.step <= r.step).any()
@@ -199,16 +203,16 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "train_images_per_s": window.images_per_s.mean() if len(window) else math.nan,
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
             "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
-            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "clip_score": r.clip_score, "prompts": r.prompts,
+            "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "prompts": r.prompts,
         })
-    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode", "clip_score",
-                                       "prompts"])
+    return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode",
+                                       *columns.PER_FILE, "prompts"])
 
 
-def columns(table: pd.DataFrame) -> list:
-    """metrics.csv's columns: COLUMNS, and clip_score and prompts (sample.prompts's file k) where a text run has
-    them (other runs keep their file)."""
-    return COLUMNS + (["clip_score"] if table.clip_score.notna().any() else []) + (
+def csv_columns(table: pd.DataFrame) -> list:
+    """metrics.csv's columns: COLUMNS, and the per-file scores (clip_score) and prompts (sample.prompts's file k)
+    where a text run has them (other runs keep their file)."""
+    return COLUMNS + [k for k in columns.PER_FILE if table[k].notna().any()] + (
         ["prompts"] if (table.prompts > 0).any() else [])
 
 
@@ -363,8 +367,8 @@ def main(args) -> int:
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
-    io.write_text(out / "metrics.csv", table[columns(table)].to_csv(index=False, float_format="%.6g"))
-    io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name))
+    io.write_text(out / "metrics.csv", table[csv_columns(table)].to_csv(index=False, float_format="%.6g"))
+    io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name, reference_notes(fid)))
     plot_fid(table, best, run_dir.name, out / "fid.png", by_clip=getattr(args, "best_by", None) == "clip_score")
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated, objective_of(run_dir))
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it

@@ -220,5 +220,6 @@ def record(ext, label: str, feats, ref: dict, ref_path, wanted: set, device="cpu
     labels = {k: metrics.metric_name(label if k == "fid" else LABELS[k], n) for k in values}
     return {"metric": labels["fid"], "kid": None, **values, "labels": labels,
             "protocol": "adm" if on_adm else "clean-fid", "num_ref": ref["settings"]["num_images"],
+            "feature_dim": int(pool.shape[1]),  # with num_ref: scores.md says when the reference is singular
             "reference": Path(ref_path).name, "ref": str(ref_path), "extractor": str(ext.path),
             "extractor_sha256": ext.sha256}

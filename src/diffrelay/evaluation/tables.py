@@ -45,8 +45,9 @@ def _same(part: pd.DataFrame, r: dict) -> pd.Series:
     return same
 
 
-def scores_table(table: pd.DataFrame, run_name: str) -> str:
-    """Markdown of the report's rows (report.build_table): one row per (snapshot, guidance) and image count."""
+def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) -> str:
+    """Markdown of the report's rows (report.build_table): one row per (snapshot, guidance) and image count;
+    under each table, the `notes` (metric -> line: a singular reference, refsize.py) of its metrics."""
     out = [f"# {run_name}: scores of each evaluated snapshot", ""]
     for count, part in table.groupby(table.num_images.fillna(0), sort=True):
         label = metrics.count_label(int(count)) if count else "?"
@@ -77,4 +78,6 @@ def scores_table(table: pd.DataFrame, run_name: str) -> str:
         named = "; ".join(f"{r['metric']} against {r['reference']} ({'ADM evaluator' if r['protocol'] == 'adm' else 'clean-fid'}"
                           f", {r['mode']} mode)" for r in part.drop_duplicates("metric").to_dict("records"))
         out += ["", f"{named}. Means over {int(part.seed_sets.max())} seed set(s).", ""]
+        said = dict.fromkeys(notes[m] for m in part.metric.unique() if m in (notes or {}))  # once each, in order
+        out += [line for text in said for line in (f"**Warning:** {text}.", "")]
     return "\n".join(out)

@@ -85,6 +85,18 @@ def readable_grids(batch: dict, bad: dict, warn) -> dict:
     return {**batch, "grids": keep}
 
 
+def name_rejected(rec, batch: dict, said: set, warn) -> None:
+    """One warning per score of `batch` that no tracker can take (records.Records.rejected: not a finite number),
+    naming the file and the metric, once per publish; the file's other scores are sent."""
+    for key in batch["evals"]:
+        path, bad = rec.rejected.get(key, ("", {}))
+        for metric, value in bad.items():
+            if (key, metric) not in said:
+                said.add((key, metric))
+                warn(f"diffrelay: warning: {path}: {metric}={repr(value)[:80]}: not a finite number, which no "
+                     "tracker can take; not sent (the file's other scores are)")
+
+
 def _counts(batch: dict) -> dict:
     return {"train_steps": len(batch["train"]), "scores": len(batch["evals"]), "grids": len(batch["grids"]),
             "config": batch["config"] is not None}
@@ -121,10 +133,11 @@ def publish(cfg, command: str, warn, wait_s: float = 1800.0) -> dict:
         conf = settings.run_config(d, traj, rec.snapshots)
         ledger_path = track_dir / "ledger.json"
         ledger = ledgers.load(ledger_path)
-        bad_grids = {}
+        bad_grids, said = {}, set()
         for name in names:
             entry = ledgers.entry(ledger, name, rid, dests[name])
             full = ledgers.pending(entry, rec, conf)
+            name_rejected(rec, full, said, warn)
             batch = readable_grids(full, bad_grids, warn)
             skipped = ledgers.count(full) - ledgers.count(batch)
             n, t0, error = ledgers.count(batch), time.perf_counter(), None

@@ -5,7 +5,9 @@
   a step (the run that went on) wins;
 - every evaluation's scores (metrics/fid/<folder>.json) and grid (samples/<folder>/grid.png), each under a
   series named by the folder's variant suffix (evaluation/protocol.py): `main` for the plain folder, else the
-  suffix without its underscore (g1.5, ema0.08, n50000_g1.5_s1, p1 ...);
+  suffix without its underscore (g1.5, ema0.08, n50000_g1.5_s1, p1 ...). The scores are metrics.csv's score
+  columns, read as the report reads them (evaluation/columns.py), so every one reaches the trackers under its
+  column's name; a value that is not a finite number is kept out and named (`Records.rejected`);
 - the snapshots' sha256 by step, from the sample folders' manifests (no snapshot is hashed again here).
 """
 
@@ -15,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffrelay import logs
-from diffrelay.evaluation import protocol
+from diffrelay.evaluation import columns, protocol
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "images_per_s", "steps_per_s", "skipped")
-EVAL_KEYS = ("fid", "kid", "precision", "recall", "is", "sfid", "fd_dinov2", "clip_score")
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Records:
     # When each value was recorded, ms since the epoch: ("train", step) -> train.jsonl's time, (series, step) ->
     # the score file's `finished`. MLflow stamps metrics with them, so a re-sent metric is an exact duplicate.
     times: dict = field(default_factory=dict)
+    # (series, step) -> (score file, {metric: value}) of the values no tracker can take (not finite numbers)
+    rejected: dict = field(default_factory=dict)
 
 
 def series_of(variant: str) -> str:
@@ -76,19 +79,27 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
 
-def score_values(result: dict) -> dict:
-    """metric -> value of one score file: the primary extractor's at the top level, another extractor's
-    distances as <metric>_<its reference file's stem> (fd_dinov2 and the like keep their own names)."""
-    out = {k: v for k in EVAL_KEYS if (v := _number(result.get(k))) is not None}
-    for other in (result.get("scores") or [])[1:]:
-        if not isinstance(other, dict):
-            continue
-        tag = _slug(Path(str(other.get("reference") or other.get("extractor") or "extra")).stem)
-        for k in EVAL_KEYS:
-            v = _number(other.get(k))
-            if v is not None:
-                out[k if k not in out else f"{k}_{tag}"] = v
-    return out
+def score_values(result: dict) -> tuple[dict, dict]:
+    """(metric -> value, metric -> rejected value) of one score file: each value metrics.csv has of it
+    (evaluation/columns.py), the primary extractor's row under its column's name (fid, kid, ..., clip_score),
+    another extractor's as <column>_<its reference file's stem>. A value that is not a finite number (NaN, a
+    string) goes to the second dict; one that is absent (None: not computed) to neither."""
+    try:
+        entries = columns.entries(result)
+    except ValueError:
+        return {}, {}  # not a score file's shape: `diffrelay report` refuses it with one line
+    out, bad = {}, {}
+    for i, entry in enumerate(entries):
+        tag = "" if i == 0 else "_" + _slug(Path(str(entry.get("reference") or entry.get("extractor") or "extra")).stem)
+        for k, v in columns.values(result, entry, i == 0).items():
+            if v is None:
+                continue
+            name = f"{k}{tag}" if f"{k}{tag}" not in out | bad else f"{k}{tag}_{i}"  # two references of one stem
+            if _number(v) is None:
+                bad[name] = v
+            else:
+                out[name] = _number(v)
+    return out, bad
 
 
 def _read_json(path: Path):
@@ -106,9 +117,14 @@ def collect(run_dir, until: int | None = None) -> Records:
     rec.train = train_records(run_dir, rec.trained_until, rec.times)
     for path in sorted((run_dir / "metrics" / "fid").glob("step_*.json")):
         key, result = _folder(path.stem), _read_json(path)
-        if key and isinstance(result, dict) and (values := score_values(result)):
+        if not key or not isinstance(result, dict):
+            continue
+        values, bad = score_values(result)
+        if values or bad:  # a file of rejected values only is sent as nothing, so it is named once
             rec.evals[key] = values
             rec.times[key] = _ms(result.get("finished"))
+        if bad:
+            rec.rejected[key] = (str(path), bad)
     for folder in sorted((run_dir / "samples").glob("step_*")):
         key = _folder(folder.name)
         manifest = _read_json(folder / "manifest.json") if key else None

@@ -45,7 +45,8 @@ def send(cfg: dict, ident: dict, batch: dict, where) -> None:
         for step, values in sorted(batch["train"].items()):
             run.log({"train/step": step, **{f"train/{k}": v for k, v in values.items()}})
         for (series, step), values in sorted(batch["evals"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            run.log({"eval/step": step, **{f"eval/{series}/{k}": v for k, v in values.items()}})
+            if values:  # a score file of rejected values only (records.py) is no row
+                run.log({"eval/step": step, **{f"eval/{series}/{k}": v for k, v in values.items()}})
         for (series, step), path in sorted(batch["grids"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
             run.log({"eval/step": step, f"samples/{series}": wandb.Image(path, caption=f"step {step} {series}")})
     except BaseException:
