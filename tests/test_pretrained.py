@@ -322,3 +322,27 @@ def test_a_solver_given_to_diffrelay_sample_replaces_the_pipeline_sampler(sd, tm
         args = cli.build_parser().parse_args(["sample", "--snapshot", "s.safetensors", "--out", "o", *flags])
         s, _ = settings.from_args(args, json.loads(json.dumps(d)), config.validate)
         assert (s.scheduler, s.solver) == want, flags
+
+
+def test_the_docs_example_over_the_base_config_validates_on_a_small_fine_tune_set(sd, tmp_path):
+    """docs/pretrained.md's first example, layered over config/config.yaml as the README layers every file: the
+    pipeline decides class conditioning (the base's class_conditional: true is no refusal), and the base's
+    fid.ref_images: 1000 does not refuse 60 images, whose held-out split is the reference."""
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    repo = Path(__file__).resolve().parents[1]
+    example = re.search(r"```yaml\n(.*?)```", (repo / "docs/pretrained.md").read_text(), re.S).group(1)
+    example = example.replace("/models/stable-diffusion-v1-5", str(sd)).replace("my-images", str(tmp_path / "imgs"))
+    rng = np.random.default_rng(0)
+    (tmp_path / "imgs").mkdir()
+    for i in range(60):
+        Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype="uint8")).save(tmp_path / "imgs" / f"{i}.png")
+        (tmp_path / "imgs" / f"{i}.txt").write_text(f"photo {i}")
+    (tmp_path / "ex.yaml").write_text(example)
+    cfg = config.load([repo / "config/config.yaml", tmp_path / "ex.yaml"],
+                      {"run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources")}})
+    assert cfg.model.class_conditional is False and cfg.fid.ref_images == 1000 and cfg.data.val_fraction > 0
+    preflight.check_inputs(cfg, "ex.yaml")

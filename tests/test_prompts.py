@@ -185,3 +185,20 @@ def test_file_problems(tmp_path):
 def test_utf8_byte_order_mark_and_unicode(tmp_path):
     path = write(tmp_path, "p.txt", "\ufeffune tasse de caf\u00e9\n\u732b\n".encode(), binary=True)
     assert [p.prompt for p in prompts.read(path)] == ["une tasse de caf\u00e9", "\u732b"]
+
+
+def test_validate_says_how_many_images_a_prompt_file_gives_and_which_key_wins(tmp_path):
+    """A prompt file's images (num_images per entry, 1 where unset) replace sample.num_images; validate says so."""
+    from diffrelay import config
+    from diffrelay.config import report
+
+    f = tmp_path / "p.yaml"
+    f.write_text("- a cat\n- {prompt: a dog, num_images: 3}\n")
+    d = config.validate({"data": {"captions": "auto", "text_encoders": [{"path": str(tmp_path)}], "val_fraction": 0.1},
+                         "model": {"arch": "diffusers-unet", "class_conditional": False},
+                         "sample": {"prompts": str(f), "num_images": 256}})
+    assert report.sample_line(config.Config(d)) == (
+        f"# sample: {f}: 2 prompts, 1-3 images each, 4 images a checkpoint and guidance scale (a prompt's "
+        "num_images, 1 where the file sets none); sample.num_images=256 applies only without a prompt file")
+    d["sample"]["prompts"] = None
+    assert "one image per held-out caption, at most sample.num_images=256" in report.sample_line(config.Config(d))

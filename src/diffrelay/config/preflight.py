@@ -66,7 +66,10 @@ def check_inputs(cfg, source: str) -> None:
         if not root.is_dir():
             what = "is not a folder" if root.exists() else "folder not found"
             raise UserError(f"{source}: data.path={d.path}: {what}; set data.path to an existing image folder")
-        need = max(2, f.ref_images)
+        held_out = d.captions != "none" and (d.val_fraction > 0 or d.val_path)
+        # A text run's reference is its held-out split, which fid-ref takes whole when fid.ref_images (the base
+        # config's 1000) asks for more: a 60-image fine-tune set is no reason to refuse.
+        need = 2 if held_out else max(2, f.ref_images)
         have = count_images(root, need)
         if have < need:
             raise UserError(f"{source}: data.path={d.path}: {have} images, but FID needs "

@@ -71,6 +71,28 @@ def text_line(cfg: config.Config) -> str | None:
     return f"# text: {len(records)} encoder(s), {per / 2**20:.3g} MiB a caption in {dtype}, {total}; {use}"
 
 
+def sample_line(cfg: config.Config) -> str | None:
+    """What a text run samples at each checkpoint (and guidance scale), as a YAML comment: a prompt file's images
+    replace sample.num_images; held-out captions give one image each, up to it. None without text."""
+    s = cfg.sample
+    if cfg.data.captions == "none":
+        return None
+    files = [s.prompts] if isinstance(s.prompts, str) else list(s.prompts or [])
+    if files:
+        from diffrelay.sampling import prompts
+
+        parts = []
+        for f in files:
+            entries = prompts.read(f)
+            each = sorted({e.num_images for e in entries})
+            per = f"{each[0]} image{'s' * (each[0] > 1)} each" if len(each) == 1 else f"{each[0]}-{each[-1]} images each"
+            parts.append(f"{f}: {len(entries)} prompts, {per}, {sum(e.num_images for e in entries)} images")
+        return (f"# sample: {'; '.join(parts)} a checkpoint and guidance scale (a prompt's num_images, 1 where the "
+                f"file sets none); sample.num_images={s.num_images} applies only without a prompt file")
+    return (f"# sample: one image per held-out caption, at most sample.num_images={s.num_images}, a checkpoint and "
+            "guidance scale")
+
+
 def classes_assumed(cfg: config.Config) -> bool:
     """True when preflight.num_classes counted data.path's subfolders: prepare's count may differ (a folder
     without images), so until the dataset is prepared the class count is an assumption."""
@@ -130,9 +152,9 @@ def main(args) -> int:
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(network_line(cfg, params, classes))  # a YAML comment, so stdout stays a valid config
-    line = text_line(cfg)
-    if line:
-        print(line)
+    for line in (text_line(cfg), sample_line(cfg)):
+        if line:
+            print(line)
     from diffrelay.config import memory  # `# memory:` lines, and a warning when the GPUs are too small
 
     memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))

@@ -81,7 +81,9 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
                                  f"drop it ({pipe.net}/config.json is the network's config)"))
     if m["objective"] not in ("edm", kind):
         bad.append(_conflict("model.objective", m["objective"], kind, "drop it (its scheduler says)"))
-    m.update(arch=arch, kwargs=kwargs, objective=kind)
+    # The pipeline decides: its network takes prompts, not classes (the base config's class_conditional: true
+    # would otherwise refuse every pipeline layered over it).
+    m.update(arch=arch, kwargs=kwargs, objective=kind, class_conditional=False)
     if kind == "ddpm":
         given = m.get("ddpm") or {}
         for key in ("beta_schedule", "beta_start", "beta_end"):
