@@ -248,6 +248,17 @@ def test_a_pipeline_run_samples_with_the_folders_scheduler_unless_told_otherwise
                                                           "scheduler_kwargs": {"timestep_spacing": "trailing"}}})
     built = schedulers.build(settings.Settings.from_section(d["sample"]), d["model"], "ft.yaml")
     assert (built.config.prediction_type, built.config.timestep_spacing) == ("v_prediction", "trailing")
+    # Another class (--scheduler, sample.scheduler) takes the folder's keys it accepts first, as diffusers'
+    # EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config) does; the run's schedule over them.
+    import diffusers
+
+    d = config.validate({**raw(tmp_path, pipe), "sample": {"steps": 4, "scheduler": "EulerAncestralDiscreteScheduler"}})
+    built = schedulers.build(settings.Settings.from_section(d["sample"]), d["model"], "ft.yaml")
+    want = diffusers.EulerAncestralDiscreteScheduler.from_config(
+        diffusers.EulerDiscreteScheduler.from_pretrained(pipe / "scheduler").config)
+    assert (built.config.timestep_spacing, built.config.steps_offset) == ("leading", 1)
+    keys = [k for k in built.config if not k.startswith("_")]  # from_config also carries keys the class ignores
+    assert {k: built.config[k] for k in keys} == {k: want.config[k] for k in keys}
     # A solver of one's own keeps the objective's sampler; without a pipeline, `pipeline` is one line.
     assert config.validate(raw(tmp_path, pipe))["sample"]["scheduler"] is None  # raw() sets solver: ddim
     scratch = {"model": {"objective": "flow"}, "sample": {"scheduler": "pipeline", "solver": "euler"}}

@@ -13,7 +13,9 @@ The scheduler is built from the run's schedule, so it samples the objective the 
 sample.scheduler_kwargs adds the scheduler's other config keys (use_karras_sigmas, algorithm_type, ...).
 sample.scheduler: pipeline (a model.pretrained run's default) is the class and keys of the folder's
 scheduler/scheduler_config.json, the pipeline's own sampler when it is called; the run's keys above are set over
-them, and scheduler_kwargs over those.
+them, and scheduler_kwargs over those. Another class named over a model.pretrained run takes the folder's keys it
+accepts first, as diffusers users write `Class.from_config(pipe.scheduler.config)` (SD's timestep_spacing "leading"
+and steps_offset 1, not the class defaults "linspace" and 0).
 
 One generator per image, as a pipeline called with generator=[one per image]: the image's seed draws its initial
 noise (randn per image, then x init_noise_sigma: prepare_latents) and then every noise the scheduler's step draws
@@ -114,11 +116,15 @@ def build(s, model_cfg: dict, source):
 
     kind = objective(model_cfg)
     check(s, kind, source)
-    name, config = pipeline_scheduler(model_cfg, kind, source) if s.scheduler == PIPELINE else (s.scheduler, {})
+    if s.scheduler == PIPELINE:
+        name, config = pipeline_scheduler(model_cfg, kind, source)
+    else:  # another class over a pipeline's folder: its keys too, as Class.from_config(pipe.scheduler.config)
+        name, config = s.scheduler, folder_keys(model_cfg)
     cls = getattr(diffusers, name)
     params = inspect.signature(cls.__init__).parameters
     # The folder's keys the class takes (a Hub config may carry keys of other classes, which diffusers'
-    # from_config ignores too); a key of the user's that the class lacks is an error below.
+    # from_config ignores too), then the run's schedule, then the user's; a key of the user's that the class
+    # lacks is an error below.
     run = run_config(kind, model_cfg, s)
     if s.scheduler == PIPELINE and kind == "flow" and s.flow.shift == 1.0:
         run["shift"] = config.get("shift", 1.0)  # sample.flow.shift left at its default: the folder's (as expand)
@@ -147,6 +153,18 @@ def build(s, model_cfg: dict, source):
     return scheduler
 
 
+def folder_keys(model_cfg: dict) -> dict:
+    """model.pretrained's scheduler_config.json keys ({} without a pipeline): what diffusers users pass another
+    class with `Class.from_config(pipe.scheduler.config)` (timestep_spacing, steps_offset, ...)."""
+    from diffrelay.pretrained import folder
+
+    spec = (model_cfg or {}).get("pretrained")
+    if spec is None:
+        return {}
+    c = folder.config(folder.read(spec), "scheduler", "scheduler_config.json")
+    return {k: v for k, v in c.items() if not k.startswith("_")}
+
+
 def pipeline_scheduler(model_cfg: dict, kind: str, source) -> tuple[str, dict]:
     """(class name, config keys) of model.pretrained's scheduler/scheduler_config.json (sample.scheduler: pipeline):
     what the pipeline samples with when called, the run's own schedule keys then set over it by build."""
@@ -163,7 +181,7 @@ def pipeline_scheduler(model_cfg: dict, kind: str, source) -> tuple[str, dict]:
     if name not in FAMILY[kind]:
         raise UserError(f"{pipe.root / 'scheduler' / 'scheduler_config.json'}: _class_name {name} does not sample "
                         f"model.objective {kind}; set sample.scheduler to one of {', '.join(FAMILY[kind])}")
-    return name, {k: v for k, v in c.items() if not k.startswith("_")}
+    return name, folder_keys(model_cfg)
 
 
 def record(scheduler) -> dict:
