@@ -338,7 +338,9 @@ EDM_ERRORS = [
     ({"train": {"ema_halflife_kimg": 500}},
      "train.ema_halflife_kimg=500: EDM's one EMA replaces those of train.ema_decays=[0.999]; "
      "set train.ema_decays: []"),
-    ({"train": {"ema_decays": []}}, "train.ema_decays=[]: no EMA to sample; give at least one decay"),
+    ({"train": {"ema_decays": []}, "sample": {"ema_decay": 0.999}},
+     "sample.ema_decay=0.999: train.ema_decays: [] keeps no EMA, so sampling uses the raw weights; "
+     "set sample.ema_decay: null"),
     ({"train": {"ema_halflife_kimg": 500, "ema_decays": []}, "sample": {"ema_decay": 0.999}},
      "sample.ema_decay=0.999: train.ema_halflife_kimg=500 trains one EMA, which is sampled by default; "
      "set sample.ema_decay: null"),
@@ -363,7 +365,7 @@ EDM_ERRORS = [
 
 
 @pytest.mark.parametrize("over, message", EDM_ERRORS, ids=[
-    "half-life-with-decays", "no-ema", "ema-decay-with-half-life", "two-warm-ups", "inv-sqrt-without-ref",
+    "half-life-with-decays", "ema-decay-without-ema", "ema-decay-with-half-life", "two-warm-ups", "inv-sqrt-without-ref",
     "ref-without-inv-sqrt", "augment-dit", "augment-unet", "augment-adm-dim-0", "augment-ncsnpp-dim-0",
     "augment-latent", "augment-flow"])
 def test_each_bad_combination_is_one_line_naming_the_key_and_the_fix(over, message):

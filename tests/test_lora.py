@@ -1,6 +1,8 @@
 """train.lora: a peft adapter on a tiny SD pipeline's UNet trains alone (the base stays the pipeline's), K segments
 equal one run bit for bit, checkpoints hold the adapter only, diffusers' load_lora_weights reads the exported file
-to the same network output, and each misuse is one line (docs/pretrained.md, "LoRA"). Nothing is downloaded."""
+to the same network output, and each misuse is one line (docs/pretrained.md, "LoRA"); a run without an EMA
+(train.ema_decays: []) samples and exports its raw adapter, and the EMA update moves the adapter's tensors only.
+Nothing is downloaded."""
 
 import os
 from pathlib import Path
@@ -238,3 +240,122 @@ def test_guidance_without_caption_dropout_is_refused_from_scratch_and_kept_for_a
     scratch = text_config(tmp_path, data={"caption_dropout": 0})  # a text network trained here, from scratch
     msg = one_line(lambda: config.validate(scratch, "t2i.yaml"))
     assert msg.startswith("t2i.yaml: sample.guidance=2: the network is trained without caption dropout"), msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.ema_decays: [] (no EMA, as diffusers' LoRA scripts), and the EMA update of a LoRA run
+
+
+@pytest.fixture(scope="module")
+def no_ema(run):
+    """A LoRA run that keeps no EMA: one run of 2 steps, and the same in 2 segments, on `run`'s pipeline and data."""
+    import yaml
+
+    work, sd = run["work"], run["sd"]
+    d = config.validate(raw(work, sd, name="noema", ema_decays=[]))
+    (work / "noema.yaml").write_text(yaml.safe_dump(d))
+    assert train.run(config.Config(d), until_step=2, dataset_dir=work / "dataset") == 0
+    two = config.Config(config.validate(raw(work, sd, name="noema2", ema_decays=[])))
+    for until in (1, 2):
+        assert train.run(two, until_step=until, dataset_dir=work / "dataset") == 0
+    return {"cfg": d, "yaml": work / "noema.yaml", "one": work / "results" / "noema",
+            "two": work / "results" / "noema2", "snap": work / "results" / "noema" / "snapshots" / "step_0000002.safetensors"}
+
+
+def test_no_ema_is_allowed_and_an_ema_decay_beside_it_is_one_line(run, tmp_path):
+    from diffrelay.evaluation import protocol
+
+    d = config.validate(raw(tmp_path, run["sd"], ema_decays=[]))
+    assert d["train"]["ema_decays"] == [] and d["train"]["ema_halflife_kimg"] is None
+    assert protocol.ema_decays(d) == [None]  # the workflow samples each snapshot once, under its plain name
+    for decay in (0.999, [0.999, 0.9999]):
+        bad = raw(tmp_path, run["sd"], ema_decays=[])
+        bad["sample"]["ema_decay"] = decay
+        msg = one_line(lambda: config.validate(bad, "ft.yaml"))
+        assert msg.startswith(f"ft.yaml: sample.ema_decay={decay}: train.ema_decays: [] keeps no EMA, so sampling "
+                              "uses the raw weights; set sample.ema_decay: null"), msg
+
+
+def test_a_run_without_ema_trains_two_segments_equal_to_one_bit_for_bit(no_ema):
+    a, _ = checkpoint.load_checkpoint(no_ema["one"] / "checkpoints" / "step_0000002")
+    b, _ = checkpoint.load_checkpoint(no_ema["two"] / "checkpoints" / "step_0000002")
+    assert a["ema"] == [] == b["ema"]
+    assert a["net"] and set(a["net"]) == set(b["net"]) and all(lora.MARK in k for k in a["net"])
+    assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa and all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    # The snapshot holds the raw adapter, and nothing under an EMA's name.
+    one, two = load_file(no_ema["snap"]), load_file(no_ema["two"] / "snapshots" / "step_0000002.safetensors")
+    assert set(one) == {f"raw.{k}" for k in a["net"]} and set(one) == set(two)
+    assert all(torch.equal(one[k], two[k]) and torch.equal(one[k], a["net"][k[4:]]) for k in one)
+
+
+def test_a_run_without_ema_samples_and_exports_its_raw_weights(run, no_ema, tmp_path):
+    import json
+
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from diffrelay import cli
+
+    snap, model_cfg = no_ema["snap"], no_ema["cfg"]["model"]
+    net, _ = checkpoint.load_snapshot(snap, "ema", model_cfg=model_cfg)  # the default: the raw weights
+    raw_net, _ = checkpoint.load_snapshot(snap, "raw", model_cfg=model_cfg)
+    mine, theirs = net.state_dict(), raw_net.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    msg = one_line(lambda: checkpoint.load_snapshot(snap, "ema", model_cfg=model_cfg, decay=0.999))
+    assert "was trained without an EMA (train.ema_decays: []), so its raw weights are sampled; drop " \
+           "sample.ema_decay (--ema-decay)" in msg, msg
+    # diffusers' folder: the one file its LoRA scripts write, the raw adapter, which load_lora_weights reads.
+    exported = no_ema["one"] / "lora" / "step_0000002"
+    assert os.listdir(exported) == [lora.WEIGHT_NAME]
+    pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+    pipe.load_lora_weights(exported)
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        want = weights.text_net(raw_net)(x, t, encoder_hidden_states=text).sample
+        assert torch.allclose(pipe.unet(x, t, encoder_hidden_states=text).sample, want, rtol=0, atol=1e-6)
+    # diffrelay sample with the config's sample.weights (ema): the raw weights, said so.
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "samples"
+    prompts.write_text("a red circle\n")
+    assert cli.main(["sample", "--config", str(no_ema["yaml"]), "--snapshot", str(snap), "--out", str(out),
+                     "--prompts", str(prompts)]) == 0
+    assert list(out.glob("*.png")) and json.loads((out / "manifest.json").read_text())["weights"] == "raw"
+    # diffrelay export (default --weights ema): the raw adapter fused into the pipeline's network.
+    folder = tmp_path / "exported"
+    assert cli.main(["export", "--config", str(no_ema["yaml"]), "--snapshot", str(snap), "--out", str(folder)]) == 0
+    record = json.loads((folder / "diffrelay_export.json").read_text())
+    assert record["weights"] == "raw" and record["lora_fused"], record
+    with torch.no_grad():
+        got = UNet2DConditionModel.from_pretrained(folder / "unet").eval()(x, t, encoder_hidden_states=text).sample
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+
+
+def test_the_ema_update_walks_only_the_trainable_tensors(run, monkeypatch):
+    """A LoRA network holds hundreds of frozen tensors beside its few adapter ones: the EMA finds the adapter's once,
+    and each update moves those without walking the network (a walk of every parameter pair took 9.4 % of a step)."""
+    from diffrelay.training import optim
+
+    net = run["state"].net
+    ema = optim.EMA(net, [0.9])
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    pairs = ema.pairs[0]
+    assert [id(p) for p in pairs.src] == [id(p) for p in trainable]
+    assert 0 < len(trainable) * 4 < len(list(net.parameters()))
+    with torch.no_grad():
+        for a in pairs.avg:
+            a.add_(1.0)  # away from the network's, so that the update moves them
+    before = [a.clone() for a in pairs.avg]
+
+    def walk(*args, **kwargs):
+        raise AssertionError("the EMA update walked a network's tensors")
+
+    for name in ("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
+                 "children", "named_children", "state_dict"):
+        monkeypatch.setattr(torch.nn.Module, name, walk)
+    ema.update(net, 50)
+    monkeypatch.undo()
+    d = min(0.9, 51 / 60)
+    assert all(torch.equal(a, torch.lerp(b, p.detach(), 1 - d)) for a, b, p in zip(pairs.avg, before, trainable))
+    frozen = {id(p) for p in net.parameters() if not p.requires_grad}
+    assert frozen and frozen <= {id(p) for p in ema.nets[0].parameters()}  # shared, never copied nor moved

@@ -4,8 +4,9 @@
               check_targets refuses a target module the network lacks (diffrelay validate, the Snakefile)
   training    attach adds the adapter (seeded: every segment draws the same init), freezes the base;
               only()/load() keep checkpoints and snapshots to the adapter's tensors
-  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors (the first EMA's; the raw
-              weights beside it), through the pipeline class's own save_lora_weights, so load_lora_weights reads it
+  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors (the first EMA's, the raw
+              weights beside it; the raw ones alone where train.ema_decays: [] keeps no EMA), through the pipeline
+              class's own save_lora_weights, so load_lora_weights reads it
   sampling    check_base refuses an adapter sampled on another base than the one it was trained on
 
 The base weights are never stored: they come from the pipeline folder, whose sha256s are the run's identity.
@@ -22,7 +23,7 @@ from diffrelay.errors import UserError
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                           "attn.to_out.0", "attn.to_q", "attn.to_v"]}
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) looks for: the first EMA's
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
 MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
 

@@ -283,6 +283,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         guide = guidance.load_guide(s.guide, meta, s.weights, device)
     elif text is None:
         guidance.check(s.guidance, meta, snapshot)
+    s = dataclasses.replace(s, weights=checkpoint.weights_of(meta, s.weights))  # raw where the run kept no EMA
     kind = objectives.objective(meta["model"])
     if kind == "edm" and s.solver == "sde":
         raise UserError(f"--solver sde: {snapshot} is a model.objective edm network and sde is flow's sampler; use "

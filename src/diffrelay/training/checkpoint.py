@@ -163,7 +163,8 @@ def ema_prefix(index: int) -> str:
 
 def save_snapshot(path, ema_state: dict, raw_state: dict, meta: dict, more_emas: tuple = ()) -> Path:
     """meta: step, model (config dict), image_shape [C,H,W], num_classes, class_names, config, ...
-    more_emas: the EMAs of the second, third, ... of train.ema_decays (none: a file as before they were kept)."""
+    more_emas: the EMAs of the second, third, ... of train.ema_decays (none: a file as before they were kept).
+    ema_state {}: a run that keeps no EMA (train.ema_decays: []), whose file holds the raw weights only (keeps_no_ema)."""
     tensors = {f"raw.{k}": v for k, v in raw_state.items()}
     for i, state in enumerate([ema_state, *more_emas]):
         tensors |= {f"{ema_prefix(i)}{k}": v for k, v in state.items()}
@@ -175,10 +176,27 @@ def ema_decays(meta: dict) -> list[float]:
     return [float(d) for d in ((meta.get("config") or {}).get("train") or {}).get("ema_decays") or []]
 
 
+def keeps_no_ema(meta: dict) -> bool:
+    """Whether a snapshot's run kept no EMA (train.ema_decays: [] without train.ema_halflife_kimg, as diffusers' LoRA
+    scripts train): its file holds the `raw.` weights only, and they are what `ema` (the default) samples and exports."""
+    if "phema" in meta or "imported" in meta:  # files of one set of weights, their `ema.`
+        return False
+    train = (meta.get("config") or {}).get("train") or {}
+    return train.get("ema_decays") == [] and train.get("ema_halflife_kimg") is None
+
+
+def weights_of(meta: dict, weights: str) -> str:
+    """The weights that `weights` (ema or raw) reads in a snapshot: raw for ema where its run kept no EMA."""
+    return "raw" if weights == "ema" and keeps_no_ema(meta) else weights
+
+
 def ema_index(path, meta: dict, decay: float | None) -> int:
     """Where train.ema_decays holds `decay` (None: the first), or one line naming the decays there are."""
     if decay is None:
         return 0
+    if keeps_no_ema(meta):
+        raise UserError(f"sample.ema_decay={decay:g} (--ema-decay): {path} was trained without an EMA "
+                        "(train.ema_decays: []), so its raw weights are sampled; drop sample.ema_decay (--ema-decay)")
     if "phema" in meta:
         raise UserError(f"{path}: a post-hoc EMA reconstruction holds one EMA (sigma_rel "
                         f"{meta['phema'].get('sigma_rel')}); sample it without sample.ema_decay (--ema-decay)")
@@ -203,7 +221,7 @@ def read_snapshot(path) -> tuple[dict, dict]:
 
 def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None, decay: float | None = None):
     """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off. `decay` picks which of
-    train.ema_decays's EMAs (None: the first) when weights is ema.
+    train.ema_decays's EMAs (None: the first) when weights is ema; a run that kept no EMA gives its raw weights.
 
     The network is the one `model_cfg` (the run config's `model` section) names; a snapshot recording
     another is refused. Without a config only a built-in arch is built from the snapshot's record, so
@@ -227,7 +245,8 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
             raise UserError(f"{path}: made by a different network (model.{key}={json.dumps(recorded.get(key))} "
                             f"in the snapshot, {json.dumps(model_cfg.get(key))} in the config); "
                             "sample it with the config it was trained with")
-    prefix = ema_prefix(ema_index(path, meta, decay)) if weights == "ema" else "raw."
+    index = ema_index(path, meta, decay) if weights == "ema" else 0  # a decay the run did not train: one line
+    prefix = "raw." if weights_of(meta, weights) == "raw" else ema_prefix(index)
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     if not state and prefix not in ("ema.", "raw."):
         raise UserError(f"{path}: holds only the EMA of the first of train.ema_decays (written before snapshots "

@@ -1,7 +1,8 @@
 """`diffrelay export`: a complete diffusers pipeline folder holding a model.pretrained run's weights.
 
 The folder is the run's pipeline folder (model.pretrained) with its network replaced by a snapshot's weights
-(EMA, raw, or a post-hoc EMA snapshot from `diffrelay phema`), written by diffusers' own save_pretrained, so
+(EMA, raw, or a post-hoc EMA snapshot from `diffrelay phema`; a run with train.ema_decays: [] has its raw weights
+only, which `--weights ema` then reads), written by diffusers' own save_pretrained, so
 DiffusionPipeline.from_pretrained(folder) loads it. A LoRA run's adapter is merged into the base first (diffusers'
 fuse_lora, then unload_lora; pretrained.lora.fuse with peft's merge for PixArt and HunyuanDiT): save_pretrained of a network with a live adapter would write peft's base_layer/lora_*
 keys, which from_pretrained does not read (it initialises those weights anew, with only a warning).
@@ -48,6 +49,7 @@ def export(snapshot, model_cfg: dict, out: Path, weights: str = "ema", decay: fl
     from diffrelay.training import checkpoint
 
     net, meta = checkpoint.load_snapshot(snapshot, weights, model_cfg=model_cfg, decay=decay)
+    weights = checkpoint.weights_of(meta, weights)  # what was read: raw where the run kept no EMA
     pipe = folder.read(model_cfg["pretrained"])
     model = base_weights.text_net(net)
     lora = bool(getattr(model, "peft_config", None))

@@ -82,28 +82,52 @@ def average_copy(net: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(net, frozen).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def lerp_towards(avg: torch.nn.Module, net: torch.nn.Module, weight: float) -> None:
-    """avg's parameters move `weight` of the way to net's, and its buffers become net's. One foreach call for
-    all tensors, not one kernel per tensor (393 a step for the cifar10 UNet): on a GPU the launches would
-    cost more than the arithmetic. On the CPU foreach runs the same per-tensor lerp, bit for bit."""
-    pairs = [(a, p.detach()) for a, p in zip(avg.parameters(), net.parameters(), strict=True) if a is not p]
-    if pairs:  # a parameter the average shares with the network (frozen: EMA's note) stays as it is
-        torch._foreach_lerp_(*map(list, zip(*pairs)), weight)
-    buffers = list(avg.buffers())
-    if buffers:
-        torch._foreach_copy_(buffers, list(net.buffers()))
+class Pairs:
+    """The tensors an average (average_copy of `net`) moves towards `net`'s, found once: the parameters the average
+    holds itself (the trainable ones: a frozen parameter is shared with the network, average_copy, and never moves)
+    and the buffers. A LoRA run trains a few adapter tensors among hundreds of frozen ones; walking every parameter
+    pair of the network each step to find them took 7-9 % of a tiny SD LoRA step (py-spy; benchmarks/bench_ema.py).
+
+    Held are the Parameter objects themselves, which load_state_dict (copying into them) and .to() (swapping a
+    parameter's .data, not the Parameter) keep current. Buffers are held as the tensors they are: .to() replaces
+    them, and a network is moved and converted (train.channels_last) before its averages are made (state.py)."""
+
+    def __init__(self, avg: torch.nn.Module, net: torch.nn.Module):
+        self.net = net
+        pairs = [(a, p) for a, p in zip(avg.parameters(), net.parameters(), strict=True) if a is not p]
+        self.avg = [a for a, _ in pairs]
+        self.src = [p for _, p in pairs]
+        self.avg_buffers, self.src_buffers = list(avg.buffers()), list(net.buffers())
+
+    @torch.no_grad()
+    def lerp(self, weight: float) -> None:
+        """The average's parameters move `weight` of the way to the network's, and its buffers become the network's.
+        One foreach call for all tensors, not one kernel per tensor (393 a step for the cifar10 UNet): on a GPU the
+        launches would cost more than the arithmetic. On the CPU foreach runs the same per-tensor lerp, bit for bit."""
+        if self.avg:
+            torch._foreach_lerp_(self.avg, self.src, weight)
+        if self.avg_buffers:
+            torch._foreach_copy_(self.avg_buffers, self.src_buffers)
+
+
+def pairs_for(cache: list, avgs: list, net: torch.nn.Module) -> list:
+    """The Pairs of each average in `avgs` towards `net`, kept in `cache` (found again for another network)."""
+    if len(cache) != len(avgs) or any(c.net is not net for c in cache):
+        cache[:] = [Pairs(avg, net) for avg in avgs]
+    return cache
 
 
 class EMA:
     """One exponential moving average of the weights per decay rate; or, with a half-life (train.ema_halflife_kimg,
-    decays empty), EDM's one EMA whose decay follows the images trained."""
+    decays empty), EDM's one EMA whose decay follows the images trained; or none (decays empty, no half-life: what
+    diffusers' LoRA scripts keep), whose snapshots hold the raw weights only (TrainState.snapshot)."""
 
     def __init__(self, net: torch.nn.Module, decays, halflife_kimg=None, rampup_ratio=None, batch_size: int = 1):
         self.decays = list(decays)
         self.halflife_kimg, self.rampup_ratio, self.batch_size = halflife_kimg, rampup_ratio, batch_size
-        count = 1 if halflife_kimg is not None else len(self.decays)
+        count = 1 if halflife_kimg is not None else len(self.decays)  # none: train.ema_decays [] keeps no EMA
         self.nets = [average_copy(net) for _ in range(count)]
+        self.pairs = [Pairs(avg, net) for avg in self.nets]  # what each update moves, found once
 
     def beta(self, step: int) -> float:
         """EDM's decay for the update at `step` (NVlabs/edm training/training_loop.py:143-146): the half-life in
@@ -116,13 +140,14 @@ class EMA:
 
     @torch.no_grad()
     def update(self, net: torch.nn.Module, step: int) -> None:
+        pairs = pairs_for(self.pairs, self.nets, net)
         if self.halflife_kimg is not None:
-            lerp_towards(self.nets[0], net, 1 - self.beta(step))
+            pairs[0].lerp(1 - self.beta(step))
             return
-        for decay, ema in zip(self.decays, self.nets):
+        for decay, ema in zip(self.decays, pairs):
             # Ramp the decay up early so the average is not dominated by the random initial weights.
             d = min(decay, (1 + step) / (10 + step))
-            lerp_towards(ema, net, 1 - d)
+            ema.lerp(1 - d)
 
     def state_dict(self) -> list[dict]:
         return [ema.state_dict() for ema in self.nets]

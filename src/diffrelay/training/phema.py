@@ -43,12 +43,13 @@ class PowerEMA:
         self.sigma_rels = [float(s) for s in sigma_rels]
         self.gammas = [sigma_to_gamma(s) for s in self.sigma_rels]
         self.nets = [optim.average_copy(net) for _ in self.sigma_rels]
+        self.pairs = [optim.Pairs(avg, net) for avg in self.nets]  # what each update moves, found once
 
     @torch.no_grad()
     def update(self, net: torch.nn.Module, step: int) -> None:
         """After the update of `step` (0-based), i.e. the (step + 1)-th average."""
-        for gamma, avg in zip(self.gammas, self.nets):
-            optim.lerp_towards(avg, net, 1 - beta(gamma, step + 1))
+        for gamma, avg in zip(self.gammas, optim.pairs_for(self.pairs, self.nets, net)):
+            avg.lerp(1 - beta(gamma, step + 1))
 
     def state_dict(self) -> dict:
         return {"sigma_rel": list(self.sigma_rels), "nets": [avg.state_dict() for avg in self.nets]}

@@ -1,7 +1,8 @@
 """EDM's training as published, checked without torch: train.loss_reduction, train.ema_halflife_kimg and
-ema_rampup_ratio, train.lr_schedule inv_sqrt with lr_ref_batches, train.warmup_kimg and train.augment. Which
-combinations are refused (check_config, called when a config is read) and how they enter a run's trajectory
-(trajectory: each drops out at its default, so runs that never set them keep their hash).
+ema_rampup_ratio (or train.ema_decays: [] alone: no EMA), train.lr_schedule inv_sqrt with lr_ref_batches,
+train.warmup_kimg and train.augment. Which combinations are refused (check_config, called when a config is read)
+and how they enter a run's trajectory (trajectory: each drops out at its default, so runs that never set them keep
+their hash).
 
 Imports the base modules and nets only.
 """
@@ -54,9 +55,10 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if half is not None and decays:
         bad.append((f"train.ema_halflife_kimg={half}", f"EDM's one EMA replaces those of train.ema_decays={decays}; "
                     "set train.ema_decays: [] (or drop the half-life)"))
-    if half is None and not decays:
-        bad.append(("train.ema_decays=[]", "no EMA to sample; give at least one decay (e.g. [0.999]), or set "
-                    "train.ema_halflife_kimg for EDM's EMA"))
+    if half is None and not decays and s["ema_decay"] is not None:  # no EMA (diffusers' LoRA scripts keep none)
+        bad.append((f"sample.ema_decay={json.dumps(s['ema_decay'])}", "train.ema_decays: [] keeps no EMA, so "
+                    "sampling uses the raw weights; set sample.ema_decay: null, or give train.ema_decays those "
+                    "decays"))
     if half is not None and s["ema_decay"] is not None:
         bad.append((f"sample.ema_decay={json.dumps(s['ema_decay'])}", f"train.ema_halflife_kimg={half} trains one "
                     "EMA, which is sampled by default; set sample.ema_decay: null"))

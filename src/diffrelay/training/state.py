@@ -86,15 +86,18 @@ class TrainState:
 
     def snapshot(self, path, meta: dict, cfg) -> None:
         """Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as
-        it was. A LoRA run also writes its first EMA's and its raw adapter in diffusers' format, <run>/lora/<step>/."""
+        it was, and none (train.ema_decays: []) holds the raw weights only, which sampling and export then read
+        (checkpoint.keeps_no_ema). A LoRA run also writes its first EMA's and its raw adapter in diffusers' format,
+        <run>/lora/<step>/; without an EMA the raw one alone, under the name diffusers' LoRA scripts write."""
         from diffrelay.training import checkpoint
 
-        checkpoint.save_snapshot(path, self.weights(self.ema.nets[0]), self.weights(self.net), meta,
-                                 [self.weights(e) for e in self.ema.nets[1:]])
+        emas = [self.weights(e) for e in self.ema.nets]
+        checkpoint.save_snapshot(path, emas[0] if emas else {}, self.weights(self.net), meta, emas[1:])
         if self.lora:
             pipe = folder.read(cfg.to_dict()["model"]["pretrained"])
-            lora.export(path.parent.parent / "lora" / path.name.split(".")[0],
-                        {lora.WEIGHT_NAME: self.ema.nets[0], lora.RAW_NAME: self.net}, pipe.cls, pipe.net)
+            files = {lora.WEIGHT_NAME: self.ema.nets[0], lora.RAW_NAME: self.net} if self.ema.nets else \
+                {lora.WEIGHT_NAME: self.net}
+            lora.export(path.parent.parent / "lora" / path.name.split(".")[0], files, pipe.cls, pipe.net)
 
 
 def _first_scale(t, shape) -> float:
