@@ -400,3 +400,16 @@ def test_sample_tf32_sets_the_backends_and_is_recorded(snap, tmp_path, monkeypat
     assert folder_bytes(tmp_path / "on") == folder_bytes(tmp_path / "off")
     with pytest.raises(SystemExit):
         cli.main(sample_args(snap, tmp_path / "x", "--tf32", "maybe"))
+
+
+def test_a_grid_shows_every_prompt_or_class_once_where_its_cells_allow():
+    """A prompt file ordered by prompt (20 images of each of 10) shows all 10 prompts, grouped, and says so; a
+    balanced class run's first images hold every class and stay the grid; more keys than cells are said."""
+    by_prompt = [f"prompt {i // 20}" for i in range(200)]
+    picks, note = images.grid_picks(by_prompt)
+    assert len(picks) == 64 and {by_prompt[i] for i in picks} == set(by_prompt)
+    assert picks[:7] == [0, 1, 2, 3, 4, 5, 6] and picks[7] == 20  # 6 or 7 of each, a prompt's images together
+    assert note == "64 of 200 images: every one of the 10"
+    assert images.grid_picks([i % 3 for i in range(20)]) == (list(range(20)), None)
+    assert images.grid_picks([i % 100 for i in range(300)]) == (list(range(64)),
+                                                                "64 of 300 images: the first 64 of the 100")

@@ -75,3 +75,25 @@ def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | No
                 text = text[:-1]
             draw.text((x + 1, y + th), text, fill="black", font=font)
     return grid
+
+
+def grid_picks(keys: list, cells: int = GRID_IMAGES) -> tuple[list[int], str | None]:
+    """Which images a grid of `cells` tiles shows, given each image's prompt or class (`keys`, in image order), and
+    a note for its title when they are not simply the first images. The first images when they hold every key
+    (a balanced class run's do); else every distinct key once, in the order it first appears, then further images
+    of each in turn, grouped by key: a prompt file ordered by prompt (20 images each) shows every prompt, not the
+    first three."""
+    by: dict = {}
+    for i, k in enumerate(keys):
+        by.setdefault(k, []).append(i)
+    first = list(range(min(cells, len(keys))))
+    if len({keys[i] for i in first}) == min(len(by), cells):  # more keys than cells: say how many are left out
+        more = f"{len(first)} of {len(keys)} images: the first {cells} of the {len(by)}"
+        return first, None if len(by) <= cells else more
+    groups, picked = list(by.values()), []
+    for depth in range(max(map(len, groups))):
+        picked += [g[depth] for g in groups if depth < len(g)][:cells - len(picked)]
+    order = {k: n for n, k in enumerate(by)}
+    shown = min(len(by), cells)
+    what = f"every one of the {len(by)}" if shown == len(by) else f"the first {shown} of the {len(by)}"
+    return sorted(picked, key=lambda i: (order[keys[i]], i)), f"{len(picked)} of {len(keys)} images: {what}"

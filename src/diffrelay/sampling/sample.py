@@ -34,7 +34,8 @@ from diffrelay.errors import UserError
 from diffrelay.sampling.folder import (MANIFEST_FORMAT, check_out, file_record, image_files, is_sample_folder, lock,
                                        marker, open_work, png_name, read_json_or_none, reuse_intact, up_to_date,
                                        work_dir)
-from diffrelay.sampling.images import GRID_IMAGES, GRID_TILE_PX, encode_png, grid_title, is_valid_png, make_grid, read_png
+from diffrelay.sampling.images import (GRID_TILE_PX, encode_png, grid_picks, grid_title, is_valid_png, make_grid,
+                                       read_png)
 
 # CPU conv/linear kernels give bitwise-identical per-row results only for forward batches of at least 16 rows
 # (measured: 16/32/64 rows agree exactly; 1-12 rows differ in the last bits, which can flip a pixel after
@@ -197,17 +198,19 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         missing = [i for i in range(s.num_images) if not (work / png_name(i)).is_file()]
         if missing:
             raise RuntimeError(f"{work}: all done markers present but image {missing[0]} is missing")
-        first = list(range(min(GRID_IMAGES, s.num_images)))
-        tiles = [read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
-        labels, known = class_labels(first, meta, s.class_labels), meta.get("class_names") or []
+        every = range(s.num_images)  # the grid shows every prompt (or class) once where its cells allow
+        labels, known = class_labels(every, meta, s.class_labels), meta.get("class_names") or []
         names = None if labels is None else [str(known[c]) if c < len(known) else str(c) for c in labels]
-        prompts = [prompted.sidecar(work / png_name(i)) for i in first]
+        prompts = [prompted.sidecar(work / png_name(i)) for i in every]
         text = meta.get("text") is not None and all(p.is_file() for p in prompts)
         if text:  # a text run's grid is labelled with each image's prompt, on wider tiles
             names = [p.read_text(encoding="utf-8") for p in prompts]
+        first, what = grid_picks(names or [None] * s.num_images)
+        tiles = [read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
+        title = grid_title(meta, s) + (f" | {what} {'prompts' if text else 'classes'}" if what else "")
         buf = bytes_io.BytesIO()
-        make_grid(tiles, names, grid_title(meta, s), tile_px=2 * GRID_TILE_PX if text else GRID_TILE_PX).save(
-            buf, format="PNG")
+        make_grid(tiles, names and [names[i] for i in first], title,
+                  tile_px=2 * GRID_TILE_PX if text else GRID_TILE_PX).save(buf, format="PNG")
         io.write_bytes(work / "grid.png", buf.getvalue())
         # sample.npz: samples.npz from the PNG files as written, with the labels generate() gave each image.
         exported = export.finish(work, s.npz, s.num_images, class_labels(range(s.num_images), meta, s.class_labels))
@@ -315,8 +318,9 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["guide_sha256"] = io.sha256_file(s.guide)
     if s.tf32 and device.type == "cuda":  # only then: it changes no pixel elsewhere, and older folders stay valid
         key["tf32"] = True
-    if items is not None:
+    if items is not None:  # prompts, not classes: no class_labels (folders written with it still match)
         key["prompts"] = prompted.fingerprint(items)
+        del key["class_labels"]
     if scheduler is not None:  # only then: folders of the objectives' samplers keep the key they had
         key["scheduler"] = schedulers.record(scheduler)
     done = up_to_date(out, key)
