@@ -49,11 +49,14 @@ def write_config(tmp_path):
 
 
 def benchmark(name: str):
-    """benchmarks/<name>.py imported as a module (benchmarks/ first on sys.path, for its own imports)."""
+    """benchmarks/checks/<name>.py (a check against the papers' code) or else benchmarks/<name>.py, imported as a
+    module (its folder first on sys.path, for its own imports: official.py, another check)."""
     import importlib.util
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    folder = REPO / "benchmarks" / "checks"
+    folder = folder if (folder / f"{name}.py").exists() else REPO / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -5,8 +5,10 @@ the module layout the script imports, holding only the one function the chosen c
 restated from the paper's formulas, not copied from the official code. The script runs as a user runs it and
 must exit 0 against the stand-in, then exit non-zero with one FAIL line after a one-line change to it."""
 
+import ast
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CHECKS = REPO / "benchmarks" / "checks"
 
 # Algorithm 2 of Karras et al. 2022 (EDM), deterministic and with churn, in float64: the interface edm's
 # generate.py gives edm_sampler (net(x, sigma, labels); randn_like for the churn noise).
@@ -57,8 +60,8 @@ ROW_COL = "row, col = np.divmod("
 
 
 def run(script: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    return subprocess.run([sys.executable, str(CHECKS / script), *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
 
 
 def mutate(text: str, old: str, new: str) -> str:
@@ -107,7 +110,7 @@ def test_check_dit_equivalence_fails_when_the_position_table_swaps_rows_and_colu
 
 
 def test_the_gate_fails_on_a_figure_past_its_bound_nan_and_nothing_compared(capsys):
-    spec = importlib.util.spec_from_file_location("official", REPO / "benchmarks" / "official.py")
+    spec = importlib.util.spec_from_file_location("official", CHECKS / "official.py")
     official = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(official)
     Gate = official.Gate
@@ -125,3 +128,37 @@ def test_the_gate_fails_on_a_figure_past_its_bound_nan_and_nothing_compared(caps
             g.finish("demo")
         assert e.value.code == 1
         assert capsys.readouterr().out.splitlines()[0].startswith(("FAIL x:", "demo: nothing was compared"))
+
+
+def test_every_check_script_imports_official_before_diffrelay():
+    """official.py puts the script's own tree's src/ first on sys.path: each check imports it before diffrelay."""
+    scripts = sorted(CHECKS.glob("check_*.py"))
+    assert len(scripts) >= 15
+    for path in scripts:
+        tops = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
+                for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert "official" in tops, path.name
+        first = tops.index("official")
+        assert not any(m.split(".")[0] in ("diffrelay", *(s.stem for s in scripts)) for m in tops[:first]), path.name
+
+
+def test_a_check_script_imports_diffrelay_from_its_own_tree_not_the_environments(tmp_path):
+    """A second checkout sharing the environment, whose editable install points at this one (issue 53): its
+    checks must compare its own src/diffrelay. The copy holds official.py and a stand-in diffrelay package."""
+    checks, package = tmp_path / "benchmarks" / "checks", tmp_path / "src" / "diffrelay"
+    checks.mkdir(parents=True)
+    package.mkdir(parents=True)
+    shutil.copy(CHECKS / "official.py", checks / "official.py")
+    (package / "__init__.py").write_text("")
+    probe = "import diffrelay\nprint(diffrelay.__file__)\n"
+    (checks / "check_probe.py").write_text("from official import Gate  # noqa: F401\n" + probe)
+    (checks / "plain_probe.py").write_text(probe)  # without official: the environment's diffrelay
+
+    def imported(script: str) -> Path:
+        p = subprocess.run([sys.executable, str(checks / script)], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return Path(p.stdout.strip()).resolve()
+
+    assert imported("check_probe.py") == (package / "__init__.py").resolve()
+    assert imported("plain_probe.py") != (package / "__init__.py").resolve()

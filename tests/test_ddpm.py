@@ -3,7 +3,7 @@ the ddpm and ddim samplers, guidance of some channels, resume, seeds and the set
 
 The references restate the formulas of the papers per image in float64 with Python floats (Ho et al. 2020
 eq. 4, 7, 11; Nichol & Dhariwal 2021 eq. 13, 15 and the discretised decoder; Song et al. 2021 eq. 12), not
-from the package; benchmarks/check_ddpm_equivalence.py compares the package with DiT's own diffusion code."""
+from the package; benchmarks/checks/check_ddpm_equivalence.py compares the package with DiT's own diffusion code."""
 
 import json
 import math

@@ -1,7 +1,7 @@
 """model.ddpm (issue 40, item 2): the discrete-time objective as diffusers trains Stable Diffusion and its kin.
 Defaults keep every ddpm run what it was; scaled_linear and zero-terminal-SNR schedules are diffusers'; the samplers
 read a v- or x0-prediction as the equivalent noise prediction; the offset noise is the loader's draw; bad values
-are one line; benchmarks/check_diffusers_objective.py passes against the installed diffusers and fails when a
+are one line; benchmarks/checks/check_diffusers_objective.py passes against the installed diffusers and fails when a
 stand-in training script's min-SNR division is dropped."""
 
 import sys

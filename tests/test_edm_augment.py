@@ -1,6 +1,6 @@
 """EDM's augmentation pipe with draws keyed by global-batch position (diffrelay.data.edm_augment).
 
-The official pipe itself is compared in benchmarks/check_augment_equivalence.py (it needs an EDM checkout); here
+The official pipe itself is compared in benchmarks/checks/check_augment_equivalence.py (it needs an EDM checkout); here
 the formulas are restated independently where that is practical, and the split/resume contract is pinned.
 """
 

@@ -3,7 +3,7 @@ seeds, resume, and the settings' checks.
 
 The references below restate the formulas from the papers (SiT, Ma et al. 2024, eq. 2-8 and its Euler-Maruyama
 sampler; SD3, Esser et al. 2024, the logit-normal and the timestep shift) per image in float64, not from the
-package; benchmarks/check_flow.py compares the package with SiT's and REPA's own code."""
+package; benchmarks/checks/check_flow.py compares the package with SiT's and REPA's own code."""
 
 import json
 import math

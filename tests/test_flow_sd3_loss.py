@@ -1,4 +1,4 @@
-"""benchmarks/check_diffusers_sd3_loss.py: train.flow (lognormal times, precondition_outputs) against the loss
+"""benchmarks/checks/check_diffusers_sd3_loss.py: train.flow (lognormal times, precondition_outputs) against the loss
 lines of diffusers' train_dreambooth_lora_sd3.py. The script is not installed with diffusers, so the stand-in below
 restates its lines (get_sigmas and the accumulate block, SD3 paper's rectified-flow loss with the x0
 preconditioning of EDM's section 5); the check passes against it with the installed diffusers and fails when one

@@ -1,5 +1,5 @@
 """Autoguidance (sample.guide, Karras et al. 2024): the formula restated, the guide's checks, its seeds and its
-place in the workflow. benchmarks/check_edm_sampler.py compares it with edm2's own edm_sampler(gnet=...)."""
+place in the workflow. benchmarks/checks/check_edm_sampler.py compares it with edm2's own edm_sampler(gnet=...)."""
 
 import json
 

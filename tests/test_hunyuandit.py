@@ -61,7 +61,8 @@ def test_encoding_equals_the_pipelines_encode_prompt(hy):
         states, _, mask, _ = pipe.encode_prompt(prompts, device="cpu", dtype=torch.float32,
                                                 do_classifier_free_guidance=False, text_encoder_index=index,
                                                 max_sequence_length=(77, 256)[index])
-        # benchmarks/check_text_encoding.py's bound: only the batch differs (diffrelay's 16 rows, the pipeline's 3)
+        # benchmarks/checks/check_text_encoding.py's bound: only the batch differs (diffrelay's 16 rows, the
+        # pipeline's 3)
         assert (got.states[:, part, :states.shape[-1]] - states).abs().max() <= 1e-6
         assert torch.equal(got.mask[:, part], mask)
     assert got.mask[0, :77].sum() == 7  # [CLS] a red circle top left [SEP]: the padding is masked

@@ -1,6 +1,6 @@
 """EDM's networks (diffrelay.nets.edm): the formulas restated, without EDM's code (CI has none of it).
 
-benchmarks/check_edm_equivalence.py compares them with NVlabs/edm's training/networks.py on the same weights;
+benchmarks/checks/check_edm_equivalence.py compares them with NVlabs/edm's training/networks.py on the same weights;
 these tests pin what that check found and what the contract adds (the null class, optional augment labels).
 """
 
@@ -74,7 +74,7 @@ def test_presets_are_edms_training_commands(arch, dropout, augment_dim, fir):
     ("adm", 64, 1000, 0, 295_899_267),   # EDM's ImageNet-64 ADM (the paper: 295.9 M)
 ])
 def test_presets_have_the_official_parameter_counts(arch, resolution, classes, augment_dim, official):
-    """Counted by EDM's own networks (benchmarks/check_edm_equivalence.py), on the meta device here."""
+    """Counted by EDM's own networks (benchmarks/checks/check_edm_equivalence.py), on the meta device here."""
     with torch.device("meta"):
         assert count(BUILDERS[arch](resolution, 3, classes, augment_dim=augment_dim)) == official
 

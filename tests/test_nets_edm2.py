@@ -1,5 +1,5 @@
 """edm2's magnitude-preserving UNet (nets/edm2.py), its formulas restated here independently of NVlabs/edm2's code
-(benchmarks/check_edm2_equivalence.py compares with that code itself, which CI cannot fetch)."""
+(benchmarks/checks/check_edm2_equivalence.py compares with that code itself, which CI cannot fetch)."""
 
 import inspect
 import math

@@ -2,9 +2,9 @@
 
 The latents equal a tiny StableDiffusionPipeline's (and StableDiffusion3Pipeline's, for FlowMatchEuler) bit for bit,
 for the same weights, prompts, negative prompts, seeds, steps, guidance and scheduler config
-(benchmarks/check_diffusers_sampling.py); the PNGs do not depend on the batch size or the process count, stochastic
-and multistep schedulers included; a scheduler that does not fit the network is refused in one line, before any
-folder; without sample.scheduler nothing changes (no key in the folder's manifest)."""
+(benchmarks/checks/check_diffusers_sampling.py); the PNGs do not depend on the batch size or the process count,
+stochastic and multistep schedulers included; a scheduler that does not fit the network is refused in one line,
+before any folder; without sample.scheduler nothing changes (no key in the folder's manifest)."""
 
 import dataclasses
 import json

@@ -1,7 +1,7 @@
 """EDM's stochastic sampler (sample.edm): the algorithm restated, its seeds, and its settings.
 
 The reference below restates Algorithm 2 of Karras et al. 2022 from the paper, step by step and per image;
-benchmarks/check_edm_sampler.py compares the package with NVlabs/edm's own edm_sampler."""
+benchmarks/checks/check_edm_sampler.py compares the package with NVlabs/edm's own edm_sampler."""
 
 import dataclasses
 import math

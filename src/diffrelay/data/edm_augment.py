@@ -16,7 +16,7 @@ largest need over the batch), is worked out from the whole global batch's draws,
 alike. A resumed run, or one on another process count, redraws and pads exactly as the first did.
 
 The rest is EDM's float32 arithmetic, op for op: given the same draws, the images and labels agree with
-the official pipe (benchmarks/check_augment_equivalence.py). One deliberate exception: p=0 returns the
+the official pipe (benchmarks/checks/check_augment_equivalence.py). One deliberate exception: p=0 returns the
 images untouched. EDM builds no pipe at --augment=0; its pipe run at p=0 would still pass the images
 through the resampling filters and change them by float rounding.
 """

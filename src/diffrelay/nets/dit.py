@@ -1,7 +1,7 @@
 """Diffusion Transformer (Peebles & Xie 2023): patches as tokens, adaLN-Zero blocks, a learned class table.
 
 Written for diffrelay from the paper and checked number for number against facebookresearch/DiT's models.py
-(benchmarks/check_dit_equivalence.py): the same computation, fixed 2-D sine/cosine position table (columns
+(benchmarks/checks/check_dit_equivalence.py): the same computation, fixed 2-D sine/cosine position table (columns
 first), initialisation (xavier-uniform linears, class table and time MLP N(0, 0.02^2), adaLN and output at
 zero) and, with `out_channels` = 2 x in_channels, DiT's learned-sigma output layout. diffrelay's objectives
 predict no variance: those extra channels are computed (so DiT's checkpoints load and count as published) and
@@ -184,7 +184,7 @@ class SiT(DiT):
     """SiT (Ma et al. 2024): DiT's network under SiT's transport convention (willisma/SiT transport/), so SiT's
     checkpoints sample with diffrelay's flow objective. SiT's time s = 1 - t runs from noise (0) to data (1)
     and its network predicts x - eps, the negative of flow's eps - x at t (objectives/flow.py); it embeds s
-    itself (time_scale 1). benchmarks/check_dit_equivalence.py --sit-src compares it with SiT's models.py."""
+    itself (time_scale 1). benchmarks/checks/check_dit_equivalence.py --sit-src compares it with SiT's models.py."""
 
     def forward(self, x, c_noise, labels=None):
         return -super().forward(x, 1 - c_noise, labels)

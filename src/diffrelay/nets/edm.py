@@ -2,7 +2,7 @@
 DDPM++ and NCSN++ (EDM's SongUNet) and ADM (EDM's DhariwalUNet), written for diffrelay from the formulas of
 NVlabs/edm training/networks.py (layers, weight init, UNet block, embeddings, both UNets) and train.py (presets).
 
-Checked number for number against that file (benchmarks/check_edm_equivalence.py): on the same weights both give
+Checked number for number against that file (benchmarks/checks/check_edm_equivalence.py): on the same weights both give
 bitwise the same output in eval mode, in train mode with dropout (same seed), in float32 and float64, and the
 parameter counts of the full presets are equal. Parameter and buffer names are EDM's own (`map_noise.freqs`,
 `enc.32x32_block0.conv0.weight`, `dec.32x32_aux_conv.bias`, ...): they are the checkpoint format, so the `model`

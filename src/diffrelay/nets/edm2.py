@@ -1,7 +1,7 @@
 """edm2's magnitude-preserving UNet (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of
 Diffusion Models") and its learned uncertainty head, written for diffrelay from the paper's formulas.
 
-Checked number for number against NVlabs/edm2's training/networks_edm2.py (benchmarks/check_edm2_equivalence.py):
+Checked number for number against NVlabs/edm2's training/networks_edm2.py (benchmarks/checks/check_edm2_equivalence.py):
 the same computation on the same weights in float32, eval and train mode (dropout, forced weight normalisation,
 gradients). edm2 computes norms, weights and Fourier features in float32 and its code refuses float64
 (vector_norm will not narrow); here float64 stays float64 throughout, float16/bfloat16 widen to float32 as there.

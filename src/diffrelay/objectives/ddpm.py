@@ -18,12 +18,12 @@ Samplers, on the grid of `steps` timesteps respaced as DiT's space_timesteps(T, 
          without the learned-sigma half) except at the last step;
   ddim:  DDIM (Song et al. 2021) with eta (0: deterministic).
 Coefficients are computed in float64 and the sampler runs in float64 (DiT's in float32): the bound is in
-benchmarks/check_ddpm_equivalence.py's results.
+benchmarks/checks/check_ddpm_equivalence.py's results.
 
 model.ddpm (objectives/ddpm_options.py) makes it the objective as diffusers trains Stable Diffusion and its kin:
 the scaled_linear schedule, zero-terminal-SNR rescaling, v- or x0-prediction (the target; the samplers convert
 the prediction to x0 and eps as diffusers' DDIMScheduler.step does), min-SNR-gamma weights and offset noise (the
-offset's draw is the loader's, data/loader.py). benchmarks/check_diffusers_objective.py compares each with
+offset's draw is the loader's, data/loader.py). benchmarks/checks/check_diffusers_objective.py compares each with
 diffusers. Its defaults are DiT's objective above, bit for bit.
 """
 

@@ -3,7 +3,7 @@
 The sampler follows EDM's Algorithm 2 (NVlabs/edm generate.py, edm_sampler): the rho schedule from
 sigma_max to sigma_min, then 0; with S_churn > 0 each step first raises the noise level from t to
 t_hat = t (1 + gamma), gamma = min(S_churn / steps, sqrt(2) - 1) inside [S_min, S_max], adding fresh
-noise of std sqrt(t_hat^2 - t^2) * S_noise. benchmarks/check_edm_sampler.py compares it with edm_sampler.
+noise of std sqrt(t_hat^2 - t^2) * S_noise. benchmarks/checks/check_edm_sampler.py compares it with edm_sampler.
 """
 
 import dataclasses

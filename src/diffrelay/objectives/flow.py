@@ -4,7 +4,7 @@ Convention (REPA's loss.py and samplers.py; SD3): t runs from 0 (data) to 1 (noi
     x_t = (1 - t) x + t eps,    the network predicts v = d x_t / d t = eps - x,
 and the network's time input (c_noise in the diffrelay.nets contract) is t itself, in [0, 1]. SiT's
 transport/ uses the mirror image: its s = 1 - t runs from noise to data and its velocity is x - eps (the
-same network up to the sign of its output and s -> 1 - s; benchmarks/check_flow.py maps one onto the other).
+same network up to the sign of its output and s -> 1 - s; benchmarks/checks/check_flow.py maps one onto the other).
 
 Training draws one standard normal n per sample (the loader's draw, as EDM's ln sigma) and makes t from it:
   uniform:    t = Phi(n), the normal CDF, so t ~ U(0, 1) (SiT's t ~ U(0, 1));

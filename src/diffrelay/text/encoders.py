@@ -5,7 +5,7 @@ T5EncoderModel with its tokenizer (in the folder, or in a diffusers pipeline's s
 safetensors only. Nothing is downloaded (local_files_only) and no pickle is opened: a folder with .bin or .pt
 weights only is refused before a byte of them is read.
 
-Tokenisation, as diffusers 0.42's pipelines (benchmarks/check_text_encoding.py compares encode with their
+Tokenisation, as diffusers 0.42's pipelines (benchmarks/checks/check_text_encoding.py compares encode with their
 encode_prompt):
   CLIP  padding="max_length", max_length 77 (tokenizer.model_max_length, = CLIP's max_position_embeddings),
         truncation; the encoder gets no attention mask (its causal mask already hides the padding) and the

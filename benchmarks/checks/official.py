@@ -1,5 +1,9 @@
-"""What the check_*.py scripts share: writing their figures beside the versions they were measured with, and the
-gate that makes each figure fail its script when it leaves its bound."""
+"""What the check_*.py scripts share: this tree's diffrelay, writing their figures beside the versions they were
+measured with, and the gate that makes each figure fail its script when it leaves its bound.
+
+Every check script imports this module before diffrelay (tests/test_check_scripts.py holds them to it). Importing
+it puts this checkout's src/ first on sys.path: the environment's editable install points at one checkout, and a
+check run from a second checkout that shares the environment would otherwise compare the first one's diffrelay."""
 
 import json
 import math
@@ -8,11 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[2]  # the checkout this script belongs to (benchmarks/checks/official.py)
+RESULTS = ROOT / "benchmarks" / "results"  # where each check writes its figures
+if sys.path[:1] != [str(ROOT / "src")]:
+    sys.path.insert(0, str(ROOT / "src"))
 
 
 def write_results(path: Path, what: str, **fields) -> None:
     """benchmarks/results/<name>.json: what was compared, torch, machine and date, then the script's fields."""
+    import torch  # here, not at the top: importing this module stays cheap (its sys.path line is tested alone)
+
     out = {"what": what, "torch": torch.__version__, "machine": platform.machine(),
            "time": time.strftime("%Y-%m-%d"), **fields}
     part = Path(path).with_name(Path(path).name + ".part")  # atomic: a run cut short leaves the last file whole

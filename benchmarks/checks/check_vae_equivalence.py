@@ -1,7 +1,7 @@
 """Our latent encoder (diffrelay.data.encoders, sd-vae) against diffusers' AutoencoderKL and NVlabs/edm2's
 StabilityVAEEncoder, on the same tiny random weights.
 
-  python benchmarks/check_vae_equivalence.py --edm2-src /tmp/off/edm2
+  python benchmarks/checks/check_vae_equivalence.py --edm2-src /tmp/off/edm2
 
 --edm2-src is a checkout of github.com/NVlabs/edm2: its training/encoders.py (with dnnlib and torch_utils) is
 imported from there at run time and nothing of it enters the package. A tiny diffusers AutoencoderKL
@@ -42,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import write_results
+from official import RESULTS, write_results
 
 from diffrelay.data import encoders, latents
 
-HERE = Path(__file__).resolve().parent
 RES, N, ROWS = 32, 32, encoders.ROWS
 SHAPE = (3, RES, RES)
 
@@ -192,7 +191,7 @@ def encode_rate(folder: Path, count: int = 512, repeats: int = 5) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--edm2-src", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "vae_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "vae_equivalence.json")
     args = ap.parse_args()
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Our flow objective (diffrelay.objectives.flow) against SiT's transport/ and REPA's samplers.py.
 
   pip install torchdiffeq   # SiT's transport/integrators.py imports it (its ODE solver)
-  python benchmarks/check_flow.py --sit-src /tmp/SiT --repa-src /tmp/REPA
+  python benchmarks/checks/check_flow.py --sit-src /tmp/SiT --repa-src /tmp/REPA
 
 --sit-src is a checkout of github.com/willisma/SiT, --repa-src one of github.com/sihyun-yu/REPA. Their code is
 imported from those folders at run time; nothing of it enters the package. Both sides get the same tiny seeded
@@ -31,13 +31,12 @@ import sys
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 
 from diffrelay import config, objectives
 from diffrelay.objectives import flow
 from diffrelay.sampling import guidance
 
-HERE = Path(__file__).resolve().parent
 CLASSES, SEEDS, SHAPE = 10, [0, 1, 2, 3], (3, 16, 16)
 RANDN = torch.randn  # ours, before global_draws replaces torch's
 # Each case's bound: the same float32 network on both sides, the official code doing the arithmetic in its own order
@@ -165,7 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sit-src", type=Path, required=True)
     ap.add_argument("--repa-src", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "flow.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "flow.json")
     args = ap.parse_args()
     net = tiny_velocity_model()
     labels = torch.tensor([0, 3, 7, 9])

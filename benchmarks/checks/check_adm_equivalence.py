@@ -1,6 +1,6 @@
 """diffrelay.evaluation.adm against the official ADM evaluator's own NumPy code, on the same random features.
 
-  python benchmarks/check_adm_equivalence.py --guided-diffusion /tmp/off/guided-diffusion \\
+  python benchmarks/checks/check_adm_equivalence.py --guided-diffusion /tmp/off/guided-diffusion \\
       [--out benchmarks/results/adm_equivalence.json]
 
 --guided-diffusion is a checkout of github.com/openai/guided-diffusion. Its evaluations/evaluator.py imports
@@ -34,11 +34,10 @@ from pathlib import Path
 
 import numpy as np
 import scipy
+from official import RESULTS
 
 from diffrelay import io
 from diffrelay.evaluation import adm
-
-HERE = Path(__file__).resolve().parent
 
 
 def load_evaluator(checkout: Path):
@@ -200,7 +199,7 @@ def pr_cases(ev, rng) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--guided-diffusion", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "adm_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "adm_equivalence.json")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*disp.*", category=DeprecationWarning)  # the evaluator's disp=False
     warnings.filterwarnings("ignore", category=scipy.linalg.LinAlgWarning)

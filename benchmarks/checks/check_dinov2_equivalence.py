@@ -1,6 +1,6 @@
 """Our DINOv2 (diffrelay.evaluation.dinov2) against the official implementation, on the same random weights.
 
-  python benchmarks/check_dinov2_equivalence.py --dinov2-src /tmp/dinov2src [--models tiny tiny-swiglu vits14]
+  python benchmarks/checks/check_dinov2_equivalence.py --dinov2-src /tmp/dinov2src [--models tiny tiny-swiglu vits14]
 
 --dinov2-src is a checkout of github.com/facebookresearch/dinov2 (e.g. `git archive HEAD | tar -x`); it is
 imported from there, never fetched (no torch.hub), with xFormers disabled so its plain PyTorch paths run.
@@ -24,9 +24,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from official import RESULTS
 from torch.nn import functional as F
 
-HERE = Path(__file__).resolve().parent
 SHAPES = {"tiny": (32, 2, 2, "mlp"), "tiny-swiglu": (32, 2, 2, "swiglu")}
 
 
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("--dinov2-src", required=True, help="checkout of facebookresearch/dinov2")
     parser.add_argument("--models", nargs="+", default=["tiny", "tiny-swiglu", "vits14", "vitl14"])
     parser.add_argument("--dinov2-commit", default="", help="the checkout's commit, recorded in the results")
-    parser.add_argument("--out", default=str(HERE / "results" / "dinov2_equivalence.json"))
+    parser.add_argument("--out", default=str(RESULTS / "dinov2_equivalence.json"))
     args = parser.parse_args()
     src = Path(args.dinov2_src)
     if not (src / "dinov2" / "models" / "vision_transformer.py").is_file():

@@ -1,6 +1,6 @@
 """Our discrete-time objective with model.ddpm (diffrelay.objectives.ddpm) against diffusers, same draws.
 
-  python benchmarks/check_diffusers_objective.py --diffusers-src /path/to/diffusers/src
+  python benchmarks/checks/check_diffusers_objective.py --diffusers-src /path/to/diffusers/src
 
 --diffusers-src is the `src` folder of a diffusers checkout (github.com/huggingface/diffusers); diffusers is
 imported from there (put first on sys.path; the script checks diffusers.__file__ is under it). The training
@@ -18,6 +18,16 @@ Cases, each on the same x0, noise and timesteps (0 and 999 among them):
   snr/*:       the chain's SNR against training_utils.compute_snr (float32 there), relative difference.
   sampler-x0/*: chain.x0_eps / x0_from_eps against DDIMScheduler.step's pred_original_sample for epsilon,
                v_prediction and sample, zero terminal SNR included (where abar = 0 at t = 999).
+  ddim-step/*, euler-step/*:  the whole step of DDIMScheduler and EulerDiscreteScheduler (prev_sample, at each of
+               10 steps of SD's "leading" spacing with steps_offset 1) against the papers' update written out here,
+               not diffrelay's and not diffusers': DDIM (Song et al. 2021, eq. 12, sigma_t(eta) of eq. 16, the last
+               step to abar[0] as set_alpha_to_one false) for epsilon and v_prediction, eta 0 and 0.5 with the
+               scheduler handed the noise; Euler (Karras et al. 2022, Alg. 2 without churn, the VP network read as a
+               denoiser of sigma = sqrt((1 - abar) / abar), the last sigma 0) for epsilon and v_prediction. Both take
+               the scheduler's alphas_cumprod (schedule/* compares it with ours), so the figure is the step's
+               arithmetic alone; the timesteps are compared with the spacing's rule. sample.scheduler runs these
+               classes themselves, so check_diffusers_sampling.py (both sides the same classes) cannot see their
+               arithmetic: these figures do, for DDIM and Euler.
   loss/<script>/*:  ddpm.loss against the loss the script's own lines compute. The lines are taken from the
                script's source with `ast` (the statements of the `accelerator.accumulate` block that draw the noise
                and its offset, the timesteps, add the noise, pick the target, call the network and weigh the loss)
@@ -30,7 +40,7 @@ Cases, each on the same x0, noise and timesteps (0 and 999 among them):
                sample, snr_gamma None and 5, noise_offset 0 and 0.1; scaled_linear, and zero terminal SNR for v and
                sample. The script computes its loss in float32 from float32 alphas: relative bound 2e-5.
 Bounds: the dicts below (written to the JSON); exit status 1 with one FAIL line per figure outside its bound.
-Writes benchmarks/results/diffusers_objective.json. tests/test_check_diffusers_objective.py runs it against the
+Writes benchmarks/results/diffusers_objective.json. tests/test_ddpm_diffusers.py runs it against the
 installed diffusers and a stand-in script.
 """
 
@@ -43,12 +53,11 @@ import types
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 
 from diffrelay.objectives import ddpm
 from diffrelay.objectives.ddpm_options import Options
 
-HERE = Path(__file__).resolve().parent
 B, C, RES = 8, 4, 8
 TIMESTEPS = [0, 999, 1, 500, 998, 250, 750, 42]
 SCHEDULES = {"linear": Options(), "scaled_linear": Options(beta_schedule="scaled_linear", beta_start=0.00085,
@@ -64,6 +73,9 @@ BOUNDS = {"betas": 1e-8,  # max abs (1.8e-9)
           "velocity/float64": 4e-5, "add_noise/same-abar": 1e-15, "velocity/same-abar": 1e-15,  # (0)
           "snr": 2e-3,  # max relative, SNR > 0; float32 abar near 0 (1.7e-4)
           "sampler-x0": 1e-12,  # DDIMScheduler.step's pred_original_sample, same abar, float64: max abs
+          "ddim-step": 1e-12,  # DDIMScheduler.step's prev_sample against eq. 12, same abar, float64: max abs
+          "euler-step": 1e-6,  # EulerDiscreteScheduler.step's prev_sample (float32 inside) against Alg. 2 in
+          #                      float64: max abs relative to the largest |prev_sample|
           "loss": 1e-5}  # relative (7.9e-7)
 LOSS_NAMES = {"noise", "bsz", "timesteps", "noisy_latents", "noisy_model_input", "new_noise", "target",
               "model_pred", "loss"}
@@ -199,6 +211,83 @@ def sampler_x0(g: Gate, diffusers) -> dict:
     return out
 
 
+STEP_CONFIG = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "steps_offset": 1,
+               "timestep_spacing": "leading"}  # SD's scheduler folder
+STEPS = 10
+
+
+def leading_timesteps(n: int) -> list[int]:
+    """The "leading" spacing: every T // n-th timestep from 0, plus steps_offset, largest first."""
+    return [i * (ddpm.T // n) + STEP_CONFIG["steps_offset"] for i in reversed(range(n))]
+
+
+def ddim_update(x, out, a, a_prev, kind: str, eta: float, z):
+    """One DDIM update, Song et al. 2021 eq. 12 with sigma_t(eta) of eq. 16, from x_t, the network's output, abar_t,
+    abar_prev and the noise z."""
+    if kind == "epsilon":
+        eps = out
+        x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
+    else:  # v = sqrt(abar) eps - sqrt(1 - abar) x0 (Salimans & Ho 2022)
+        x0 = a.sqrt() * x - (1 - a).sqrt() * out
+        eps = a.sqrt() * out + (1 - a).sqrt() * x
+    sigma = eta * ((1 - a_prev) / (1 - a)).sqrt() * (1 - a / a_prev).sqrt()
+    return a_prev.sqrt() * x0 + (1 - a_prev - sigma ** 2).sqrt() * eps + sigma * z
+
+
+def euler_update(x, out, sigma, sigma_next, kind: str):
+    """One Euler step of Karras et al. 2022 (Alg. 2, no churn) for a VP network read as a denoiser at sigma:
+    x = x0 + sigma eps in the sampler's (VE) space, the network fed x / sqrt(sigma^2 + 1)."""
+    if kind == "epsilon":
+        denoised = x - sigma * out
+    else:  # v of the VP sample x / sqrt(sigma^2 + 1), where abar = 1 / (sigma^2 + 1)
+        denoised = x / (sigma ** 2 + 1) - sigma / (sigma ** 2 + 1).sqrt() * out
+    return x + (sigma_next - sigma) * (x - denoised) / sigma
+
+
+def sampler_steps(g: Gate, diffusers) -> dict:
+    """DDIMScheduler.step and EulerDiscreteScheduler.step, whole, against the papers' updates (ddim_update,
+    euler_update) at every step of a 10-step chain."""
+    out = {}
+    want = leading_timesteps(STEPS)
+    for kind, eta in (("epsilon", 0.0), ("v_prediction", 0.0), ("v_prediction", 0.5)):
+        s = diffusers.DDIMScheduler(**STEP_CONFIG, prediction_type=kind, clip_sample=False, set_alpha_to_one=False)
+        s.set_timesteps(STEPS)
+        case = f"ddim-step/{kind}-eta{eta:g}"
+        g.equal(f"{case}/timesteps", s.timesteps.tolist(), want)
+        # its own alphas_cumprod and final_alpha_cumprod, in float64: the step's arithmetic in float64 on both sides
+        s.alphas_cumprod, s.final_alpha_cumprod = s.alphas_cumprod.double(), s.final_alpha_cumprod.double()
+        abar = s.alphas_cumprod
+        gen = torch.Generator().manual_seed(2)
+        worst = 0.0
+        for i, t in enumerate(want):
+            x, pred, z = (torch.randn(2, C, RES, RES, generator=gen, dtype=torch.float64) for _ in range(3))
+            a_prev = abar[want[i + 1]] if i + 1 < len(want) else abar[0]  # the last step: set_alpha_to_one false
+            ref = s.step(pred, t, x, eta=eta, variance_noise=z).prev_sample
+            worst = max(worst, maxdiff(ddim_update(x, pred, abar[t], a_prev, kind, eta, z), ref))
+        g.at_most(case, worst, BOUNDS["ddim-step"])
+        out[case] = worst
+    for kind in ("epsilon", "v_prediction"):
+        s = diffusers.EulerDiscreteScheduler(**STEP_CONFIG, prediction_type=kind)
+        s.set_timesteps(STEPS)
+        case = f"euler-step/{kind}"
+        g.equal(f"{case}/timesteps", s.timesteps.tolist(), [float(t) for t in want])
+        abar = s.alphas_cumprod.double()
+        sigmas = [float(((1 - abar[t]) / abar[t]).sqrt()) for t in want] + [0.0]
+        gen = torch.Generator().manual_seed(3)
+        worst = 0.0
+        for i, t in enumerate(s.timesteps):
+            x = torch.randn(2, C, RES, RES, generator=gen) * (sigmas[i] ** 2 + 1) ** 0.5
+            pred = torch.randn(2, C, RES, RES, generator=gen)
+            s.scale_model_input(x, t)  # as a pipeline calls it (step warns otherwise)
+            ref = s.step(pred, t, x).prev_sample.double()
+            ours = euler_update(x.double(), pred.double(), torch.tensor(sigmas[i], dtype=torch.float64),
+                                sigmas[i + 1], kind)
+            worst = max(worst, maxdiff(ours, ref) / float(ours.abs().max()))
+        g.at_most(case, worst, BOUNDS["euler-step"])
+        out[case] = worst
+    return out
+
+
 class DrawingTorch(types.ModuleType):
     """torch for the script's lines: its draws recorded (randn_like, randn) and its timesteps ours (randint)."""
 
@@ -290,7 +379,7 @@ def main() -> None:
     ap.add_argument("--diffusers-src", type=Path, required=True, help="the src folder of a diffusers checkout")
     ap.add_argument("--scripts", type=Path, help="folder of the training scripts (default <src>/../examples/"
                     "text_to_image)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "diffusers_objective.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "diffusers_objective.json")
     a = ap.parse_args()
     t0 = time.perf_counter()
     diffusers = import_diffusers(a.diffusers_src)
@@ -300,7 +389,8 @@ def main() -> None:
     g = Gate()
     g.equal("scripts found (train_text_to_image.py at least)", (folder / "train_text_to_image.py").exists(), True)
     results = {"schedules": schedules(g, diffusers), "forward": forward_terms(g, diffusers),
-               "sampler_x0": sampler_x0(g, diffusers), "loss": losses(g, diffusers, scripts)}
+               "sampler_x0": sampler_x0(g, diffusers),
+               "sampler_steps": sampler_steps(g, diffusers), "loss": losses(g, diffusers, scripts)}
     worst = g.worst()
     print("max differences:", {k: f"{v:.2e}" for k, v in worst.items()})
     write_results(a.out, "diffrelay's ddpm objective with model.ddpm against diffusers' schedulers and training "

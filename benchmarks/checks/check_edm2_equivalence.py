@@ -1,6 +1,6 @@
 """Our edm2 UNet (diffrelay.nets.edm2) against NVlabs/edm2's training/networks_edm2.py, on the same weights.
 
-  python benchmarks/check_edm2_equivalence.py --edm2-src /tmp/off/edm2
+  python benchmarks/checks/check_edm2_equivalence.py --edm2-src /tmp/off/edm2
 
 --edm2-src is a checkout of github.com/NVlabs/edm2 (its dnnlib, torch_utils and training packages are imported
 from there at run time; nothing of it enters the package; it needs click and psutil). For each case edm2's
@@ -37,14 +37,13 @@ import sys
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm2, memory
 from diffrelay.objectives import edm as edm_objective
 from diffrelay.objectives.edm import Denoiser
 
-HERE = Path(__file__).resolve().parent
 PRESET_NAMES = {"xs": "XS", "s": "S", "m": "M", "l": "L", "xl": "XL", "xxl": "XXL"}
 CASES = {
     "tiny-cond": dict(resolution=16, channels=4, classes=10, model_channels=16, channel_mult=[1, 2], num_blocks=1,
@@ -242,7 +241,7 @@ def gate(cases: dict) -> Gate:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--edm2-src", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "edm2_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "edm2_equivalence.json")
     args = ap.parse_args()
     net_mod, loop_mod = official(args.edm2_src)
     cases = {}

@@ -1,6 +1,6 @@
 """diffrelay.data.edm_augment against NVlabs/edm's training/augment.py (AugmentPipe), fed the same random draws.
 
-  python benchmarks/check_augment_equivalence.py --edm-src /tmp/off/edm
+  python benchmarks/checks/check_augment_equivalence.py --edm-src /tmp/off/edm
 
 --edm-src is a checkout of github.com/NVlabs/edm; its training/augment.py (and the torch_utils and dnnlib it
 imports) is imported from there at run time, and nothing of it enters the package.
@@ -42,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import write_results
+from official import RESULTS, write_results
 
 from diffrelay.data import edm_augment as ea
 
-HERE = Path(__file__).resolve().parent
 ALONE = ("xflip", "yflip", "rotate_int", "translate_int", "scale", "rotate_frac", "aniso", "translate_frac")
 
 
@@ -168,7 +167,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--resolution", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16, help="draws of this many steps per case")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "augment_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "augment_equivalence.json")
     args = ap.parse_args()
     augment = official(args.edm_src)
     torch.set_num_threads(min(2, torch.get_num_threads()))

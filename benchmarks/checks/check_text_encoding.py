@@ -2,7 +2,7 @@
 same tiny random encoders and prompts.
 
   git clone https://github.com/huggingface/diffusers /tmp/diffusers
-  python benchmarks/check_text_encoding.py --diffusers-src /tmp/diffusers [--extra-path DIR]
+  python benchmarks/checks/check_text_encoding.py --diffusers-src /tmp/diffusers [--extra-path DIR]
 
 --diffusers-src is a checkout of diffusers: its src/ goes first on sys.path, and the script refuses to run when the
 diffusers it imports is another one (the one installed in the environment). --extra-path adds folders after it:
@@ -51,9 +51,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, ROOT, Gate, write_results
 
-HERE = Path(__file__).resolve().parent
 BOUND = 1e-6
 SANITY = 1e-3
 LONG = " ".join(["a photo of a red circle top left"] * 40)  # 320 words
@@ -95,7 +94,7 @@ def import_diffusers(src: Path, extra: list[Path]):
 
 def build_encoders(root: Path) -> dict:
     """The four encoder folders (tests/textmodels.py's builders); the T5's tokenizer made case-sensitive."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import textmodels as tm
     from tokenizers import normalizers
 
@@ -138,7 +137,7 @@ def main() -> None:
     ap.add_argument("--diffusers-src", type=Path, required=True, help="a diffusers checkout (its src/ is imported)")
     ap.add_argument("--extra-path", type=Path, action="append", default=[],
                     help="another folder for sys.path, after the checkout (e.g. one holding httpx); may repeat")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "text_encoding_check.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "text_encoding_check.json")
     args = ap.parse_args()
     diffusers, commit, pipes = import_diffusers(args.diffusers_src, args.extra_path)
     import transformers

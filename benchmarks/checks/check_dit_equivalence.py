@@ -1,7 +1,7 @@
 """Our DiT (diffrelay.nets.dit) against facebookresearch/DiT's models.py, on the same weights.
 
   pip install --no-deps timm   # DiT's models.py imports PatchEmbed, Attention and Mlp from it
-  python benchmarks/check_dit_equivalence.py --dit-src /tmp/DiT [--sit-src /tmp/SiT]
+  python benchmarks/checks/check_dit_equivalence.py --dit-src /tmp/DiT [--sit-src /tmp/SiT]
 
 --dit-src is a checkout of github.com/facebookresearch/DiT; its models.py is imported from there at run time
 and nothing of it enters the package. For each case the official DiT is built with its own initialisation,
@@ -30,11 +30,10 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 
 from diffrelay.nets import dit, registry
 
-HERE = Path(__file__).resolve().parent
 CASE_NAMES = ("tiny-learned-sigma", "tiny-patch4-fixed", "position-table", "parameter-counts", "sit-tiny-learned-sigma")
 # Each figure's bound: 0, as seen. Both networks run the same operations in the same order; both tables are
 # computed in float64 and rounded to float32, where a last-bit difference of sin or cos does not survive.
@@ -124,7 +123,7 @@ def main() -> None:
     ap.add_argument("--sit-src", type=Path, help="a checkout of github.com/willisma/SiT: adds the SiT case")
     ap.add_argument("--cases", default=",".join(CASE_NAMES),
                     help=f"comma-separated, of {', '.join(CASE_NAMES)} (default: all; the SiT one needs --sit-src)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "dit_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "dit_equivalence.json")
     args = ap.parse_args()
     wanted = args.cases.split(",")
     if unknown := set(wanted) - set(CASE_NAMES):

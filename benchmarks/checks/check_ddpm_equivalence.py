@@ -1,6 +1,6 @@
 """Our DDPM objective (diffrelay.objectives.ddpm) against facebookresearch/DiT's diffusion code, same draws.
 
-  python benchmarks/check_ddpm_equivalence.py --dit-src /tmp/DiT
+  python benchmarks/checks/check_ddpm_equivalence.py --dit-src /tmp/DiT
 
 --dit-src is a checkout of github.com/facebookresearch/DiT; its diffusion/ package (create_diffusion,
 gaussian_diffusion.py, respace.py) is imported from there at run time and nothing of it enters the package.
@@ -44,14 +44,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 from torch import nn
 
 from diffrelay.nets import dit
 from diffrelay.objectives import ddpm
 from diffrelay.sampling import guidance
 
-HERE = Path(__file__).resolve().parent
 RES, C, CLASSES = 8, 4, 10  # 8x8x4 latents, 10 classes (row 10: the null class)
 DATA_STD = 0.5
 SCHEDULE_BOUND = 1e-14  # float64 arrays computed in another order: last-bit rounding (2.2e-16 seen)
@@ -306,7 +305,7 @@ def gate(respacing: dict, schedules: dict, loss: dict, samplers: dict, cfg: dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dit-src", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "ddpm_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "ddpm_equivalence.json")
     args = ap.parse_args()
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     start = time.perf_counter()

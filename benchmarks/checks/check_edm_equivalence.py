@@ -1,6 +1,6 @@
 """Our EDM networks (diffrelay.nets.edm) against NVlabs/edm's training/networks.py, on the same weights.
 
-  python benchmarks/check_edm_equivalence.py --edm-src /tmp/off/edm
+  python benchmarks/checks/check_edm_equivalence.py --edm-src /tmp/off/edm
 
 --edm-src is a checkout of github.com/NVlabs/edm; its training/networks.py (and the torch_utils and dnnlib it
 imports) is imported from there at run time and nothing of it enters the package. For each case the official
@@ -36,12 +36,11 @@ import sys
 from pathlib import Path
 
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 import torch.nn.functional as F
 
 from diffrelay.nets import edm
 
-HERE = Path(__file__).resolve().parent
 SONG = {"ddpmpp": dict(embedding_type="positional", channel_mult_noise=1, encoder_type="standard",
                        decoder_type="standard", resample_filter=[1, 1]),
         "ncsnpp": dict(embedding_type="fourier", channel_mult_noise=2, encoder_type="residual",
@@ -169,7 +168,7 @@ def gate(cases: dict) -> Gate:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--edm-src", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "edm_equivalence.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "edm_equivalence.json")
     args = ap.parse_args()
     networks = official(args.edm_src)
     torch.set_num_threads(min(2, torch.get_num_threads()))

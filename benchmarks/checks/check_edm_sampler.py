@@ -1,6 +1,6 @@
 """Our EDM sampler (diffrelay.objectives.edm.sample) against NVlabs/edm's edm_sampler, with churn and without.
 
-  python benchmarks/check_edm_sampler.py --edm-src /tmp/edmsrc [--edm2-src /tmp/edm2src]
+  python benchmarks/checks/check_edm_sampler.py --edm-src /tmp/edmsrc [--edm2-src /tmp/edm2src]
 
 --edm-src is a checkout of github.com/NVlabs/edm (e.g. `git archive HEAD | tar -x`). Only the function
 edm_sampler is taken from its generate.py (read with ast and run with torch and numpy, so its other imports
@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import Gate, write_results
+from official import RESULTS, Gate, write_results
 
 from diffrelay import config
 from diffrelay.objectives import edm
 
-HERE = Path(__file__).resolve().parent
 CASES = {  # name: (steps, sampler settings); ImageNet-64's tuned churn is Table 5 of the EDM paper
     "ode-18": (18, edm.SamplerSettings()),
     "ode-6-sigma-rho": (6, edm.SamplerSettings(sigma_min=0.01, sigma_max=40.0, rho=5.0)),
@@ -120,7 +119,7 @@ def main() -> None:
     ap.add_argument("--edm2-src", type=Path, help="also check autoguidance against edm2's edm_sampler")
     ap.add_argument("--cases", default=",".join(BOUNDS),
                     help=f"comma-separated, of {', '.join(BOUNDS)} (default: all; autoguidance needs --edm2-src)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "edm_sampler.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "edm_sampler.json")
     args = ap.parse_args()
     wanted = args.cases.split(",")
     if unknown := set(wanted) - set(BOUNDS):

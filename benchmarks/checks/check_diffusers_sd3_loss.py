@@ -1,7 +1,7 @@
 """Our flow-matching loss (diffrelay.objectives.flow, train.flow) against the loss lines of diffusers'
 train_dreambooth_lora_sd3.py, on the same latents, noise and times.
 
-  python benchmarks/check_diffusers_sd3_loss.py --diffusers-src /path/to/diffusers/src
+  python benchmarks/checks/check_diffusers_sd3_loss.py --diffusers-src /path/to/diffusers/src
 
 --diffusers-src is the `src` folder of a diffusers checkout; diffusers is imported from there. The script is read
 from <src>/../examples/dreambooth/train_dreambooth_lora_sd3.py (or --script). Nothing of diffusers enters the package.
@@ -18,34 +18,34 @@ distance from the continuous time diffrelay draws).
 
 Cases: logit_normal (mean 0, std 1), precondition_outputs 1 (the script's default: the x0 loss) and 0 (the velocity
 loss), shift 3.0 (SD3-medium's scheduler) and 1.0. Compared: the x_t each network sees (max abs), its time input
-(ours t x 1000 against the script's timesteps, max abs) and the loss (relative). Bounds: BOUNDS; exit status 1 with
-one FAIL line per figure outside its bound. Writes benchmarks/results/diffusers_sd3_loss.json.
+(ours t x 1000 against the script's timesteps, max abs) and the loss (relative); and shift/*: the sigma table the
+script's lines index (noise_scheduler_copy.sigmas, FlowMatchEulerDiscreteScheduler's 1000 shifted sigmas) against
+SD3's shift written out here, sigma' = shift sigma / (1 + (shift - 1) sigma) on the grid sigma = (1000 - i) / 1000
+(Esser et al. 2024's resolution-dependent shift of the timesteps), in float64 (max abs). A wrong shift moves the
+x_t and the time of both sides alike (ours is handed the script's sigma), so without shift/* it showed only through
+rounding/*, whose bound is a table step. Bounds: BOUNDS; exit status 1 with one FAIL line per figure outside its
+bound. Writes benchmarks/results/diffusers_sd3_loss.json.
 tests/test_flow_sd3_loss.py runs it against the installed diffusers and a stand-in script.
 """
 
 import argparse
 import ast
 import itertools
-import sys
 import time
 import types
 from pathlib import Path
 
 import torch
+from official import RESULTS, Gate, write_results
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
-sys.path.insert(0, str(HERE))
-
-from check_diffusers_objective import import_diffusers  # noqa: E402
-from official import Gate, write_results  # noqa: E402
-
-from diffrelay.objectives import flow  # noqa: E402
+from check_diffusers_objective import import_diffusers
+from diffrelay.objectives import flow
 
 B, C, RES = 6, 4, 4
 U = [0.0004, 0.03, 0.31, 0.5, 0.77, 0.9993]  # the script's u: both ends of the table and between
 BOUNDS = {"x_t": 1e-6, "time": 1e-3, "loss": 2e-5,  # max abs; the time input x 1000; relative (float32 losses)
-          "rounding": 1.5e-3}  # |sigma - shift(1 - u)|: at most one table step (1e-3), stretched by the shift
+          "rounding": 1.5e-3,  # |sigma - shift(1 - u)|: at most one table step (1e-3), stretched by the shift
+          "shift": 1e-6}  # the scheduler's float32 sigma table against the shift formula in float64 (max abs)
 FIRST, LAST = "noise = torch.randn_like(model_input)", "loss = loss.mean()"
 
 
@@ -70,8 +70,15 @@ def velocity(x, timestep):
     return torch.tanh(0.7 * x) - 0.3 * x * t + t
 
 
+def shifted(shift: float, n: int = 1000) -> torch.Tensor:
+    """SD3's timestep shift (Esser et al. 2024; diffusers' FlowMatchEulerDiscreteScheduler) of the n-step grid
+    sigma = 1, (n - 1) / n, ..., 1 / n: shift sigma / (1 + (shift - 1) sigma), in float64."""
+    sigma = torch.arange(n, 0, -1, dtype=torch.float64) / n
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
 def script_loss(diffusers, path: Path, x0, noise, u, shift: float, precondition: int):
-    """The script's loss, the x_t and timesteps its network saw, and its sigmas."""
+    """The script's loss, the x_t and timesteps its network saw, its sigmas and the sigma table it indexed."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     get_sigmas, body = statements(path)
@@ -94,7 +101,7 @@ def script_loss(diffusers, path: Path, x0, noise, u, shift: float, precondition:
     exec(compile(ast.Module([get_sigmas], []), str(path), "exec"), ns)
     for st in body:
         exec(compile(ast.Module([st], []), str(path), "exec"), ns)
-    return ns["loss"], seen, ns["sigmas"].flatten()
+    return ns["loss"], seen, ns["sigmas"].flatten(), ns["noise_scheduler_copy"].sigmas
 
 
 def normal_for(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -108,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--diffusers-src", type=Path, required=True, help="the src folder of a diffusers checkout")
     ap.add_argument("--script", type=Path, help="train_dreambooth_lora_sd3.py (default <src>/../examples/dreambooth/)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "diffusers_sd3_loss.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "diffusers_sd3_loss.json")
     a = ap.parse_args()
     t0 = time.perf_counter()
     diffusers = import_diffusers(a.diffusers_src)
@@ -121,7 +128,7 @@ def main() -> None:
     u = torch.tensor(U)
     for shift, precondition in itertools.product((3.0, 1.0), (1, 0)) if path.exists() else []:
         case = f"shift{shift:g}-precondition{precondition}"
-        theirs, seen, sigma = script_loss(diffusers, path, x0, noise, u, shift, precondition)
+        theirs, seen, sigma, table = script_loss(diffusers, path, x0, noise, u, shift, precondition)
         ours_seen = {}
 
         def net(x_t, t, labels):
@@ -133,7 +140,8 @@ def main() -> None:
         figures = {"x_t": float((ours_seen["x_t"] - seen["x_t"]).abs().max()),
                    "time": float((ours_seen["t"].flatten() * 1000 - seen["timestep"].float()).abs().max()),
                    "loss": abs(float(ours) - float(theirs)) / abs(float(theirs)),
-                   "rounding": float((sigma.double() - flow.shift_time(1 - u.double(), shift)).abs().max())}
+                   "rounding": float((sigma.double() - flow.shift_time(1 - u.double(), shift)).abs().max()),
+                   "shift": float((table.double() - shifted(shift)).abs().max()) if len(table) == 1000 else 1.0}
         for key, value in figures.items():
             g.at_most(f"{key}/{case}", value, BOUNDS[key])
         results[case] = {"ours": float(ours), "diffusers": float(theirs), **figures}

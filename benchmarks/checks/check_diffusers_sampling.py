@@ -1,7 +1,7 @@
 """sample.scheduler (diffrelay.sampling.schedulers) against diffusers' own pipelines: same weights, prompts, negative
 prompts, seeds, steps, guidance and scheduler; the latents compared.
 
-  python benchmarks/check_diffusers_sampling.py [--diffusers-src /path/to/diffusers/src] [--schedulers A,B]
+  python benchmarks/checks/check_diffusers_sampling.py [--diffusers-src /path/to/diffusers/src] [--schedulers A,B]
 
 --diffusers-src is the `src` folder of a diffusers checkout, put first on sys.path (the script checks that
 diffusers.__file__ is under it); without it the installed diffusers is the reference. Nothing is downloaded: the
@@ -33,6 +33,10 @@ models are tiny, built here from configs with seeded weights.
       zero-padded to the T5's width, then the T5's tokens), diffrelay's guidance and schedulers; the initial
       noise is generate()'s draw, which the pipeline's prepare_latents draws alike.
   config/...: the scheduler diffrelay builds has the reference's config, key for key.
+What it covers is the loop around each scheduler's step() (timesteps, scale_model_input, guidance, the initial and
+per-step noise): both sides build the same diffusers scheduler classes from the same checkout, so a fault inside a
+scheduler's step() moves both alike and is not seen here. check_diffusers_objective.py compares DDIMScheduler.step
+and EulerDiscreteScheduler.step with the papers' updates written out (ddim-step/*, euler-step/*).
 Bound: max |latent difference| = 0, equal bit for bit: the same float32 arithmetic on the same batches (with
 sample.scheduler diffrelay's guidance puts the unconditional rows first, as the pipelines do; the other order
 moves the last bits, 8e-5 on latents of size 48 with EulerDiscreteScheduler). Exit status 1 with one FAIL line per
@@ -47,8 +51,8 @@ import types
 from pathlib import Path
 
 import torch
+from official import RESULTS, Gate, write_results
 
-HERE = Path(__file__).resolve().parent
 SEEDS = [5, 6, 7]
 PROMPTS = ["a red circle top left", "a photo of a blue square", "a green triangle"]
 NEGATIVE = ["a blue square", "", "a photo"]
@@ -190,7 +194,7 @@ def sd3_pipeline(diffusers):
 
 def compare_sd3(diffusers, pipe, name: str) -> tuple[float, bool]:
     """FlowMatch* on SD3's pipeline, given the same prompt embeddings (random: the text encoders are not the
-    subject here; benchmarks/check_text_encoding.py compares those)."""
+    subject here; benchmarks/checks/check_text_encoding.py compares those)."""
     import inspect
 
     from diffrelay.nets.text_nets import TextNet
@@ -313,14 +317,11 @@ def run(diffusers, names=None) -> dict:
 
 
 def main(argv=None) -> None:
-    sys.path.insert(0, str(HERE))
-    from official import Gate, write_results
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--diffusers-src", type=Path, help="the src folder of a diffusers checkout (default: the "
                     "installed diffusers)")
     ap.add_argument("--schedulers", help="comma-separated scheduler classes (default: every supported one)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "diffusers_sampling.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "diffusers_sampling.json")
     a = ap.parse_args(argv)
     diffusers = import_diffusers(a.diffusers_src)
     started = time.time()

@@ -2,7 +2,8 @@
 
   git clone https://github.com/Lightning-AI/torchmetrics /tmp/torchmetrics
   git clone https://github.com/Lightning-AI/utilities /tmp/lightning-utilities  # torchmetrics imports it
-  python benchmarks/check_clip_score.py --torchmetrics-src /tmp/torchmetrics --extra-path /tmp/lightning-utilities/src
+  python benchmarks/checks/check_clip_score.py --torchmetrics-src /tmp/torchmetrics \\
+      --extra-path /tmp/lightning-utilities/src
 
 --torchmetrics-src is a checkout of torchmetrics (its src/ goes first on sys.path); --extra-path adds folders
 after it (lightning_utilities, where it is not installed). Their code is imported at run time; nothing of it
@@ -41,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from official import Gate, write_results
+from official import RESULTS, ROOT, Gate, write_results
 
 from diffrelay.evaluation import clip_score
 
-HERE = Path(__file__).resolve().parent
 BOUND = 1e-4
 WORDS = ("a", "photo", "of", "red", "blue", "green", "circle", "square", "cat", "dog", "on", "the", "grass")
 PROMPTS = ["a red circle", "a blue square", "a photo of a cat", "a green dog on the grass", "a photo of a red square",
@@ -57,7 +57,7 @@ MODEL_SEED = 2  # a random CLIP whose cosines on these images take both signs (1
 def tiny_clip(folder: Path, seed: int = MODEL_SEED) -> Path:
     """A CLIP BPE that spells every byte and knows WORDS whole, a seeded random CLIPModel and processor settings
     for 32 px: everything save_pretrained writes, as a local CLIP folder holds it (the tests' builder)."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import textmodels
 
     return textmodels.clip_model(folder, WORDS, seed)
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--torchmetrics-src", type=Path, required=True)
     ap.add_argument("--extra-path", type=Path, action="append", default=[],
                     help="another folder for sys.path (e.g. lightning_utilities' src/); may repeat")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "clip_score_check.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "clip_score_check.json")
     args = ap.parse_args()
     functional, CLIPScore = import_torchmetrics(args.torchmetrics_src, args.extra_path)
     from transformers import CLIPProcessor
