@@ -169,9 +169,11 @@ def test_the_text_demo_config_plans_its_segments(tmp_path):
 
 
 @pytest.mark.slow
-def test_each_prompt_file_is_its_own_evaluation_and_report_row(text_run, tmp_path):
+def test_each_prompt_file_and_the_held_out_captions_are_their_own_evaluations_and_report_rows(text_run, tmp_path):
     """sample.prompts as a list: every checkpoint samples and scores each file in its own jobs (_p<k> for the
-    files after the first); the trained run is not touched, and the first file's evaluations are not redone."""
+    files after the first), and with sample.held_out_captions one image per held-out caption too (_ph, the held-out
+    FID's images, which then pick the best checkpoint); the trained run is not touched, and the first file's
+    evaluations are not redone."""
     from diffrelay.evaluation import protocol
 
     work, _, _ = text_run
@@ -179,19 +181,26 @@ def test_each_prompt_file_is_its_own_evaluation_and_report_row(text_run, tmp_pat
     second = tmp_path / "more.txt"
     second.write_text("a green square center\na red triangle center\n")  # FID needs 2 images or more
     before = {p.name: p.stat().st_mtime_ns for p in (run / "metrics" / "fid").glob("*.json")}
-    d = text_config(work, sample={"prompts": [str(work / "prompts.yaml"), str(second)]})
+    d = text_config(work, sample={"prompts": [str(work / "prompts.yaml"), str(second)], "held_out_captions": True})
     cfg = write(tmp_path, d, "two.yaml")
     p = run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", work, "--configfile", cfg,
                 "--cores", "2", cwd=work, env=os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}"}, timeout=900)
     ran = collections.Counter(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", p.stdout + p.stderr))
-    assert ran["train_segment"] == 0 and ran["sample_snapshot"] == 4 and ran["compute_fid"] == 4, ran
+    assert ran["train_segment"] == 0 and ran["sample_snapshot"] == 8 and ran["compute_fid"] == 8, ran
     assert {p.name: p.stat().st_mtime_ns for p in (run / "metrics" / "fid").glob("*.json") if p.name in before} == before
     for name in ("step_0000002_p1", "step_0000004_g2_p1"):
         assert [t.read_text() for t in sorted((run / "samples" / name).glob("*.txt"))] == ["a green square center", "a red triangle center"]
     assert (run / "report" / "metrics.csv").read_text().splitlines()[0].endswith("clip_score,prompts")
     assert "| step 4, prompt file 2 | 2 |" in (run / "report" / "scores.md").read_text()
+    held = json.loads((work / "results/t2i/dataset/val/captions.json").read_text())
+    want = [held["texts"][row[0]] for row in held["rows"]]
+    assert [t.read_text() for t in sorted((run / "samples" / "step_0000004_g2_ph").glob("*.txt"))] == want
+    assert "| step 4, held-out captions |" in (run / "report" / "scores.md").read_text()
+    assert json.loads((run / "report" / "best.json").read_text())["samples"].endswith("_ph")
     assert protocol.parse_variant("_g2_s1_p1") == (None, 2.0, 1) and protocol.variant_prompts("_g2_s1_p1") == 1
     assert protocol.variant(None, 2.0, 1, prompts=1) == "_g2_s1_p1" and protocol.variant_prompts("") == 0
+    assert protocol.variant(None, 2.0, 0, prompts=protocol.HELD_OUT) == "_g2_ph"
+    assert protocol.variant_prompts("_g2_ph") == protocol.HELD_OUT
 
 
 @pytest.mark.slow

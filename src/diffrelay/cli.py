@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.add_argument("--prompts", metavar="FILE", help="a text run's prompt file (sample.prompts): one prompt a line, or "
                    "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images")
+    p.add_argument("--held-out-captions", action="store_true", help="a text run: sample one image per held-out "
+                   "caption (up to --num-images) even where the config names sample.prompts (the workflow's _ph)")
     p.add_argument("--prompts-sha256", metavar="HEX", help="the prompt file's sha256 when the workflow planned the job: "
                    "refused if the file changed since")
     p.add_argument("--guide", metavar="SNAPSHOT", help="autoguidance: this snapshot guides instead of the null class "

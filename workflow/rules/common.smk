@@ -166,7 +166,9 @@ GUIDANCE_SCALES = protocol.guidance_scales(CFG.to_dict()["sample"])
 EMA_DECAYS = protocol.ema_decays(CFG.to_dict())
 SEED_SETS = range(CFG.sample.seed_sets)
 # A text run's prompt files (sample.prompts) are evaluated each on its own (_p<k> for k > 0).
-PROMPT_FILES = range(max(1, len(protocol.prompt_files(CFG.to_dict()["sample"]))))
+PROMPT_FILES = list(range(max(1, len(protocol.prompt_files(CFG.to_dict()["sample"])))))
+# sample.held_out_captions: the held-out captions too, evaluated as their own variant (_ph).
+PROMPT_FILES += [protocol.HELD_OUT] if CFG.sample.held_out_captions else []
 FIRST_PASS = [
     protocol.variant(None, g, s, decay=d, prompts=k)
     for d in EMA_DECAYS

@@ -183,9 +183,11 @@ def get_sample_settings(wildcards):
             edm_flags += f" --scheduler-kwargs {shlex.quote(kwargs)}"
     # A text run's prompt file: the variant's of sample.prompts (_p<k>).
     prompts = protocol.prompt_files(CFG.to_dict()["sample"])
-    if prompts:
+    k = protocol.variant_prompts(wildcards.variant)
+    if k == protocol.HELD_OUT:  # sample.held_out_captions: the held-out FID's images
+        edm_flags += " --held-out-captions"
+    elif prompts:
         # Its sha256 too: an edited prompt file changes this param, so Snakemake samples (and scores) again.
-        k = protocol.variant_prompts(wildcards.variant)
         sha = drio.sha256_file(prompts[k])
         edm_flags += f" --prompts {shlex.quote(prompts[k])} --prompts-sha256 {sha}"
     return (

@@ -57,6 +57,10 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if text and prompts is None and not (data["val_fraction"] or data["val_path"]):
         bad.append(("sample.prompts", "a text run samples prompts: give a prompt file, or hold images out "
                     "(data.val_fraction or data.val_path) to sample their captions"))
+    if s.get("held_out_captions") and not (text and prompts is not None and (data["val_fraction"] or data["val_path"])):
+        bad.append(("sample.held_out_captions=true", "samples a text run's held-out captions beside its prompt files: "
+                    "it needs data.captions, sample.prompts and a held-out split (data.val_fraction or data.val_path); "
+                    "without a prompt file the held-out captions are what is sampled already"))
     if text and s["class_labels"] != "balanced":
         bad.append((f"sample.class_labels={s['class_labels']}", "a text run samples prompts, not classes; drop it"))
     wants_clip = "clip_score" in (fid["metrics"] or []) or fid["best_by"] == "clip_score"

@@ -9,13 +9,16 @@ Names of one evaluation (a sample folder and its score file): `step_0000400` plu
   _n50000  the second ("final") pass with fid.final.num_images images (none: sample.num_images)
   _g1.5    classifier-free guidance scale (none: 1)
   _s2      seed set 2 of sample.seed_sets (none: set 0), seeds first_seed + 2 x images + i
+  _p1      a text run's prompt file 1 of sample.prompts (none: the first); _ph its held-out captions
+           (sample.held_out_captions: the held-out FID's images beside the prompt files')
 in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1.
 """
 
 import re
 from pathlib import Path
 
-VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?(_p\d+)?"
+VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?(_p\d+|_ph)?"
+HELD_OUT = -1  # variant_prompts of _ph: one image per held-out caption, not a prompt file
 _VARIANT = re.compile(rf"^{VARIANT}\Z")
 STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
 
@@ -39,7 +42,7 @@ def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, 
     return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_decay{float(decay):g}" if decay is not None else "")
             + (f"_n{count}" if count else "")
             + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else "")
-            + (f"_p{prompts}" if prompts else ""))
+            + ("_ph" if prompts == HELD_OUT else f"_p{prompts}" if prompts else ""))
 
 
 def _groups(suffix: str):
@@ -63,9 +66,10 @@ def variant_ema(suffix: str) -> float | None:
 
 
 def variant_prompts(suffix: str) -> int:
-    """Which of sample.prompts's files a text run's variant samples (_p1 ...), 0 for the first."""
+    """Which of sample.prompts's files a text run's variant samples (_p1 ...), 0 for the first, HELD_OUT for its
+    held-out captions (_ph)."""
     k = _groups(suffix)[5]
-    return int(k[2:]) if k else 0
+    return HELD_OUT if k == "_ph" else int(k[2:]) if k else 0
 
 
 def prompt_files(sample: dict) -> list[str]:

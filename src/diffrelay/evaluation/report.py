@@ -213,14 +213,16 @@ def csv_columns(table: pd.DataFrame) -> list:
     """metrics.csv's columns: COLUMNS, and the per-file scores (clip_score) and prompts (sample.prompts's file k)
     where a text run has them (other runs keep their file)."""
     return COLUMNS + [k for k in columns.PER_FILE if table[k].notna().any()] + (
-        ["prompts"] if (table.prompts > 0).any() else [])
+        ["prompts"] if (table.prompts != 0).any() else [])
 
 
 def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
     second pass when it ran), among results of the newest step's metric: scores of other extractors or
     image counts are never compared. by clip_score (fid.best_by): the highest CLIP score instead."""
-    primary = table[table.primary & (table.prompts == 0)]  # a text run's first prompt file picks, as the first extractor
+    # A text run's held-out captions pick where sampled (the FID's own images), else its first prompt file.
+    picks = protocol.HELD_OUT if (table.prompts == protocol.HELD_OUT).any() else 0
+    primary = table[table.primary & (table.prompts == picks)]
     top = primary[primary.num_images.fillna(0) == primary.num_images.fillna(0).max()]
     metric = top.metric.iloc[-1]
     same = top[(top.metric == metric) & top.fid.notna()]
@@ -253,7 +255,8 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by
         part = table[table.metric.map(family) == fam]
         for (m, g, ema, decay, k), curve in part.groupby(["metric", "guidance", "phema", "ema_decay", "prompts"],
                                                          sort=True, dropna=False):
-            label = m + (f", guidance {g:g}" if several_scales else "") + (f", prompt file {k + 1}" if k else "")
+            label = m + (f", guidance {g:g}" if several_scales else "") + (
+                ", held-out captions" if k == protocol.HELD_OUT else f", prompt file {k + 1}" if k else "")
             label += "" if math.isnan(ema) else f", post-hoc EMA {ema:g}"
             label += "" if math.isnan(decay) else f", EMA decay {decay:g}"
             if curve.seed_sets.max() > 1:

@@ -31,7 +31,8 @@ def _cell(v) -> str:
 def _snapshot(r: dict) -> str:
     out = f"step {int(r['step'])}"
     out += "" if math.isnan(r["phema"]) else f", post-hoc EMA {r['phema']:g}"
-    out += f", prompt file {int(r['prompts']) + 1}" if r.get("prompts") else ""
+    k = int(r.get("prompts") or 0)
+    out += ", held-out captions" if k < 0 else f", prompt file {k + 1}" if k else ""
     return out + ("" if math.isnan(r["ema_decay"]) else f", EMA decay {r['ema_decay']:g}")
 
 

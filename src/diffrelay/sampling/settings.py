@@ -109,6 +109,11 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         if cl != "balanced" and not cl.isdigit():
             raise UserError(f"--class-labels={args.class_labels}: use balanced or a class index (0 or more)")
         over["class_labels"] = cl if cl == "balanced" else int(cl)
+    if getattr(args, "held_out_captions", False):  # the held-out captions, whatever sample.prompts names
+        if "prompts" in over:
+            raise UserError("--held-out-captions and --prompts: one image per held-out caption, or the prompt file's; "
+                            "give one of them")
+        over["prompts"] = None
     for key in ("guidance", "prompts"):  # the workflow's one value of a sweep
         if key in over:
             cfg["sample"][key] = over[key]
