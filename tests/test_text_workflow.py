@@ -197,6 +197,8 @@ def test_each_prompt_file_and_the_held_out_captions_are_their_own_evaluations_an
     assert [t.read_text() for t in sorted((run / "samples" / "step_0000004_g2_ph").glob("*.txt"))] == want
     assert "| step 4, held-out captions |" in (run / "report" / "scores.md").read_text()
     assert json.loads((run / "report" / "best.json").read_text())["samples"].endswith("_ph")
+    for m in (run / "samples").glob("step_*/manifest.json"):  # prompts, not classes, made these images
+        assert "class_labels" not in json.loads(m.read_text()) and json.loads(m.read_text())["prompts"], m
     assert protocol.parse_variant("_g2_s1_p1") == (None, 2.0, 1) and protocol.variant_prompts("_g2_s1_p1") == 1
     assert protocol.variant(None, 2.0, 1, prompts=1) == "_g2_s1_p1" and protocol.variant_prompts("") == 0
     assert protocol.variant(None, 2.0, 0, prompts=protocol.HELD_OUT) == "_g2_ph"
