@@ -482,3 +482,18 @@ def test_chunks_are_reused_only_from_the_same_plan_on_the_same_kind_of_device(tm
     assert not left_after(dataclasses.replace(plan, on_corrupt="skip"))  # not in the fingerprint, still a change
     encoding.remove_work(work)
     assert not work.exists()
+
+
+def test_a_truncated_sd_vae_file_is_one_line_when_the_config_is_checked(tmp_path):
+    """data.encoder_path's weights by their header, before any job: not a traceback in prepare's first encode."""
+    from safetensors.torch import save_file
+
+    from diffrelay.config import preflight
+
+    save_file({"decoder.conv_in.weight": torch.zeros(4, 4)}, tmp_path / "vae.safetensors")
+    (tmp_path / "vae.safetensors").write_bytes((tmp_path / "vae.safetensors").read_bytes()[:-3])
+    cfg = config.Config(config.validate({"data": {"encoder": "sd-vae", "resolution": 32,
+                                                  "encoder_path": str(tmp_path / "vae.safetensors")}}))
+    with pytest.raises(UserError, match=r"^x.yaml: data.encoder_path: .*vae.safetensors: its tensors need 64 bytes "
+                                        r"of data, the file holds 61: truncated; give data.encoder_path"):
+        preflight.check_latent(cfg, "x.yaml")

@@ -302,6 +302,13 @@ def check_latent(cfg, source: str) -> None:
     """The encoder's geometry fits the resolution, and the network fits the latents (nets/checks.py)."""
     if cfg.data.encoder == "none":
         return
+    from diffrelay.data import encoders
+
+    path = cfg.data.encoder_path  # the SD-VAE's weights, by their header (fetched ones are checked when fetched)
+    weights = encoders.weights_file(Path(path).expanduser()) if path and cfg.data.encoder in encoders.SD_VAE else None
+    why = io.safetensors_problem(weights) if weights is not None and weights.exists() else None
+    if why:
+        raise UserError(f"{source}: data.encoder_path: {weights}: {why}; {encoders.FIX}")
     latent_model(cfg, net_geometry(cfg, source)[1], source)
 
 
