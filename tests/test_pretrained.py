@@ -150,6 +150,8 @@ def test_a_changed_pipeline_folder_is_refused_for_the_run_it_made(sd, tmp_path):
     ("truncated-vae", "vae/diffusion_pytorch_model.safetensors: its tensors need "),
     ("header-unet", "unet/diffusion_pytorch_model.safetensors: its header is not valid JSON"),
     ("truncated-single", "model.pretrained.path: its tensors need "),
+    ("missing-shard", "unet/diffusion_pytorch_model.safetensors.index.json: names the shard "
+                      "diffusion_pytorch_model-00002-of-00002.safetensors, which is not in "),
 ])
 def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_read(sd, tmp_path, case, says):
     pipe = tmp_path / "nowhere" if case == "missing" else copy(sd, tmp_path / "p")
@@ -182,6 +184,12 @@ def test_each_bad_pipeline_or_contradiction_is_one_line_before_any_weight_is_rea
         f.write_bytes(b[:8] + b"!" * 8 + b[16:] if case == "header-unet" else b[:-7])
         if case == "truncated-single":
             over = {"model": {"pretrained": {"path": str(f), "config": str(pipe)}}}
+    elif case == "missing-shard":  # a sharded part copied short: its index names a shard that is not there
+        (pipe / "unet" / "diffusion_pytorch_model.safetensors").rename(
+            pipe / "unet" / "diffusion_pytorch_model-00001-of-00002.safetensors")
+        (pipe / "unet" / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "diffusion_pytorch_model-00001-of-00002.safetensors",
+            "b": "diffusion_pytorch_model-00002-of-00002.safetensors"}}))
     assert says in refusal(raw(tmp_path, pipe, **over))
 
 

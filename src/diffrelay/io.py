@@ -301,6 +301,20 @@ def safetensors_problem(path) -> str | None:
     return None
 
 
+def shards_problem(folder) -> str | None:
+    """Why a sharded save_pretrained folder cannot load: its *.safetensors.index.json unreadable, or naming a shard
+    that is not there (a copy cut short); None when every shard it names is present."""
+    for index in sorted(Path(folder).glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{index}: not a readable shard index ({type(e).__name__})"
+        missing = sorted(s for s in shards if not (Path(folder) / s).is_file())
+        if missing:
+            return f"{index}: names the shard {missing[0]}, which is not in {folder}"
+    return None
+
+
 def remove_owned(folder, files) -> None:
     """Delete `files` (a stage's own, in `folder`), then `folder` if nothing else is left in it: what anyone else
     put there stays, and so does the folder then."""

@@ -148,6 +148,9 @@ def weights_problem(pipe: Pipeline, name: str) -> str | None:
         why = io.safetensors_problem(folder / n)
         if why:
             return f"{folder / n}: {why}; restore the file (copy the pipeline folder again)"
+    why = io.shards_problem(folder)
+    if why:
+        return f"{why}; copy the pipeline folder again"
     if plain:
         return None
     variants = [n for n in names if VARIANT.match(n)]

@@ -93,7 +93,7 @@ def weight_files(path: Path) -> list[Path]:
     """The *.safetensors files of the folder, sorted; refused when its weights are pickles only (none is read)."""
     files = sorted(path.glob("*.safetensors"))
     for f in files:  # each header, when the config is read: not a traceback after every image is decoded
-        why = io.safetensors_problem(f)
+        why = io.safetensors_problem(f) or io.shards_problem(path)
         if why:
             raise UserError(f"{f}: data.text_encoders: {why}; restore the file, or save the encoder again with "
                             "save_pretrained(folder)")
