@@ -61,9 +61,11 @@ def test_encoding_equals_the_pipelines_encode_prompt(hy):
         states, _, mask, _ = pipe.encode_prompt(prompts, device="cpu", dtype=torch.float32,
                                                 do_classifier_free_guidance=False, text_encoder_index=index,
                                                 max_sequence_length=(77, 256)[index])
-        # benchmarks/checks/check_text_encoding.py's bound: only the batch differs (diffrelay's 16 rows, the
-        # pipeline's 3)
-        assert (got.states[:, part, :states.shape[-1]] - states).abs().max() <= 1e-6
+        # Float32 rounding: only the batch differs (diffrelay's 16 rows, the pipeline's 3), so the matmuls block
+        # differently; 1e-6 absolute (benchmarks/checks/check_text_encoding.py's bound) plus 1e-6 of the value,
+        # since on some CPUs' kernels an embedding of |x| ~ 2 differs by 1.07e-6 (seen at 156d547, before any change)
+        ours = got.states[:, part, :states.shape[-1]]
+        assert ((ours - states).abs() <= 1e-6 + 1e-6 * states.abs()).all(), (ours - states).abs().max()
         assert torch.equal(got.mask[:, part], mask)
     assert got.mask[0, :77].sum() == 7  # [CLS] a red circle top left [SEP]: the padding is masked
 
