@@ -4,7 +4,7 @@
   the text encoders' and the encoder's weights), no file read: the Snakefile's `prepare_dataset` param, so an edited
   caption or image reruns `prepare` instead of leaving a finished run at "Nothing to be done".
 - `record`: per source file, its sha256 and caption, with the text encoders' and the encoder's sha256: written beside
-  a run's dataset (`<run>/dataset-sources.json`) when `prepare` builds it, with what changed since the one before.
+  a run's dataset (`<run>/dataset-sources/<fingerprint>.json`) when `prepare` builds it.
 - `warn_if_changed`: `prepare` of a run that has checkpoints says what changed in its source (images added, removed
   or changed, captions edited, encoders swapped) before it builds the new dataset; `check_trained_on`: training
   (a resumed segment, or a finished one Snakemake runs again) then refuses in one line, naming what changed.
@@ -20,7 +20,7 @@ from pathlib import Path
 from diffrelay import io, logs
 from diffrelay.errors import UserError
 
-RECORD = "dataset-sources.json"
+RECORDS = "dataset-sources"  # <run>/dataset-sources/<fingerprint>.json: one record a dataset the run made
 SHOWN = 3  # names given per kind of change; the count says the rest
 
 
@@ -105,46 +105,58 @@ def _names(names: list) -> str:
     return ", ".join(names[:SHOWN]) + (f", ... {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
-def trained(run_dir: Path) -> bool:
-    """The run has a checkpoint folder (a segment's or a recovery one): what was trained depends on its data."""
-    return any((Path(run_dir) / "checkpoints").glob("step_*"))
+def trained_on(run_dir: Path) -> str | None:
+    """The dataset fingerprint the run's newest checkpoint was trained on (its meta.json: no torch), None when
+    the run has none."""
+    for meta in sorted(Path(run_dir).glob("checkpoints/step_*/meta.json"), reverse=True):
+        try:
+            fp = io.read_json(meta).get("dataset_fingerprint")
+        except (UserError, AttributeError):
+            continue
+        if isinstance(fp, str):
+            return fp
+    return None
 
 
-def read(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / RECORD
-    if not path.is_file():
+def read(run_dir: Path, fingerprint: str | None) -> dict | None:
+    """The record of the run's dataset of that fingerprint, when prepare made it into the run."""
+    path = Path(run_dir) / RECORDS / f"{fingerprint}.json"
+    if fingerprint is None or not path.is_file():
         return None
     rec = io.read_json(path)
     return rec if isinstance(rec, dict) else None
 
 
+def what_changed(run_dir: Path, was: str, now) -> str:
+    """In words, from the run's records of both datasets (`now`: a fingerprint or a plan); generic without them."""
+    old, new = read(run_dir, was), record(now) if hasattr(now, "files") else read(run_dir, now)
+    return changes(old, new) if old is not None and new is not None else ""
+
+
 def warn_if_changed(run_dir: Path, plan, where: str) -> None:
     """`prepare` builds a changed source anew (the run's checkpoints then refuse to continue on it): say first
     what changed since they were trained."""
-    was = read(run_dir)
-    if was is not None and was.get("fingerprint") != plan.fingerprint and trained(run_dir):
-        logs.get().warning(f"{where}: changed since {Path(run_dir).name} was trained on it: "
-                           f"{changes(was, record(plan))}; preparing the new dataset (fingerprint "
-                           f"{plan.fingerprint[:12]}); the run's checkpoints will not continue on it: restore the "
-                           "files, or start a new run.name to train on them")
+    was = trained_on(run_dir)
+    if was is not None and was != plan.fingerprint:
+        what = what_changed(run_dir, was, plan) or "images or captions added, removed or changed"
+        logs.get().warning(f"{where}: changed since {Path(run_dir).name} was trained on it: {what}; preparing the "
+                           f"new dataset (fingerprint {plan.fingerprint[:12]}); the run's checkpoints will not "
+                           "continue on it: restore the files, or start a new run.name to train on them")
 
 
 def write(run_dir: Path, plan) -> None:
-    """Record what the run's dataset is made from (atomically), with what changed since the one before it."""
-    was, now = read(run_dir), record(plan)
-    if was is not None and was.get("fingerprint") != plan.fingerprint:
-        now["previous"] = {"fingerprint": was.get("fingerprint"), "changes": changes(was, now)}
-    io.write_bytes(Path(run_dir) / RECORD, json.dumps(now, sort_keys=True).encode())
+    """Record what the run's dataset of this fingerprint is made from (atomically, once)."""
+    path = Path(run_dir) / RECORDS / f"{plan.fingerprint}.json"
+    if not path.is_file():
+        io.write_bytes(path, json.dumps(record(plan), sort_keys=True).encode())
 
 
-def check_trained_on(path, trained_on: str | None, data, run_dir: Path) -> None:
-    """A checkpoint (at `path`, trained on the dataset of fingerprint `trained_on`) continues only on that dataset:
-    one line naming both fingerprints and, where the run's record knows it, what changed."""
-    if trained_on == data.fingerprint:
+def check_trained_on(path, trained: str | None, data, run_dir: Path) -> None:
+    """A checkpoint (at `path`, trained on the dataset of fingerprint `trained`) continues only on that dataset:
+    one line naming both fingerprints and, where the run's records know it, what changed."""
+    if trained == data.fingerprint:
         return
-    rec = read(run_dir) or {}
-    known = rec.get("fingerprint") == data.fingerprint and (rec.get("previous") or {}).get("fingerprint") == trained_on
-    what = f": {rec['previous']['changes']}" if known else ""
-    raise UserError(f"{path}: trained on a dataset with fingerprint {str(trained_on)[:12]}, but {data.path} now has "
-                    f"{data.fingerprint[:12]} (images added, removed or changed, or captions edited{what}); restore "
-                    "them, or start a new run.name to train on the new set")
+    what = what_changed(run_dir, trained, data.fingerprint)
+    raise UserError(f"{path}: trained on a dataset with fingerprint {str(trained)[:12]}, but {data.path} now has "
+                    f"{data.fingerprint[:12]} (images added, removed or changed, or captions edited"
+                    f"{': ' + what if what else ''}); restore them, or start a new run.name to train on the new set")
