@@ -39,3 +39,29 @@ def test_the_listing_sees_an_edit_in_the_folder_or_an_encoder_and_reads_no_file(
     second = sources.listing(data)
     (tmp_path / "enc" / "model.safetensors").write_bytes(b"yy")
     assert sources.listing(data) != second
+
+
+def test_a_run_says_what_changed_since_its_checkpoints_and_restoring_the_files_is_no_change(tmp_path, caplog):
+    import json
+    import logging
+
+    import pytest
+
+    from diffrelay.errors import UserError
+
+    a = plan({"a.png": "1" * 64}, {"a.png": "a cat"}, fingerprint="A")
+    b = plan({"a.png": "1" * 64}, {"a.png": "a dog"}, fingerprint="B")
+    sources.write(tmp_path, a)
+    sources.warn_if_changed(tmp_path, b, "data.path=x")  # nothing trained yet: nothing to say
+    (tmp_path / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_0000002" / "meta.json").write_text(json.dumps({"dataset_fingerprint": "A"}))
+    with caplog.at_level(logging.WARNING, logger="diffrelay"):
+        sources.warn_if_changed(tmp_path, b, "data.path=x")
+        sources.write(tmp_path, b)
+        sources.warn_if_changed(tmp_path, a, "data.path=x")  # the files restored: the trained dataset again
+    assert [r.message.split(";")[0] for r in caplog.records] == [
+        f"data.path=x: changed since {tmp_path.name} was trained on it: caption of a.png edited"]
+    with pytest.raises(UserError, match=r"fingerprint A, but ds now has B \(images added, removed or changed, or "
+                                        r"captions edited: caption of a.png edited\); restore them"):
+        sources.check_trained_on("step_0000002", "A", SimpleNamespace(fingerprint="B", path="ds"), tmp_path)
+    sources.check_trained_on("step_0000002", "A", SimpleNamespace(fingerprint="A", path="ds"), tmp_path)
