@@ -181,14 +181,16 @@ def test_each_prompt_file_and_the_held_out_captions_are_their_own_evaluations_an
     second = tmp_path / "more.txt"
     second.write_text("a green square center\na red triangle center\n")  # FID needs 2 images or more
     before = {p.name: p.stat().st_mtime_ns for p in (run / "metrics" / "fid").glob("*.json")}
-    d = text_config(work, sample={"prompts": [str(work / "prompts.yaml"), str(second)], "held_out_captions": True})
+    # Guidance 2 only (the run's second scale): the second file and the held-out captions at both checkpoints.
+    d = text_config(work, sample={"prompts": [str(work / "prompts.yaml"), str(second)], "held_out_captions": True,
+                                  "guidance": 2})
     cfg = write(tmp_path, d, "two.yaml")
     p = run_cli("snakemake", "--snakefile", REPO / "Snakefile", "--directory", work, "--configfile", cfg,
                 "--cores", "2", cwd=work, env=os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}"}, timeout=900)
     ran = collections.Counter(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", p.stdout + p.stderr))
-    assert ran["train_segment"] == 0 and ran["sample_snapshot"] == 8 and ran["compute_fid"] == 8, ran
+    assert ran["train_segment"] == 0 and ran["sample_snapshot"] == 4 and ran["compute_fid"] == 4, ran
     assert {p.name: p.stat().st_mtime_ns for p in (run / "metrics" / "fid").glob("*.json") if p.name in before} == before
-    for name in ("step_0000002_p1", "step_0000004_g2_p1"):
+    for name in ("step_0000002_g2_p1", "step_0000004_g2_p1"):
         assert [t.read_text() for t in sorted((run / "samples" / name).glob("*.txt"))] == ["a green square center", "a red triangle center"]
     assert (run / "report" / "metrics.csv").read_text().splitlines()[0].endswith("clip_score,prompts")
     assert "| step 4, prompt file 2 | 2 |" in (run / "report" / "scores.md").read_text()
@@ -197,6 +199,7 @@ def test_each_prompt_file_and_the_held_out_captions_are_their_own_evaluations_an
     assert [t.read_text() for t in sorted((run / "samples" / "step_0000004_g2_ph").glob("*.txt"))] == want
     assert "| step 4, held-out captions |" in (run / "report" / "scores.md").read_text()
     assert json.loads((run / "report" / "best.json").read_text())["samples"].endswith("_ph")
+    assert (run / "samples" / "step_0000002_g2_ph").is_dir()
     for m in (run / "samples").glob("step_*/manifest.json"):  # prompts, not classes, made these images
         assert "class_labels" not in json.loads(m.read_text()) and json.loads(m.read_text())["prompts"], m
     assert protocol.parse_variant("_g2_s1_p1") == (None, 2.0, 1) and protocol.variant_prompts("_g2_s1_p1") == 1
