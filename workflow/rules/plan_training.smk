@@ -54,6 +54,11 @@ def get_config_args(wildcards, threads):
     return CONFIG_ARGS
 
 
+def get_source_listing(wildcards):
+    """prepare_dataset's param: the source's file names, sizes and mtimes, digested (data/sources.py)."""
+    return drsources.listing(CFG.to_dict()["data"])
+
+
 def get_prepare_args(wildcards, threads):
     # Decoding processes: data.workers, or with 0 `prepare` takes every core the job may use (its
     # affinity mask: the allocation on a cluster). Snakemake's threads then count 1: prepare runs

@@ -32,30 +32,40 @@ def listing(data: dict) -> str:
     if cap not in ("none", "auto"):  # a caption table, wherever it lies
         roots.append(cap)
     h = hashlib.sha256()
-    for root in (Path(r).expanduser() for r in roots if r):
+    for root in (os.path.expanduser(r) for r in roots if r):
         h.update(f"{root}\0".encode())
-        for rel, st in _walk(root):
-            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        try:
+            st = os.stat(root)
+        except OSError:
+            continue  # prepare says why, in one line
+        if os.path.isdir(root):
+            _walk(root, "", h, {(st.st_dev, st.st_ino)})
+        else:
+            h.update(f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
-def _walk(root: Path):
-    """(relative path, stat) of root (a file) or of every file below it, sorted; what cannot be read is skipped
-    (prepare says why, in one line)."""
+def _walk(folder: str, rel: str, h, seen: set) -> None:
+    """Each file's relative path, size and mtime below `folder`, in name order, into `h` (os.scandir: one stat a
+    file, no Path objects); what cannot be read is skipped (prepare says why, in one line). Linked folders are
+    followed once (`seen`: their device and inode), so a link to a parent ends."""
     try:
-        if root.is_file():
-            yield "", root.stat()
-            return
-        for top, dirs, files in os.walk(root):
-            dirs.sort()
-            for name in sorted(files):
-                path = Path(top) / name
-                try:
-                    yield path.relative_to(root).as_posix(), path.stat()
-                except OSError:
-                    continue
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return
+    for e in entries:
+        try:
+            if e.is_dir():
+                st = e.stat()
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    _walk(e.path, f"{rel}{e.name}/", h, seen)
+            else:
+                st = e.stat()
+                h.update(f"{rel}{e.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:
+            continue
 
 
 def record(plan) -> dict:
