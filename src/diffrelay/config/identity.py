@@ -40,7 +40,8 @@ _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "t
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard",
                    # speed switches: the same run, numerically equal up to rounding
                    "compile", "tf32", "fused_optimizer", "channels_last", "deterministic",
-                   "activation_checkpointing"}  # memory, not arithmetic: bitwise the same (nets/memory.py)
+                   "activation_checkpointing",  # memory, not arithmetic: bitwise the same (nets/memory.py)
+                   "sharding"}  # where the state lives: a resume with the other is refused in one line (state.py)
 
 # data keys that change how the dataset is made, not its bytes.
 _NOT_PIXELS = {"workers"}

@@ -136,10 +136,11 @@ def load(module, state: dict, path) -> None:
                         "adapter (rank and target_modules must match); resume or sample it with its own config")
 
 
-def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
+def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | None = None) -> bool:
     """Write the adapter of each network of `nets` ({file name: an objective's wrapper}) into <folder>/, keys
     and metadata as diffusers' LoRA scripts save them; atomic. False where the pipeline class has no LoRA loader
-    (PixArt, HunyuanDiT): diffrelay's snapshot is then the only copy."""
+    (PixArt, HunyuanDiT): diffrelay's snapshot is then the only copy. `states` ({file name: the wrapper's adapter
+    tensors, whole}): what to write where the wrappers hold shards (train.sharding: fsdp2)."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -153,7 +154,11 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str) -> bool:
     with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= set(nets)) as tmp:
         for name, net in nets.items():
             model = weights.text_net(net)
-            layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+            whole = None
+            if states is not None:  # the wrapper's keys, less the path to the diffusers network inside it
+                prefix = next(n for n, m in net.named_modules() if m is model)
+                whole = {k[len(prefix) + 1:] if prefix else k: v for k, v in states[name].items()}
+            layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model, state_dict=whole))
             cls.save_lora_weights(tmp, **{f"{net_part}_lora_layers": layers,
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)

@@ -22,6 +22,7 @@ from diffrelay import objectives
 from diffrelay.errors import UserError
 from diffrelay.pretrained import lora
 from diffrelay.pretrained import weights as base_weights
+from diffrelay.training import sharded_checkpoint
 
 CHECKPOINT_FORMAT = "diffrelay-checkpoint/1"
 SNAPSHOT_FORMAT = io.SNAPSHOT_FORMAT
@@ -51,8 +52,9 @@ def save_checkpoint(path, state: dict, meta: dict) -> Path:
 
 
 def is_checkpoint_folder(path) -> bool:
-    """A folder holding only checkpoint files (complete or not): replacing it loses nothing of the user's."""
-    return set(os.listdir(path)) <= set(FILES)
+    """A folder holding only checkpoint files (complete or not; a sharded one's shards too): replacing it loses
+    nothing of the user's."""
+    return all(name in FILES or sharded_checkpoint.is_shard(name) for name in os.listdir(path))
 
 
 def is_complete(path) -> bool:
@@ -74,6 +76,8 @@ def verify_checkpoint(path) -> dict:
     manifest = io.read_json(manifest_path)
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{manifest_path}: format={manifest.get('format')!r}; expected {CHECKPOINT_FORMAT}")
+    if "sharding" in manifest:
+        sharded_checkpoint.check_no_strays(path, manifest)
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.exists():

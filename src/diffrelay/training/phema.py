@@ -55,20 +55,31 @@ class PowerEMA:
         return {"sigma_rel": list(self.sigma_rels), "nets": [avg.state_dict() for avg in self.nets]}
 
     def load_state_dict(self, state: dict, source) -> None:
+        self.check_state(state, source)
+        for avg, s in zip(self.nets, state["nets"], strict=True):
+            avg.load_state_dict(s)
+
+    def check_state(self, state: dict | None, source) -> None:
+        """A checkpoint's post-hoc EMA record against this run's profiles: one line where they differ."""
         if state is None:
             raise UserError(f"{source}: has no post-hoc EMA state (made with train.phema off); "
                             "start a new run.name to train with train.phema")
         if [float(s) for s in state["sigma_rel"]] != self.sigma_rels:
             raise UserError(f"{source}: keeps post-hoc EMA profiles {state['sigma_rel']}, the config "
                             f"train.phema.profiles={self.sigma_rels}; use the same profiles or a new run.name")
-        for avg, s in zip(self.nets, state["nets"], strict=True):
-            avg.load_state_dict(s)
 
-    def save(self, path, meta: dict) -> Path:
-        """Both averages in one verified file; `meta` as a snapshot's (step, model, image_shape, ...)."""
+    def save(self, path, meta: dict, sharded: bool = False) -> Path | None:
+        """Both averages in one verified file; `meta` as a snapshot's (step, model, image_shape, ...). Every process
+        calls it; rank 0 writes. Sharded (train.sharding: fsdp2), the averages are gathered first."""
+        from diffrelay.runtime import distributed
+        from diffrelay.training import sharding
+
+        if not (sharded or distributed.is_main()):
+            return None
         tensors = {f"p{i}.{k}": v for i, avg in enumerate(self.nets) for k, v in avg.state_dict().items()}
+        tensors = sharding.full(tensors) if sharded else tensors
         meta = {**meta, "format": FORMAT, "sigma_rel": self.sigma_rels, "gamma": self.gammas}
-        return checkpoint.write_signed(path, tensors, meta)
+        return checkpoint.write_signed(path, tensors, meta) if distributed.is_main() else None
 
 
 def file_path(run_dir, step: int) -> Path:

@@ -74,7 +74,21 @@ def check_config(d: dict) -> list[tuple[str, str]]:
                     f"{t['lr_schedule']}); set that schedule, or drop lr_ref_batches"))
     if t["augment"] > 0:
         bad += _check_augment(f"train.augment={t['augment']}", d["model"], d["data"])
+    if t["sharding"] == "fsdp2":
+        bad += _check_fsdp2(d["model"], t)
     return bad
+
+
+def _check_fsdp2(m: dict, t: dict) -> list[tuple[str, str]]:
+    """What fully_shard cannot train as diffrelay does under DDP (training/sharding.py)."""
+    if t["precision"] == "fp16":  # GradScaler knows no DTensor gradients; torchtitan trains FSDP2 in bf16 too
+        return [("train.sharding=fsdp2", "trains in fp32 or bf16 (fp16's gradient scaler does not take sharded "
+                 "gradients); set train.precision: bf16")]
+    if m["arch"] == "edm2":  # MPConv writes its normalised weight in forward (edm2 training/networks_edm2.py, MPConv.forward)
+        return [("train.sharding=fsdp2", "edm2's forced weight normalisation writes the weights in forward, and "
+                 "fully_shard's gathered copy of a block is dropped after it; train model.arch edm2 with "
+                 "train.sharding: ddp")]
+    return []
 
 
 def _check_augment(key: str, m: dict, data: dict) -> list[tuple[str, str]]:

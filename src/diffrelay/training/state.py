@@ -12,7 +12,9 @@ from diffrelay import objectives
 from diffrelay.nets import registry
 from diffrelay.pretrained import folder, lora, weights
 from diffrelay.runtime import speed
-from diffrelay.training import optim, phema
+from diffrelay.errors import UserError
+from diffrelay.runtime import distributed
+from diffrelay.training import optim, phema, sharded_checkpoint, sharding
 
 
 @dataclass
@@ -27,6 +29,7 @@ class TrainState:
     skipped_total: int = 0  # updates skipped for a non-finite loss or gradient, over the whole run
     consecutive: int = 0  # of those, in a row up to now: the divergence guard
     lora: bool = False  # train.lora: the net's and EMAs' state is the adapter's tensors only
+    sharded: bool = False  # train.sharding: fsdp2: parameters, gradients, optimizer state and averages sharded
 
     @classmethod
     def build(cls, cfg, data, device) -> "TrainState":
@@ -44,24 +47,43 @@ class TrainState:
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
+        ema = optim.EMA(net, t.ema_decays, t.ema_halflife_kimg, t.ema_rampup_ratio, t.batch_size)
+        pema = phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None
+        sharded = t.sharding == "fsdp2"
+        if sharded:  # the network and every average alike; the optimizer then holds the sharded parameters
+            for module in [net, *ema.nets, *(pema.nets if pema else [])]:
+                sharding.shard(module, t.precision, device)
+            params = [p for p in net.parameters() if p.requires_grad]
+            ema.pairs, pema_pairs = [], pema.pairs if pema else []
+            pema_pairs.clear()  # found again on the sharded parameters at the first update (optim.pairs_for)
         opt = optim.build_optimizer(params, t, fused=speed.use_fused(t.fused_optimizer, device))
-        return cls(net=net, ema=optim.EMA(net, t.ema_decays, t.ema_halflife_kimg, t.ema_rampup_ratio, t.batch_size),
-                   pema=phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None,
-                   opt=opt, sched=optim.build_schedule(opt, t),
+        return cls(net=net, ema=ema, pema=pema, opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=DataOrder(cfg.run.seed, data.count, t.batch_size), lora=spec is not None)
+                   order=DataOrder(cfg.run.seed, data.count, t.batch_size), lora=spec is not None, sharded=sharded)
 
     def load(self, state: dict, meta: dict, path) -> None:
-        if self.lora:  # the base is the pipeline's, loaded by build
+        made = (state.get("sharding") or {}).get("kind", "ddp")
+        if made != ("fsdp2" if self.sharded else "ddp"):
+            raise UserError(f"{path}: written with train.sharding: {made}; this run has "
+                            f"{'fsdp2' if self.sharded else 'ddp'}; resume it with train.sharding: {made} "
+                            "(a run keeps its sharding; the process count may change)")
+        if self.pema:
+            self.pema.check_state(state.get("phema"), path)
+        if self.sharded:
+            tensors, groups = self._sharded_tensors()
+            sharded_checkpoint.load(path, tensors)  # in place: the parameters' and averages' shards
+            self._load_optimizer(tensors, state["optimizer_groups"])
+        elif self.lora:  # the base is the pipeline's, loaded by build
             for module, weights_ in zip([self.net, *self.ema.nets], [state["net"], *state["ema"]], strict=True):
                 lora.load(module, weights_, path)
         else:
             self.net.load_state_dict(state["net"])
             self.ema.load_state_dict(state["ema"])
-        if self.pema:
-            self.pema.load_state_dict(state.get("phema"), path)
-        optim.load_optimizer_state(self.opt, state["optimizer"])
+        if self.pema and not self.sharded:
+            self.pema.load_state_dict(state["phema"], path)
+        if not self.sharded:
+            optim.load_optimizer_state(self.opt, state["optimizer"])
         self.sched.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         loader.check_draws(path, meta)
@@ -80,6 +102,48 @@ class TrainState:
             state["phema"] = self.pema.state_dict()
         return state
 
+    def save(self, path, step: int, meta: dict) -> None:
+        """The checkpoint at `step`. Every process calls it: sharded, each writes its shards; else rank 0 writes
+        the one state.pt, as before sharding existed."""
+        from diffrelay.training import checkpoint
+
+        if self.sharded:
+            tensors, groups = self._sharded_tensors()
+            rest = {k: v for k, v in self.state_dict(step).items() if k not in ("net", "ema", "optimizer", "phema")}
+            rest |= {"optimizer_groups": groups, "sharding": {"kind": "fsdp2", "world": distributed.world()}}
+            if self.pema:
+                rest["phema"] = {"sigma_rel": list(self.pema.sigma_rels)}
+            sharded_checkpoint.save(path, tensors, rest, meta, checkpoint.CHECKPOINT_FORMAT)
+        elif distributed.is_main():
+            checkpoint.save_checkpoint(path, self.state_dict(step), meta)
+
+    def _sharded_tensors(self) -> tuple[dict, list]:
+        """({name: this process's shard}, the optimizer's param_groups) of everything a sharded checkpoint holds;
+        the tensors are the live ones (loading writes into them). The optimizer's state is keyed by parameter name
+        (torch.distributed.checkpoint.state_dict), so it reshards with the parameters."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        tensors = {f"net.{k}": v for k, v in self.weights(self.net).items()}
+        for i, avg in enumerate(self.ema.nets):
+            tensors |= {f"ema{i}.{k}": v for k, v in self.weights(avg).items()}
+        for i, avg in enumerate(self.pema.nets if self.pema else []):
+            tensors |= {f"phema{i}.{k}": v for k, v in avg.state_dict().items()}
+        osd = get_optimizer_state_dict(self.net, self.opt)  # a fresh optimizer's state is made by a step at lr 0
+        for name, per in osd["state"].items():
+            tensors |= {f"optimizer.{name}.{k}": v for k, v in per.items() if isinstance(v, torch.Tensor)}
+        return tensors, osd["param_groups"]
+
+    def _load_optimizer(self, tensors: dict, groups: list) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self.net, self.opt)
+        for name, per in osd["state"].items():
+            per.update({k: tensors[f"optimizer.{name}.{k}"] for k in per if isinstance(per[k], torch.Tensor)})
+        flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in self.opt.param_groups]
+        set_optimizer_state_dict(self.net, self.opt, {"state": osd["state"], "param_groups": groups})
+        for group, kept in zip(self.opt.param_groups, flags, strict=True):  # this run's implementation, as
+            group.update(kept)  # optim.load_optimizer_state keeps it
+
     def weights(self, module) -> dict:
         """A network's state dict as checkpoints and snapshots hold it: a LoRA run's adapter only."""
         return lora.only(module.state_dict()) if self.lora else module.state_dict()
@@ -88,16 +152,25 @@ class TrainState:
         """Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as
         it was, and none (train.ema_decays: []) holds the raw weights only, which sampling and export then read
         (checkpoint.keeps_no_ema). A LoRA run also writes its first EMA's and its raw adapter in diffusers' format,
-        <run>/lora/<step>/; without an EMA the raw one alone, under the name diffusers' LoRA scripts write."""
+        <run>/lora/<step>/; without an EMA the raw one alone, under the name diffusers' LoRA scripts write.
+        Every process calls it; rank 0 writes. Sharded, the weights are gathered first, a tensor at a time.
+        """
         from diffrelay.training import checkpoint
 
-        emas = [self.weights(e) for e in self.ema.nets]
-        checkpoint.save_snapshot(path, emas[0] if emas else {}, self.weights(self.net), meta, emas[1:])
+        if not (self.sharded or distributed.is_main()):
+            return
+        whole = sharding.full if self.sharded else dict
+        emas = [whole(self.weights(e)) for e in self.ema.nets]
+        raw = whole(self.weights(self.net))
+        if not distributed.is_main():
+            return
+        checkpoint.save_snapshot(path, emas[0] if emas else {}, raw, meta, emas[1:])
         if self.lora:
             pipe = folder.read(cfg.to_dict()["model"]["pretrained"])
             files = {lora.WEIGHT_NAME: self.ema.nets[0], lora.RAW_NAME: self.net} if self.ema.nets else \
                 {lora.WEIGHT_NAME: self.net}
-            lora.export(path.parent.parent / "lora" / path.name.split(".")[0], files, pipe.cls, pipe.net)
+            states = dict(zip(files, [*emas[:1], raw], strict=True)) if self.sharded else None
+            lora.export(path.parent.parent / "lora" / path.name.split(".")[0], files, pipe.cls, pipe.net, states)
 
 
 def _first_scale(t, shape) -> float:

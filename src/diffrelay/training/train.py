@@ -26,7 +26,7 @@ from diffrelay.data import augment, datasets, latents, loader, sources as data_s
 from diffrelay.data.order import step_seed
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
-from diffrelay.training import checkpoint, phema
+from diffrelay.training import checkpoint, phema, sharding
 from diffrelay.training.state import TrainState
 from diffrelay.training.stop import StopRequest
 from diffrelay.errors import UserError
@@ -155,11 +155,11 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         log.info(f"resumed from {start_path} at step {step}")
     else:
         log.info("starting from scratch")
-    ddp = _wrap(st.net, device, world, t.compile)  # no_sync only; None: one process, nothing to all-reduce
+    ddp = None if st.sharded else _wrap(st.net, device, world, t.compile)  # None: nothing for DDP to all-reduce
     model = speed.compile_model(ddp or st.net, t.compile, cfg.run.resources, t.threads)  # forward/backward
 
-    def save(path, at_step, **extra_meta):
-        checkpoint.save_checkpoint(path, st.state_dict(at_step), _meta(cfg, at_step, data, traj) | extra_meta)
+    def save(path, at_step, **extra_meta):  # every process: sharded, each writes its own shards
+        st.save(path, at_step, _meta(cfg, at_step, data, traj) | extra_meta)
 
     # ---- Where this call stops, and what it writes on the way -----------------------------------
     segment_start = step
@@ -201,15 +201,16 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             window = _new_window()
         if st.consecutive >= t.max_skipped_steps:
             _stop_diverged(run_dir, step, st, save, metrics_path)
-        if distributed.is_main() and step in snapshots:
+        if step in snapshots:  # every process (a sharded run gathers the weights); rank 0 writes
             _snapshot(run_dir, step, st, cfg, data, traj)
-        if distributed.is_main() and st.pema and (step % t.phema.every == 0 or step == t.total_steps):
+        if st.pema and (step % t.phema.every == 0 or step == t.total_steps):
             # The run's last step always, so the workflow can reconstruct there whatever the length.
-            st.pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj))
+            st.pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj), st.sharded)
         recover = t.recovery_every and step % t.recovery_every == 0 and step < until
-        if distributed.is_main() and (recover or (any_stop and step < until)):
+        if recover or (any_stop and step < until):  # every rank knows both (any_stop is reduced)
             save(run_dir / "recovery" / checkpoint.step_name(step), step)
-            _prune_recovery(run_dir / "recovery", t.keep_recovery)
+            if distributed.is_main():
+                _prune_recovery(run_dir / "recovery", t.keep_recovery)
         if any_stop and step < until:
             distributed.barrier()
             log.warning(f"stop requested (signal); saved recovery checkpoint at step {step}; exiting for a retry")
@@ -217,9 +218,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
             return EXIT_STOPPED
 
     # ---- Final checkpoint (the snapshot for `until` was written above) ---------------------------
+    t_save = time.perf_counter()
+    save(final_ckpt, step)
     if distributed.is_main():
-        t_save = time.perf_counter()
-        save(final_ckpt, step)
         logs.append_jsonl(metrics_path, {"event": "segment_end", "step": step, "world": world,
                                          "seconds": round(time.perf_counter() - seg_t0, 3),
                                          "save_seconds": round(time.perf_counter() - t_save, 3)})
@@ -302,7 +303,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
     for k, ((images, labels, rnd, noise), (drop, flip)) in enumerate(zip(batch.rounds, batch.masks, strict=True)):
         images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
         images, augment_labels = batch.augmented(k, images)  # EDM: the pipe on the clean images, before the noise
-        sync = contextlib.nullcontext() if k == t.grad_accum - 1 or ddp is None else ddp.no_sync()
+        sync = sharding.gradient_sync(st.net, st.sharded, ddp, last=k == t.grad_accum - 1)
         with sync, distributed.peers("gradient all-reduce"), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = objectives.loss(cfg, model, images, labels if data.num_classes or data.text else None, rnd, noise,
@@ -312,7 +313,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         loss_sum += loss.detach() / t.grad_accum
     st.scaler.unscale_(st.opt)
     gnorm = torch.nn.utils.clip_grad_norm_(st.net.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-    return loss_sum, gnorm
+    return loss_sum, sharding.grad_norm(gnorm)
 
 
 def _reduce_step(loss_sum, gnorm, stop, device):
@@ -366,9 +367,8 @@ def _stop_diverged(run_dir, step, st, save, metrics_path) -> None:
     """Too many non-finite steps in a row: a recovery checkpoint marked diverged, then one line."""
     path = run_dir / "recovery" / checkpoint.step_name(step)
     verdict = f"{st.consecutive} consecutive non-finite steps up to step {step}"
+    save(path, step, diverged=verdict)  # marked, so retries and later segments refuse to go on (_find_start)
     if distributed.is_main():
-        # Marked, so retries and later segments refuse to go on from it (see _find_start).
-        save(path, step, diverged=verdict)
         logs.append_jsonl(metrics_path, {"event": "diverged", "step": step, "skipped": st.skipped_total,
                                          "consecutive_skipped": st.consecutive})
     distributed.barrier()
