@@ -2,7 +2,6 @@
 and against a restatement, fid.metrics, ADM reference batches as fid.reference, scores.md, and the workflow."""
 
 import hashlib
-import json
 import shutil
 import types
 from pathlib import Path
@@ -330,30 +329,9 @@ def test_config_names_what_a_metric_set_lacks_in_one_line(tmp_path, write_config
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_a_workflow_run_reports_the_five_numbers_against_an_adm_batch(net, tmp_path, write_config):
-    """The done-when of the issue: the tests' small Inception, an ADM-format reference the test builds,
-    fid.metrics with all five, the npz export and scores.md."""
-    from test_workflow import snakemake
-
-    resources = tmp_path / "resources"
-    (resources / "extractors").mkdir(parents=True)
-    shutil.copy(net, resources / "extractors" / "inception-2015-12-05.pt")  # fetched once, kept as is
-    ref = adm_batch(net, tmp_path / "VIRTUAL_tiny16.npz", pictures(40, side=16, seed=3), "legacy_tensorflow")
-    cfg = write_config({"train": {"total_steps": 3, "segment_steps": 3}, "sample": {"num_images": 24, "npz": True},
-                        "fid": {"extractor": "inception", "mode": "legacy_tensorflow", "reference": str(ref),
-                                "metrics": ["fid", "sfid", "is", "precision", "recall"]}})
-    snakemake(tmp_path, "--configfile", cfg)
-    run = tmp_path / "results" / "tiny"
-    result = json.loads((run / "metrics/fid/step_0000003.json").read_text())
-    assert set(result["scores"][0]["labels"]) == {"fid", "sfid", "is", "precision", "recall"}
-    assert result["scores"][0]["protocol"] == "adm" and result["num_images"] == 24
-    with np.load(run / "samples/step_0000003/samples.npz") as z:
-        assert z["arr_0"].shape == (24, 16, 16, 3)
-    table = (run / "report/scores.md").read_text()
-    assert "| FID-24 ↓ | sFID-24 ↓ | IS-24 ↑ | Precision-24 ↑ | Recall-24 ↑ |" in table
-    assert f"| step 3 | 1 | {result['fid']:.2f} | {result['sfid']:.2f} | {result['is']:.2f} |" in table
-    assert "against VIRTUAL_tiny16.npz (ADM evaluator, legacy_tensorflow mode)" in table
-    assert list((resources / "fid-ref").glob("adm-*.npz"))  # arr_0's features, cached for the next checkpoint
+# The workflow's run of the five numbers against an ADM batch (the tests' small Inception, an ADM-format reference the
+# test builds, all five metrics, the npz export, scores.md, arr_0's cached features) is asserted on the shrunk DiT and
+# SiT recipes' runs: test_recipes.py::test_each_recipe_runs_through_the_workflow_shrunk.
 
 
 def test_the_cache_key_follows_the_arrays_and_an_unwritable_cache_keeps_the_scores(net, scored, tmp_path, caplog):

@@ -169,3 +169,16 @@ def test_each_recipe_runs_through_the_workflow_shrunk(name, tmp_path, inception)
     if d["fid"]["metrics"]:
         assert set(result["scores"][0]["labels"]) == set(d["fid"]["metrics"]) - {"fd_dinov2"}
     assert (run / "report" / "scores.md").is_file()
+    if isinstance(d["fid"]["reference"], str) and set(d["fid"]["metrics"] or []) - {"fid"}:
+        # ADM's five numbers against an ADM reference batch the test built, through the workflow, with the npz
+        # export and scores.md (test_adm_scores.py's workflow run of the tiny config asserted these same things).
+        n, ref = over["sample"]["num_images"], Path(d["fid"]["reference"]).name
+        assert result["scores"][0]["protocol"] == "adm" and result["num_images"] == n
+        with np.load(run / "samples" / scores[-1].stem / "samples.npz") as z:
+            assert z["arr_0"].shape == (n, 32, 32, 3)
+        table = (run / "report" / "scores.md").read_text()
+        assert f"| FID-{n} ↓ | sFID-{n} ↓ | IS-{n} ↑ | Precision-{n} ↑ | Recall-{n} ↑ |" in table
+        assert (f"| step 8 | {d['sample']['guidance']:g} | {result['fid']:.2f} | {result['sfid']:.2f} | "
+                f"{result['is']:.2f} |") in table
+        assert f"against {ref} (ADM evaluator, legacy_tensorflow mode)" in table
+        assert list((tmp_path / "resources" / "fid-ref").glob("adm-*.npz"))  # arr_0's features, cached
