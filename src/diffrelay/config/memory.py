@@ -94,16 +94,46 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML; a user's network may print
         act, how = footprint.activation_bytes(build, run, batch, amp, cpu=n["params"] <= footprint.CPU_MAX_PARAMS,
                                               cpu_first=small)
-    est = footprint.Estimate(state, act, how)
     processes = t.nproc_per_node * t.nnodes
+    unsharded = sum(state.values())
+    sharded_note = ""
+    if t.sharding == "fsdp2":
+        state, gathered = sharded_state(state, processes, build, t.precision)
+        sharded_note = (f", fsdp2: the state / {processes} process(es) plus {gathered / 2**30:.3g} GiB of two "
+                        "blocks' gathered weights")
+    est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
-               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")
+               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}{sharded_note}")
     capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
     fixes = ["lower train.batch_size or raise train.grad_accum or train.nproc_per_node"]
     fixes += [] if t.activation_checkpointing else ["set train.activation_checkpointing: true"]
     fixes += [] if amp else ["train.precision: bf16"]
+    if capacity is not None and capacity > (act or 0):  # the processes over which sharding would hold the state
+        need = -(-unsharded // (capacity - (act or 0)))
+        if t.sharding == "ddp" or need > processes:
+            fixes += [f"train.sharding: fsdp2 over at least {max(need, 2)} processes (the state / processes)"]
     return footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes))
+
+
+def sharded_state(state: dict, processes: int, build, precision: str) -> tuple[dict, int]:
+    """(each part of the training state a process holds under fsdp2: 1/processes of it, plus `gathered`, the full
+    weights of the two largest units, which FSDP2 holds while one runs and the next is prefetched; those bytes).
+    Gathered weights are in the computing dtype (bf16 under train.precision: bf16, training/sharding.policy)."""
+    from diffrelay.nets import registry
+    from diffrelay.training import sharding
+
+    share = {k: -(-v // processes) for k, v in state.items()}
+    try:
+        with registry.on_device("meta"), contextlib.redirect_stdout(sys.stderr):
+            net = build()
+            size = 2 if precision == "bf16" else None
+            sizes = sorted((sum(p.numel() * (size or p.element_size()) for p in u.parameters())
+                            for u in sharding.units(net)), reverse=True)
+    except (Exception, SystemExit):  # noqa: BLE001 -- a network that refuses meta: its largest block unknown
+        sizes = []
+    gathered = sum(sizes[:2]) if processes > 1 else 0  # one process: the shard is the whole; nothing gathered
+    return share | {"gathered": gathered}, gathered
 
 
 def show(cfg: config.Config, params: int, classes: int, text=None, gpu_memory_gib: float | None = None) -> None:

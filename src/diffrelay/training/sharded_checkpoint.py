@@ -36,23 +36,18 @@ def _tmp_path(path: Path) -> Path:
     return path.parent / f".{path.name}.sharded.tmp"
 
 
-def _only_checkpoint_files(folder: Path) -> bool:
-    from diffrelay.training.checkpoint import FILES
-
-    return all(name in FILES or is_shard(name) for name in os.listdir(folder))
-
-
-def save(path, tensors: dict, rest: dict, meta: dict, fmt: str) -> Path:
+def save(path, tensors: dict, rest: dict, meta: dict, fmt: str, owned) -> Path:
     """Every process calls it with its own shards in `tensors` (DTensors and plain tensors; DCP writes a plain tensor
-    once); rank 0's `rest` (plain containers) and `meta` are written. Returns the published folder."""
+    once); rank 0's `rest` (plain containers) and `meta` are written. `owned(folder)`: whether a folder holds only
+    checkpoint files (checkpoint.is_checkpoint_folder), so replacing it loses nothing. Returns the published folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     path = Path(path)
     tmp = _tmp_path(path)
     if distributed.is_main():
-        io.check_replaceable(path, _only_checkpoint_files, "a checkpoint folder", "choose another path or move it aside")
-        if tmp.is_dir() and _only_checkpoint_files(tmp):  # a save killed half-way: ours, and never published
+        io.check_replaceable(path, owned, "a checkpoint folder", "choose another path or move it aside")
+        if tmp.is_dir() and owned(tmp):  # a save killed half-way: ours, and never published
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     distributed.barrier()
@@ -74,7 +69,7 @@ def save(path, tensors: dict, rest: dict, meta: dict, fmt: str) -> Path:
         files = {name: io.sha256_file(tmp / name) for name in sorted(os.listdir(tmp))}
         io.write_json(tmp / "manifest.json", {"format": fmt, "step": meta["step"], "files": files,
                                               "sharding": {"kind": "fsdp2", "world": distributed.world()}})
-        io.replace_dir(tmp, path, _only_checkpoint_files)
+        io.replace_dir(tmp, path, owned)
     distributed.barrier()
     return path
 
@@ -86,6 +81,32 @@ def check_no_strays(path: Path, manifest: dict) -> None:
         if is_shard(name) and name not in manifest["files"]:
             raise UserError(f"{path / name}: a shard this checkpoint's manifest.json does not list (another "
                             f"checkpoint's?); move it out of {path}")
+
+
+def optimizer_state(net, opt) -> tuple[dict, list]:
+    """({"optimizer.<parameter name>.<moment>": this process's shard}, the optimizer's param_groups): its state keyed by
+    parameter name (torch.distributed.checkpoint.state_dict), so it reshards with the parameters. The tensors are the
+    live ones; a fresh optimizer's state is made by a step at lr 0 (torch's _init_optim_state), which moves nothing."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(net, opt)
+    moments = {f"optimizer.{name}.{k}": v for name, per in osd["state"].items() for k, v in per.items()
+               if isinstance(v, torch.Tensor)}
+    return moments, osd["param_groups"]
+
+
+def load_optimizer(net, opt, tensors: dict, groups: list) -> None:
+    """The optimizer's state from `tensors` (as optimizer_state names them, loaded) and the checkpoint's `groups`,
+    keeping this run's implementation flags (fused, foreach), as optim.load_optimizer_state does."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(net, opt)
+    for name, per in osd["state"].items():
+        per.update({k: tensors[f"optimizer.{name}.{k}"] for k in per if isinstance(per[k], torch.Tensor)})
+    flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in opt.param_groups]
+    set_optimizer_state_dict(net, opt, {"state": osd["state"], "param_groups": groups})
+    for group, kept in zip(opt.param_groups, flags, strict=True):
+        group.update(kept)
 
 
 def load(path, template: dict) -> None:

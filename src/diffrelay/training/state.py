@@ -73,7 +73,7 @@ class TrainState:
         if self.sharded:
             tensors, groups = self._sharded_tensors()
             sharded_checkpoint.load(path, tensors)  # in place: the parameters' and averages' shards
-            self._load_optimizer(tensors, state["optimizer_groups"])
+            sharded_checkpoint.load_optimizer(self.net, self.opt, tensors, state["optimizer_groups"])
         elif self.lora:  # the base is the pipeline's, loaded by build
             for module, weights_ in zip([self.net, *self.ema.nets], [state["net"], *state["ema"]], strict=True):
                 lora.load(module, weights_, path)
@@ -109,40 +109,28 @@ class TrainState:
 
         if self.sharded:
             tensors, groups = self._sharded_tensors()
-            rest = {k: v for k, v in self.state_dict(step).items() if k not in ("net", "ema", "optimizer", "phema")}
-            rest |= {"optimizer_groups": groups, "sharding": {"kind": "fsdp2", "world": distributed.world()}}
+            rest = {"schedule": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
+                    "order": self.order.state_dict(), "skipped": self.skipped_total,
+                    "consecutive_skipped": self.consecutive, "step": step,
+                    "optimizer_groups": groups, "sharding": {"kind": "fsdp2", "world": distributed.world()}}
             if self.pema:
                 rest["phema"] = {"sigma_rel": list(self.pema.sigma_rels)}
-            sharded_checkpoint.save(path, tensors, rest, meta, checkpoint.CHECKPOINT_FORMAT)
+            sharded_checkpoint.save(path, tensors, rest, meta, checkpoint.CHECKPOINT_FORMAT,
+                                    checkpoint.is_checkpoint_folder)
         elif distributed.is_main():
             checkpoint.save_checkpoint(path, self.state_dict(step), meta)
 
     def _sharded_tensors(self) -> tuple[dict, list]:
         """({name: this process's shard}, the optimizer's param_groups) of everything a sharded checkpoint holds;
         the tensors are the live ones (loading writes into them). The optimizer's state is keyed by parameter name
-        (torch.distributed.checkpoint.state_dict), so it reshards with the parameters."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+        (sharded_checkpoint.optimizer_state), so it reshards with the parameters."""
         tensors = {f"net.{k}": v for k, v in self.weights(self.net).items()}
         for i, avg in enumerate(self.ema.nets):
             tensors |= {f"ema{i}.{k}": v for k, v in self.weights(avg).items()}
         for i, avg in enumerate(self.pema.nets if self.pema else []):
             tensors |= {f"phema{i}.{k}": v for k, v in avg.state_dict().items()}
-        osd = get_optimizer_state_dict(self.net, self.opt)  # a fresh optimizer's state is made by a step at lr 0
-        for name, per in osd["state"].items():
-            tensors |= {f"optimizer.{name}.{k}": v for k, v in per.items() if isinstance(v, torch.Tensor)}
-        return tensors, osd["param_groups"]
-
-    def _load_optimizer(self, tensors: dict, groups: list) -> None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        osd = get_optimizer_state_dict(self.net, self.opt)
-        for name, per in osd["state"].items():
-            per.update({k: tensors[f"optimizer.{name}.{k}"] for k in per if isinstance(per[k], torch.Tensor)})
-        flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in self.opt.param_groups]
-        set_optimizer_state_dict(self.net, self.opt, {"state": osd["state"], "param_groups": groups})
-        for group, kept in zip(self.opt.param_groups, flags, strict=True):  # this run's implementation, as
-            group.update(kept)  # optim.load_optimizer_state keeps it
+        moments, groups = sharded_checkpoint.optimizer_state(self.net, self.opt)
+        return tensors | moments, groups
 
     def weights(self, module) -> dict:
         """A network's state dict as checkpoints and snapshots hold it: a LoRA run's adapter only."""
