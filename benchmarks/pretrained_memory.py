@@ -10,7 +10,9 @@ repository; the published parameter count beside it), and counted by nets.footpr
 AdamW's two moments and one EMA copy (train.ema_decays: one decay), the training state diffrelay holds. The LoRA
 rows attach train.lora's family defaults (rank 4, lora.FAMILY_TARGETS) with peft on the meta network: only the
 adapter gets gradients, moments and an EMA (the frozen base is shared, training.optim.EMA). Activations are not in
-these figures: `diffrelay validate` measures them per run (resolution, batch, precision, checkpointing).
+these figures: `diffrelay validate` measures them per run (resolution, batch, precision, checkpointing). The full
+rows also give a process's state under train.sharding: fsdp2 on 8 and 16 GPUs (config.memory.sharded_state: the
+state divided by the processes, plus the gathered bf16 weights of the two largest blocks).
 """
 
 import sys
@@ -70,6 +72,7 @@ def model_section(spec: dict) -> dict:
 
 def measure(name: str, spec: dict) -> dict:
     from diffrelay import objectives
+    from diffrelay.config.memory import sharded_state
     from diffrelay.nets import footprint, registry
     from diffrelay.pretrained import lora
 
@@ -87,21 +90,34 @@ def measure(name: str, spec: dict) -> dict:
         out[kind] = {"params": n["params"], "trainable": n["trainable"],
                      **{k: round(v / GB, 2) for k, v in state.items()},
                      "total_gb": round(sum(state.values()) / GB, 2)}
+        if kind == "full":  # train.sharding: fsdp2 (config.memory.sharded_state): the state / N + two gathered blocks
+            def build():
+                with registry.on_device("meta"):
+                    return objectives.build(model_section(spec), side, 0, channels, text=spec["text"])
+
+            for gpus in (8, 16):
+                share, gathered = sharded_state(state, gpus, build, "bf16")
+                out[kind][f"fsdp2_{gpus}_gpus_total_gb"] = round(sum(share.values()) / GB, 2)
+                out[kind][f"fsdp2_{gpus}_gpus_gathered_gb"] = round(gathered / GB, 2)
     return out
 
 
 def main() -> None:
     t0 = time.perf_counter()
     results = {name: measure(name, spec) for name, spec in CONFIGS.items()}
-    print(f"{'pipeline':24} {'params':>14} {'full: state GB':>15} {'LoRA: trainable':>16} {'state GB':>9}")
+    print(f"{'pipeline':24} {'params':>14} {'full: state GB':>15} {'fsdp2 x8':>9} {'fsdp2 x16':>10} "
+          f"{'LoRA: trainable':>16} {'state GB':>9}")
     for name, r in results.items():
-        print(f"{name:24} {r['full']['params']:>14,} {r['full']['total_gb']:>15.1f} {r['lora']['trainable']:>16,} "
-              f"{r['lora']['total_gb']:>9.1f}")
+        f = r["full"]
+        print(f"{name:24} {f['params']:>14,} {f['total_gb']:>15.1f} {f['fsdp2_8_gpus_total_gb']:>9.1f} "
+              f"{f['fsdp2_16_gpus_total_gb']:>10.1f} {r['lora']['trainable']:>16,} {r['lora']['total_gb']:>9.1f}")
     out = HERE / "results" / "pretrained_memory.json"
     from official import write_results  # atomic, with torch, machine and date
 
     write_results(out, "training state (fp32 weights, gradients, AdamW moments, one EMA) of each pipeline's network, "
-                  "full and LoRA rank 4, from its published config on the meta device; activations not included",
+                  "full and LoRA rank 4, from its published config on the meta device; activations not included; "
+                  "full under train.sharding fsdp2 on 8 and 16 GPUs: the state / N plus two blocks' gathered bf16 "
+                  "weights, a process",
                   seconds=round(time.perf_counter() - t0, 1), results=results)
 
 

@@ -198,3 +198,15 @@ def test_validate_counts_a_share_of_the_state_and_two_gathered_blocks_a_process_
     assert share == {"weights": 250, "gradients": 250, "optimizer": 500, "ema": 251, "gathered": 2 * block * 4}
     assert memory.sharded_state(state, 4, build, "bf16")[1] == 2 * block * 2  # gathered in the computing dtype
     assert memory.sharded_state(state, 1, build, "fp32")[1] == 0
+
+
+def test_a_lost_post_hoc_ema_file_is_stored_again_from_the_sharded_checkpoint(runs, tmp_path):
+    from diffrelay.training import phema
+
+    run = shutil.copytree(runs / "one/r", tmp_path / "r", ignore=shutil.ignore_patterns("dataset"))
+    lost = run / "phema/step_0000004.safetensors"
+    want = load_file(lost)
+    lost.unlink()
+    assert phema.restore(run, 4) == lost
+    got = load_file(lost)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -102,3 +102,35 @@ def test_two_nodes_train_like_one_node_with_the_same_world_size(tmp_path, write_
     assert_same_state(state_two, state_one)
     assert losses(results / "two_nodes") == losses(results / "one_node")
     assert len(losses(results / "one_node")) == 3
+
+
+def test_fsdp2_on_two_nodes_writes_the_shards_one_node_writes(tmp_path, write_config):
+    """train.sharding: fsdp2 through the same profile: one SLURM job on both nodes, each node's process writing its
+    own shard of the checkpoint into the shared run folder; every tensor as one node with 2 processes has it."""
+    from diffrelay.training import sharded_checkpoint
+
+    train = {"total_steps": 2, "segment_steps": 2, "log_every": 1, "sharding": "fsdp2"}
+    base = {"run": {"results": str(tmp_path / "results")}, "train": train}
+    two = write_config(deep_merge(base, {"run": {"name": "two_nodes"}, "train": {"nnodes": 2, "nproc_per_node": 1}}),
+                       name="two.yaml")
+    one = write_config(deep_merge(base, {"run": {"name": "one_node"}, "train": {"nnodes": 1, "nproc_per_node": 2}}),
+                       name="one.yaml")
+    final = "trained/step_0000002.json"
+    (tmp_path / "two").mkdir()
+    p = subprocess.run(client("snakemake", tmp_path / "results" / "two_nodes" / final,
+                              "--snakefile", REPO / "Snakefile", "--directory", tmp_path / "two",
+                              "--workflow-profile", PROFILE, "--configfile", two),
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path / "two")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (tmp_path / "one").mkdir()
+    run_cli("snakemake", tmp_path / "results" / "one_node" / final, "--snakefile", REPO / "Snakefile",
+            "--directory", tmp_path / "one", "--cores", "2", "--configfile", one, cwd=tmp_path / "one", timeout=TIMEOUT)
+    text = (tmp_path / "two" / "logs" / "two_nodes" / "train_segment" / "step_0000002.log").read_text()
+    assert "on node n1 (n1)" in text and "on node n2 (n2)" in text, text
+    ckpts = [tmp_path / "results" / r / "checkpoints" / "step_0000002" for r in ("two_nodes", "one_node")]
+    for c in ckpts:
+        checkpoint.verify_checkpoint(c)
+        assert len(list(c.glob("shard-*.safetensors"))) == 2
+    a, b = (sharded_checkpoint.read_whole(c) for c in ckpts)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "results" / "two_nodes") == losses(tmp_path / "results" / "one_node")

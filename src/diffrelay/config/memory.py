@@ -98,6 +98,8 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     unsharded = sum(state.values())
     sharded_note = ""
     if t.sharding == "fsdp2":
+        if n["trainable"] < n["params"]:  # LoRA: each sharded average holds its own shard of the frozen base
+            state["ema"] = emas * (n["params"] * n["bytes_per_param"] + n["buffer_bytes"])
         state, gathered = sharded_state(state, processes, build, t.precision)
         sharded_note = (f", fsdp2: the state / {processes} process(es) plus {gathered / 2**30:.3g} GiB of two "
                         "blocks' gathered weights")

@@ -91,20 +91,25 @@ def die_with_agent() -> None:
         os._exit(1)
 
 
+_OWN_WORLD: dict = {}  # the group variables init set itself (a world of one under plain python)
+
+
 def init(device, timeout_minutes: float = 10) -> None:
     """Join (or, under plain python, create) the process group. The backend follows the device."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    if "MASTER_ADDR" not in os.environ:
-        # Plain `python`: a world of one on a free local port.
+    if "MASTER_ADDR" not in os.environ or _OWN_WORLD:
+        # Plain `python`: a world of one on a free local port; a new one for each group this process makes (a port
+        # of an earlier group may still be held), and none left for children to inherit (teardown).
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        _OWN_WORLD.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(_OWN_WORLD)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
                             **({"device_id": device} if device.type == "cuda" else {}))
@@ -211,6 +216,10 @@ def teardown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key, value in list(_OWN_WORLD.items()):  # the variables init set for a world of one
+        if os.environ.get(key) == value:
+            del os.environ[key]
+    _OWN_WORLD.clear()
 
 
 def clean_env(env: dict | None = None) -> dict:

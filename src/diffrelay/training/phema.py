@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from diffrelay import config, logs
-from diffrelay.training import checkpoint, optim
+from diffrelay.training import checkpoint, optim, sharded_checkpoint
 from diffrelay.training.profiles import MAX_ERROR, MAX_SIGMA_REL, beta, error, sigma_to_gamma, solve
 from diffrelay.errors import UserError
 
@@ -105,8 +105,12 @@ def restore(run_dir, step: int) -> Path | None:
     state, meta = checkpoint.load_checkpoint(ckpt)
     if not state.get("phema"):
         return None
-    tensors = {f"p{i}.{k}": v for i, net in enumerate(state["phema"]["nets"]) for k, v in net.items()}
     sigma_rels = [float(s) for s in state["phema"]["sigma_rel"]]
+    if "sharding" in state:  # train.sharding: fsdp2: the profiles are in the shards, read whole here
+        whole = sharded_checkpoint.read_whole(ckpt)
+        tensors = {f"p{k[len('phema'):]}": v for k, v in whole.items() if k.startswith("phema")}
+    else:
+        tensors = {f"p{i}.{k}": v for i, net in enumerate(state["phema"]["nets"]) for k, v in net.items()}
     keep = {k: v for k, v in meta.items() if k not in ("diverged",)}
     path = checkpoint.write_signed(file_path(run_dir, step), tensors, {
         **keep, "format": FORMAT, "sigma_rel": sigma_rels, "gamma": [sigma_to_gamma(s) for s in sigma_rels]})
