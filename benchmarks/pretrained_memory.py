@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "checks"))  # official.py
 
 GB = 1e9
 # The network config.json of each diffusers folder (less _class_name/_diffusers_version and the keys diffrelay sets

@@ -129,9 +129,12 @@ def sharded_state(state: dict, processes: int, build, precision: str) -> tuple[d
     try:
         with registry.on_device("meta"), contextlib.redirect_stdout(sys.stderr):
             net = build()
-            size = 2 if precision == "bf16" else None
-            sizes = sorted((sum(p.numel() * (size or p.element_size()) for p in u.parameters())
-                            for u in sharding.units(net)), reverse=True)
+            size, seen, sizes = 2 if precision == "bf16" else None, set(), []
+            for unit in sharding.units(net):  # deepest first: a unit's own weights, less those of units inside it
+                own = [p for p in unit.parameters() if id(p) not in seen]
+                seen.update(id(p) for p in own)
+                sizes.append(sum(p.numel() * (size or p.element_size()) for p in own))
+            sizes.sort(reverse=True)
     except (Exception, SystemExit):  # noqa: BLE001 -- a network that refuses meta: its largest block unknown
         sizes = []
     gathered = sum(sizes[:2]) if processes > 1 else 0  # one process: the shard is the whole; nothing gathered
