@@ -210,3 +210,35 @@ def test_a_lost_post_hoc_ema_file_is_stored_again_from_the_sharded_checkpoint(ru
     assert phema.restore(run, 4) == lost
     got = load_file(lost)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_signalled_fsdp2_run_saves_its_shards_and_the_retry_resumes_bit_for_bit(runs):
+    """SLURM's requeue path: SIGTERM to the launch agent, every rank writes its shards of a recovery checkpoint, exit 75;
+    the retry resumes from it and ends where an uninterrupted run ends, bit for bit."""
+    import os
+    import signal
+    import time
+
+    from conftest import BIN
+    from test_faults import start, wait_for_step
+
+    long = {"total_steps": 60, "segment_steps": 60, "phema": {"every": 0}, "log_every": 1}
+    for name in ("sig", "straight"):
+        write(runs, name, **long)
+    train(runs, "straight", 2, 60)
+    launch = [BIN / "diffrelay", "launch", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "train",
+              "--config", runs / "sig.yaml", "--dataset", runs / "dataset"]
+    job = start(launch, runs / "sig.log")
+    wait_for_step(runs / "sig/r", 5, job)
+    os.kill(job.pid, signal.SIGTERM)
+    t0 = time.time()
+    assert job.wait(timeout=120) == 75, (runs / "sig.log").read_text()[-2000:]
+    assert time.time() - t0 < 60
+    saved = checkpoint.list_checkpoints(runs / "sig/r/recovery")
+    assert saved and 5 <= saved[-1][0] < 60, (runs / "sig.log").read_text()[-2000:]
+    checkpoint.verify_checkpoint(saved[-1][1])
+    assert len(list(saved[-1][1].glob("shard-*.safetensors"))) == 2
+    p = run_cli(*launch[1:])
+    assert f"resumed from {saved[-1][1]}" in p.stderr
+    a, b = (sharded_checkpoint.read_whole(runs / f"{n}/r" / STEP.format(60)) for n in ("sig", "straight"))
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
