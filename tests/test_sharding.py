@@ -148,6 +148,7 @@ def test_a_resume_with_the_other_sharding_is_refused_in_one_line_both_ways(runs)
 @pytest.mark.parametrize("keys, says", [
     ({"train": {"precision": "fp16"}}, "set train.precision: bf16"),
     ({"model": {"arch": "edm2", "kwargs": {}}}, "train model.arch edm2 with train.sharding: ddp"),
+    ({"train": {"channels_last": True}}, "set train.channels_last: false"),
 ])
 def test_what_fully_shard_cannot_train_is_refused_when_the_config_is_read(keys, says):
     d = json.loads(json.dumps(BASE))

@@ -88,6 +88,9 @@ def _check_fsdp2(m: dict, t: dict) -> list[tuple[str, str]]:
         return [("train.sharding=fsdp2", "edm2's forced weight normalisation writes the weights in forward, and "
                  "fully_shard's gathered copy of a block is dropped after it; train model.arch edm2 with "
                  "train.sharding: ddp")]
+    if t["channels_last"]:  # fully_shard: "FSDP does not support non-contiguous parameters yet" (torch 2.14)
+        return [("train.sharding=fsdp2", "fully_shard takes contiguous weights only, and train.channels_last stores "
+                 "convolutions' weights channels-last; set train.channels_last: false")]
     return []
 
 

@@ -97,10 +97,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(state: dict) -> dict:
-    """Every tensor of a state dict whole, on the CPU; a sharded one gathered from every process. Every process
-    must call it, with the same keys (a collective per sharded tensor, one at a time: no process holds more than one
-    gathered tensor beyond what it keeps)."""
-    return {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu() for k, v in state.items()}
+    """Every tensor of a state dict whole, on the CPU, in rank 0 (the one that writes); {} elsewhere. A sharded one
+    is gathered from every process: every process must call it, with the same keys (a collective per tensor, one at
+    a time, so a process other than rank 0 holds one gathered tensor at most, and rank 0 the network once)."""
+    from diffrelay.runtime import distributed
+
+    main, out = distributed.is_main(), {}
+    for k, v in state.items():
+        whole = v.full_tensor() if is_dtensor(v) else v
+        if main:
+            out[k] = whole.detach().cpu()
+        del whole
+    return out
 
 
 def grad_norm(norm: torch.Tensor) -> torch.Tensor:
