@@ -7,10 +7,16 @@ CORES  ?= 2
 
 .PHONY: install demo demo-text test test-fast bench gpu-bundle lint docs clean
 
-# constraints.txt holds the exact versions tested; pyproject.toml holds the ranges.
+# constraints.txt holds the exact versions tested; pyproject.toml holds the ranges. uv installs the same pins in a
+# third of pip's time (here, from nothing: 54 s against 176 s), compiling the bytecode as pip does (a process under
+# PYTHONDONTWRITEBYTECODE would otherwise compile torch's modules at every start); pip where uv cannot.
+UV := uv==0.13.9
+INSTALL := -c constraints.txt -e ".[test,wandb,mlflow]"
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e ".[test,wandb,mlflow]"
+	( $(BIN)/pip install --disable-pip-version-check -q "$(UV)" \
+	  && $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -q $(INSTALL) ) \
+	|| $(BIN)/pip install --disable-pip-version-check -q $(INSTALL)
 	touch $(STAMP)
 
 install: $(STAMP)
