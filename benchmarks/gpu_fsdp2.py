@@ -78,12 +78,14 @@ def made(depth: int, device, how: str, checkpointing: bool = False):
     from diffrelay.training import optim, sharding
 
     torch.manual_seed(0)
-    net = build(depth).to(device)
+    net = build(depth)  # on the CPU: fsdp2 moves each block's shard to the device (training/state.py)
     net.checkpointing = checkpointing
-    ema = optim.EMA(net, [0.9999])
     if how == "ddp":
+        net = net.to(device)
+        ema = optim.EMA(net, [0.9999])
         return torch.nn.parallel.DistributedDataParallel(net, device_ids=[0] if device.type == "cuda" else None), \
             _Raw(ema, net)
+    ema = optim.EMA(net, [0.9999])
     for module in (net, *ema.nets):
         sharding.shard(module, "bf16", device)
     ema.pairs = []  # found again on the sharded parameters

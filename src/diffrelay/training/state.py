@@ -38,7 +38,10 @@ class TrainState:
         channels, side, _ = data.shape  # the images, or their latents
         text = getattr(data, "text", None)  # a text run's TextSource: the network is built for its dims
         net = objectives.build(cfg.to_dict()["model"], side, data.num_classes, channels,
-                               text=text.dims if text else None).to(device)
+                               text=text.dims if text else None)
+        # Sharded, the network and its averages stay in the CPU's memory until fully_shard moves each block's shard
+        # to the device (FSDP2's _move_states_to_device, block by block): the whole never has to fit one GPU.
+        net = net if t.sharding == "fsdp2" else net.to(device)
         if cfg.model.pretrained is not None:  # step 0 starts from the pipeline's weights; a resume loads over them
             weights.load_initial(net, cfg.to_dict()["model"]["pretrained"])
         # The adapter on the pipeline's weights; the EMAs copy the frozen base too (it stays equal to the net's).
