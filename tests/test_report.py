@@ -251,3 +251,32 @@ def test_a_reconstructions_error_is_a_column_of_metrics_csv(tmp_path):
     _, rows = _rows(run / "report")
     errors = {r["phema"]: r["phema_error"] for r in rows if r["step"] == "8"}
     assert errors == {"": "", "0.08": "0.0406"}
+
+
+def test_best_by_picks_the_lowest_distance_or_the_highest_score_of_any_metric_the_results_hold():
+    import pandas as pd
+
+    from diffrelay import config
+    from diffrelay.errors import UserError
+    from diffrelay.evaluation.report import best_row
+
+    rows = []
+    for step, fid, kid, prec, score, dino in [(1, 3.0, 0.3, 0.2, 1.0, 10.0), (2, 2.0, 0.5, 0.9, 2.0, 30.0),
+                                              (3, 4.0, 0.1, 0.5, 3.0, 5.0)]:
+        common = {"step": step, "prompts": 0, "num_images": 8, "recall": np.nan, "sfid": np.nan, "clip_score": np.nan}
+        rows.append(common | {"primary": True, "metric": "FID-8", "fid": fid, "kid": kid, "precision": prec,
+                              "is": score})
+        rows.append(common | {"primary": False, "metric": "FD_DINOv2-8", "fid": dino, "kid": np.nan,
+                              "precision": np.nan, "is": np.nan})
+    table = pd.DataFrame(rows)
+    picked = {by: int(best_row(table, by).step) for by in ("fid", "kid", "precision", "is", "fd_dinov2")}
+    assert picked == {"fid": 2, "kid": 3, "precision": 2, "is": 3, "fd_dinov2": 3}
+    with pytest.raises(UserError, match="fid.best_by=recall: no result holds recall"):
+        best_row(table, "recall")
+    base = {"fid": {"best_by": "precision", "metrics": ["fid", "kid"]}}
+    with pytest.raises(UserError, match=r"fid.best_by=precision: not among the metrics .* add precision to fid.metrics"):
+        config.validate(base)
+    with pytest.raises(UserError, match=r"fid.best_by=sfid: not among the metrics each result holds \(fid.metrics=null"):
+        config.validate({"fid": {"best_by": "sfid"}})
+    assert config.validate({"fid": {"best_by": "precision", "metrics": ["fid", "precision"]}})["fid"]["best_by"] == \
+        "precision"

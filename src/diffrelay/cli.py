@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--evaluated", metavar="SNAPSHOT", help="the run trained nothing and evaluated this file "
                                                           "(sample.snapshot): no training log is read")
-    p.add_argument("--best-by", choices=["fid", "clip_score"], default="fid",
-                   help="fid.best_by: lowest primary distance, or highest CLIP score [default: fid]")
+    p.add_argument("--best-by", choices=["fid", "sfid", "is", "precision", "recall", "kid", "fd_dinov2", "clip_score"],
+                   default="fid", help="fid.best_by: the lowest distance (fid, sfid, kid, fd_dinov2) or the highest "
+                   "is, precision, recall or clip_score [default: fid]")
     p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 

@@ -10,6 +10,10 @@ values; the PER_FILE values belong to the file (a text run's CLIP score of the s
 
 SCORES = ("fid", "kid", "precision", "recall", "sfid", "is")
 PER_FILE = ("clip_score",)
+# fid.best_by: which way each metric is better. Distances lower (FID, sFID, KID, FD_DINOv2); IS, precision, recall
+# and the CLIP score higher (ADM's evaluator, Kynkaanniemi et al. 2019, Hessel et al. 2021).
+BETTER = {"fid": "lower", "sfid": "lower", "kid": "lower", "fd_dinov2": "lower",
+          "is": "higher", "precision": "higher", "recall": "higher", "clip_score": "higher"}
 TRACKED = SCORES + PER_FILE
 # metrics.csv's other columns, and why none of them is an eval/ value of the trackers. A new column must be
 # added to TRACKED or here (tests/test_tracking.py checks that every column is one or the other).

@@ -172,7 +172,10 @@ def check_config(d: dict) -> list[tuple[str, str]]:
 
 
 def _check_metrics(f: dict, names: list[str]) -> list[tuple[str, str]]:
-    wanted = f.get("metrics")
+    wanted, by = f.get("metrics"), f["best_by"]
+    if by != "fid" and by != "clip_score" and by not in (wanted or []):  # clip_score: config/text.py's rules
+        return [(f"fid.best_by={by}", f"not among the metrics each result holds (fid.metrics="
+                 f"{','.join(wanted) if wanted else 'null'}); add {by} to fid.metrics, or pick another best_by")]
     if not wanted:
         return []
     key, bad = f"fid.metrics={','.join(wanted)}", []

@@ -219,7 +219,8 @@ def csv_columns(table: pd.DataFrame) -> list:
 def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
     second pass when it ran), among results of the newest step's metric: scores of other extractors or
-    image counts are never compared. by clip_score (fid.best_by): the highest CLIP score instead."""
+    image counts are never compared. By another metric (fid.best_by): its lowest or highest value
+    (columns.BETTER) among the same results; fd_dinov2: the DINOv2 extractor's distance at the same count."""
     # A text run's held-out captions pick where sampled (the FID's own images), else its first prompt file.
     picks = protocol.HELD_OUT if (table.prompts == protocol.HELD_OUT).any() else 0
     primary = table[table.primary & (table.prompts == picks)]
@@ -229,12 +230,18 @@ def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     if same.empty:
         raise UserError(f"every {metric} value in metrics/fid is NaN; the samples are broken "
                         "(check the training loss) and no step can be called best")
-    if by == "clip_score":
-        scored = same[same.clip_score.notna()]
-        if scored.empty:
-            raise UserError("fid.best_by=clip_score: no result holds a CLIP score; set fid.clip_model (a text run)")
-        return scored.loc[scored.clip_score.idxmax()]
-    return same.loc[same.fid.idxmin()]
+    if by == "fid":
+        return same.loc[same.fid.idxmin()]
+    if by == "fd_dinov2":  # a row of its own: the DINOv2 extractor's, of the same images
+        rows = table[(table.prompts == picks) & table.metric.str.startswith("FD_DINOv2")]
+        rows = rows[(rows.num_images.fillna(0) == top.num_images.fillna(0).max()) & rows.fid.notna()]
+        column = "fid"
+    else:
+        rows, column = same[same[by].notna()], by
+    if rows.empty:
+        raise UserError(f"fid.best_by={by}: no result holds {by}; add it to fid.metrics (clip_score: set "
+                        "fid.clip_model, a text run), or pick another best_by")
+    return rows.loc[rows[column].idxmin() if columns.BETTER[by] == "lower" else rows[column].idxmax()]
 
 
 def _save_png(fig: Figure, path: Path) -> None:
@@ -243,10 +250,10 @@ def _save_png(fig: Figure, path: Path) -> None:
     io.write_bytes(path, buf.getvalue())
 
 
-def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by_clip: bool = False) -> None:
+def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by: str = "fid") -> None:
     """One panel per metric family (FID, FD_DINOv2, ...), primary first; one curve per image count, guidance
     scale and prompt file, each labelled with its metric name; bars of one standard deviation over seed sets.
-    by_clip: the best was picked by CLIP score (fid.best_by), which its star says."""
+    by: the metric that picked the best (fid.best_by), which its star says when it is not the primary distance."""
     families = list(dict.fromkeys(map(family, table.sort_values("primary", ascending=False, kind="stable").metric)))
     fig = Figure(figsize=(6.4, 2.2 + 1.8 * len(families)), layout="constrained")
     axes = fig.subplots(len(families), 1, sharex=True, squeeze=False)[:, 0]
@@ -266,9 +273,10 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by
         if fam == family(best.metric):
             at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
             at += "" if math.isnan(best.ema_decay) else f", EMA decay {best.ema_decay:g}"
-            by = f" (by CLIP score {best.clip_score:.4g})" if by_clip else ""
+            said = f" (by {by} {best[by]:.4g})" if by in columns.SCORES + columns.PER_FILE and by != "fid" else (
+                " (by fd_dinov2)" if by == "fd_dinov2" else "")
             ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
-                    label=f"best{by} {best.metric}: {best.fid:.4g} at {at}")
+                    label=f"best{said} {best.metric}: {best.fid:.4g} at {at}")
         ax.set(ylabel=fam.split(" ")[0])
         ax.set_title(fam, fontsize="medium")
         ax.grid(alpha=0.3)
@@ -365,14 +373,15 @@ def main(args) -> int:
     else:
         train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
-    best = best_row(table, getattr(args, "best_by", None) or "fid")
+    by = getattr(args, "best_by", None) or "fid"
+    best = best_row(table, by)
     grid = run_dir / "samples" / best.grid / "grid.png"
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
     io.write_text(out / "metrics.csv", table[csv_columns(table)].to_csv(index=False, float_format="%.6g"))
     io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name, reference_notes(fid)))
-    plot_fid(table, best, run_dir.name, out / "fid.png", by_clip=getattr(args, "best_by", None) == "clip_score")
+    plot_fid(table, best, run_dir.name, out / "fid.png", by=by)
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated, objective_of(run_dir))
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
@@ -386,7 +395,7 @@ def main(args) -> int:
             else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
         "samples": str(run_dir / "samples" / best.grid),
         "clip_score": None if math.isnan(best.clip_score) else float(best.clip_score),
-        "best_by": getattr(args, "best_by", None) or "fid",
+        "best_by": by, "best_value": float(best.fid if by in ("fid", "fd_dinov2") else best[by]),
         "grid": str(out / "best_grid.png"),
     })
     log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")
