@@ -100,9 +100,11 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     if t.sharding == "fsdp2":
         if n["trainable"] < n["params"]:  # LoRA: each sharded average holds its own shard of the frozen base
             state["ema"] = emas * (n["params"] * n["bytes_per_param"] + n["buffer_bytes"])
+        built = state["weights"] + state["ema"]  # whole, in the CPU's memory, before fully_shard (training/state.py)
         state, gathered = sharded_state(state, processes, build, t.precision)
         sharded_note = (f", fsdp2: the state / {processes} process(es) plus {gathered / 2**30:.3g} GiB of two "
-                        "blocks' gathered weights")
+                        f"blocks' gathered weights; each process first builds the network and its averages whole in "
+                        f"the CPU's memory ({built / 2**30:.3g} GiB)")
     est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
