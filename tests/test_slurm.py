@@ -216,8 +216,10 @@ def test_signal_timer_and_requeue_stop_training_and_every_try_resumes_bit_identi
     # Inside SLURM a step of this network sleeps 0.15 s while the workflow's folder holds `slow_steps`: each
     # stop lands mid-segment (the timer's try lasts at most about 60 s, under 400 steps), yet the steps cost no
     # CPU, and the local reference run, started beside them, is quick. After the last stop the file goes and the
-    # rest of the steps run at full speed. The tiny run (the fixture) uses the CPU meanwhile.
-    steps = 500
+    # rest of the steps run at full speed. The tiny run (the fixture) uses the CPU meanwhile. 800 steps: the timer's
+    # try must outlast SLURM's enforcement of its 60 s limit, which slurmctld checks every 30 s (a CI run saw a try
+    # of the 500 steps before, 74 s of sleeps, finish at 79 s unstopped).
+    steps = 800
     train = {"total_steps": steps, "segment_steps": steps, "log_every": 1, "warmup_steps": 2}
     model = {"arch": "slow_net:slow_under_slurm", "kwargs": {"width": 8}}
     cfg = write_config({"run": {"name": "stopped"}, "train": train, "model": model}, name="stopped.yaml")
