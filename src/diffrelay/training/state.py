@@ -73,10 +73,11 @@ class TrainState:
                             "(a run keeps its sharding; the process count may change)")
         if self.pema:
             self.pema.check_state(state.get("phema"), path)
-        if self.sharded:
-            tensors, groups = self._sharded_tensors()
+        if self.sharded:  # None: saved before any update, when the optimizer held no state (a fresh one)
+            tensors, _ = self._sharded_tensors(state["optimizer_groups"] is not None)
             sharded_checkpoint.load(path, tensors)  # in place: the parameters' and averages' shards
-            sharded_checkpoint.load_optimizer(self.net, self.opt, tensors, state["optimizer_groups"])
+            if state["optimizer_groups"] is not None:
+                sharded_checkpoint.load_optimizer(self.net, self.opt, tensors, state["optimizer_groups"])
         elif self.lora:  # the base is the pipeline's, loaded by build
             for module, weights_ in zip([self.net, *self.ema.nets], [state["net"], *state["ema"]], strict=True):
                 lora.load(module, weights_, path)
@@ -111,7 +112,9 @@ class TrainState:
         from diffrelay.training import checkpoint
 
         if self.sharded:
-            tensors, groups = self._sharded_tensors()
+            # An optimizer that has not stepped (every update so far skipped) holds no state, and torch's
+            # get_optimizer_state_dict would make it by a step: it is saved as none instead.
+            tensors, groups = self._sharded_tensors(bool(self.opt.state))
             rest = {"schedule": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                     "order": self.order.state_dict(), "skipped": self.skipped_total,
                     "consecutive_skipped": self.consecutive, "step": step,
@@ -123,15 +126,18 @@ class TrainState:
         elif distributed.is_main():
             checkpoint.save_checkpoint(path, self.state_dict(step), meta)
 
-    def _sharded_tensors(self) -> tuple[dict, list]:
+    def _sharded_tensors(self, optimizer: bool) -> tuple[dict, list | None]:
         """({name: this process's shard}, the optimizer's param_groups) of everything a sharded checkpoint holds;
         the tensors are the live ones (loading writes into them). The optimizer's state is keyed by parameter name
-        (sharded_checkpoint.optimizer_state), so it reshards with the parameters."""
+        (sharded_checkpoint.optimizer_state), so it reshards with the parameters; without `optimizer`, none
+        (groups None)."""
         tensors = {f"net.{k}": v for k, v in self.weights(self.net).items()}
         for i, avg in enumerate(self.ema.nets):
             tensors |= {f"ema{i}.{k}": v for k, v in self.weights(avg).items()}
         for i, avg in enumerate(self.pema.nets if self.pema else []):
             tensors |= {f"phema{i}.{k}": v for k, v in avg.state_dict().items()}
+        if not optimizer:
+            return tensors, None
         moments, groups = sharded_checkpoint.optimizer_state(self.net, self.opt)
         return tensors | moments, groups
 
