@@ -58,27 +58,30 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def test_two_nodes_train_like_one_node_with_the_same_world_size(tmp_path, write_config):
-    steps = {"total_steps": 3, "segment_steps": 3, "log_every": 1}  # one segment: each job costs ~30 s here
-    base = {"run": {"results": str(tmp_path / "results")}, "train": steps}
+def train_both_ways(tmp_path, write_config, train: dict, final: str) -> None:
+    """The run `train` names to `final` twice, at the same world size: on two nodes x one process, every job through
+    sbatch on the two-node cluster (results/two_nodes), and on one machine x two processes, locally
+    (results/one_node)."""
+    base = {"run": {"results": str(tmp_path / "results")}, "train": train}
     two = write_config(deep_merge(base, {"run": {"name": "two_nodes"}, "train": {"nnodes": 2, "nproc_per_node": 1}}),
                        name="two.yaml")
     one = write_config(deep_merge(base, {"run": {"name": "one_node"}, "train": {"nnodes": 1, "nproc_per_node": 2}}),
                        name="one.yaml")
-    final = "trained/step_0000003.json"
-
-    # Two nodes x one process, every job through sbatch on the two-node cluster.
     (tmp_path / "two").mkdir()
     p = subprocess.run(client("snakemake", tmp_path / "results" / "two_nodes" / final,
                               "--snakefile", REPO / "Snakefile", "--directory", tmp_path / "two",
                               "--workflow-profile", PROFILE, "--configfile", two),
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path / "two")
     assert p.returncode == 0, p.stdout + p.stderr
-
-    # One machine x two processes, the same world size, run locally.
     (tmp_path / "one").mkdir()
     run_cli("snakemake", tmp_path / "results" / "one_node" / final, "--snakefile", REPO / "Snakefile",
             "--directory", tmp_path / "one", "--cores", "2", "--configfile", one, cwd=tmp_path / "one", timeout=TIMEOUT)
+
+
+def test_two_nodes_train_like_one_node_with_the_same_world_size(tmp_path, write_config):
+    steps = {"total_steps": 3, "segment_steps": 3, "log_every": 1}  # one segment: each job costs ~30 s here
+    final = "trained/step_0000003.json"
+    train_both_ways(tmp_path, write_config, steps, final)
 
     # Each segment was one SLURM job on both nodes, with one launch agent per node.
     logs = sorted((tmp_path / "two" / ".snakemake" / "slurm_logs" / "rule_train_segment").rglob("*.log"))
@@ -110,21 +113,7 @@ def test_fsdp2_on_two_nodes_writes_the_shards_one_node_writes(tmp_path, write_co
     from diffrelay.training import sharded_checkpoint
 
     train = {"total_steps": 2, "segment_steps": 2, "log_every": 1, "sharding": "fsdp2"}
-    base = {"run": {"results": str(tmp_path / "results")}, "train": train}
-    two = write_config(deep_merge(base, {"run": {"name": "two_nodes"}, "train": {"nnodes": 2, "nproc_per_node": 1}}),
-                       name="two.yaml")
-    one = write_config(deep_merge(base, {"run": {"name": "one_node"}, "train": {"nnodes": 1, "nproc_per_node": 2}}),
-                       name="one.yaml")
-    final = "trained/step_0000002.json"
-    (tmp_path / "two").mkdir()
-    p = subprocess.run(client("snakemake", tmp_path / "results" / "two_nodes" / final,
-                              "--snakefile", REPO / "Snakefile", "--directory", tmp_path / "two",
-                              "--workflow-profile", PROFILE, "--configfile", two),
-                       capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path / "two")
-    assert p.returncode == 0, p.stdout + p.stderr
-    (tmp_path / "one").mkdir()
-    run_cli("snakemake", tmp_path / "results" / "one_node" / final, "--snakefile", REPO / "Snakefile",
-            "--directory", tmp_path / "one", "--cores", "2", "--configfile", one, cwd=tmp_path / "one", timeout=TIMEOUT)
+    train_both_ways(tmp_path, write_config, train, "trained/step_0000002.json")
     text = (tmp_path / "two" / "logs" / "two_nodes" / "train_segment" / "step_0000002.log").read_text()
     assert "on node n1 (n1)" in text and "on node n2 (n2)" in text, text
     ckpts = [tmp_path / "results" / r / "checkpoints" / "step_0000002" for r in ("two_nodes", "one_node")]
