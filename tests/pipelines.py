@@ -90,10 +90,10 @@ def _as_spiece(tokenizer_folder: Path, source: Path) -> None:
         shutil.copy(source / name, tokenizer_folder / name)
 
 
-def sd3(folder, work=None, seed: int = 0) -> Path:
+def sd3(folder, work=None, seed: int = 0, **transformer) -> Path:
     """An SD3-style pipeline: SD3Transformer2DModel, two CLIPs with projection (pooled, 32 + 32), a T5 64 wide (the
     CLIPs' 64 features zero-padded to it), FlowMatchEulerDiscreteScheduler with shift 3 (SD3-medium's), and a VAE
-    with SD3's shift_factor beside its scaling_factor."""
+    with SD3's shift_factor beside its scaling_factor. `transformer`: more config keys (sd35's)."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
@@ -106,13 +106,54 @@ def sd3(folder, work=None, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
                                 attention_head_dim=8, num_attention_heads=2, joint_attention_dim=64,
-                                caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=8)
+                                caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=8,
+                                **transformer)
     pipe = StableDiffusion3Pipeline(transformer=net, vae=AutoencoderKL(**(VAE | {"shift_factor": 0.1})),
                                     scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
                                     text_encoder=enc1, tokenizer=tok1, text_encoder_2=enc2, tokenizer_2=tok2,
                                     text_encoder_3=enc3, tokenizer_3=tok3)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# FLUX.1-dev's scheduler/scheduler_config.json (shift 3 is unused there: use_dynamic_shifting); schnell's is shift 1,
+# no dynamic shifting.
+FLUX_DEV_SCHEDULE = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                     "base_image_seq_len": 256, "max_image_seq_len": 4096}
+FLUX_SCHNELL_SCHEDULE = {"shift": 1.0, "use_dynamic_shifting": False}
+
+
+def flux(folder, work=None, seed: int = 0, schnell: bool = False) -> Path:
+    """A FLUX.1-style pipeline: FluxTransformer2DModel (one double-stream and one single-stream block, rotary axes
+    2 + 2 + 4 = the head's 8), a CLIPTextModel (pooled, 32 wide), a T5 32 wide, a VAE with a shift_factor and the
+    FLUX.1-dev scheduler (guidance_embeds) or schnell's (none)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    folder = Path(folder)
+    work = Path(work or folder.parent / f"{folder.name}-parts")
+    enc1, tok1 = _clip(work / "clip", hidden=32, seed=1)
+    enc2, tok2 = _t5(work / "t5", 32, seed=3)
+    torch.manual_seed(seed)
+    net = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                 guidance_embeds=not schnell, axes_dims_rope=(2, 2, 4))
+    schedule = FLUX_SCHNELL_SCHEDULE if schnell else FLUX_DEV_SCHEDULE
+    pipe = FluxPipeline(transformer=net, vae=AutoencoderKL(**(VAE | {"shift_factor": 0.1})),
+                        scheduler=FlowMatchEulerDiscreteScheduler(**schedule), text_encoder=enc1, tokenizer=tok1,
+                        text_encoder_2=enc2, tokenizer_2=tok2)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def flux_schnell(folder, work=None, seed: int = 0) -> Path:
+    return flux(folder, work, seed, schnell=True)
+
+
+def sd35(folder, work=None, seed: int = 0) -> Path:
+    """An SD3.5-style pipeline: SD3's, its transformer with SD3.5's RMS-normed queries and keys (qk_norm, Large and
+    Medium) and Medium's second attention in its first block (dual_attention_layers)."""
+    return sd3(folder, work, seed, qk_norm="rms_norm", dual_attention_layers=(0,))
 
 
 def pixart_sigma(folder, work=None, seed: int = 0, alpha: bool = False) -> Path:

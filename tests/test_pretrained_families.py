@@ -34,8 +34,13 @@ PROMPTS = [{"prompt": "A Red circle ", "seed": 3}, {"prompt": "a blue square", "
 FAMILIES = {"sd": (pipelines.sd, "StableDiffusionPipeline", "EulerAncestralDiscreteScheduler"),
             "sdxl": (pipelines.sdxl, "StableDiffusionXLPipeline", "pipeline"),
             "sd3": (pipelines.sd3, "StableDiffusion3Pipeline", "pipeline"),
+            "sd35": (pipelines.sd35, "StableDiffusion3Pipeline", "pipeline"),
             "pixart": (pipelines.pixart_sigma, "PixArtSigmaPipeline", "pipeline"),
-            "hunyuandit": (pipelines.hunyuandit, "HunyuanDiTPipeline", "pipeline")}
+            "hunyuandit": (pipelines.hunyuandit, "HunyuanDiTPipeline", "pipeline"),
+            "flux": (pipelines.flux, "FluxPipeline", "pipeline"),
+            "flux-schnell": (pipelines.flux_schnell, "FluxPipeline", "pipeline")}
+# FLUX.1-dev's guidance is an input of its network (guidance_scale); schnell takes none (its pipeline ignores it).
+GUIDANCE = {"flux-schnell": 1.0}
 SIDE = {"hunyuandit": 32}  # its VAE divides by 8 (the pipeline's rotary grid assumes it): 4 x 4 latents
 # The pipeline's pre-processing off: PixArt's and HunyuanDiT's resolution binning and PixArt's caption cleaning;
 # HunyuanDiT's image_meta_size of the image's own size (its default original_size is 1024), as diffrelay gives it.
@@ -69,12 +74,23 @@ def test_the_family_fills_its_config_and_trains_from_its_weights(family):
     want = {"sd": ("diffusers-unet", "ddpm", ["text_encoder"]),
             "sdxl": ("diffusers-unet", "ddpm", ["text_encoder", "text_encoder_2"]),
             "sd3": ("sd3", "flow", ["text_encoder", "text_encoder_2", "text_encoder_3"]),
+            "sd35": ("sd3", "flow", ["text_encoder", "text_encoder_2", "text_encoder_3"]),
             "pixart": ("pixart", "ddpm", ["text_encoder"]),
-            "hunyuandit": ("hunyuandit", "ddpm", ["text_encoder", "text_encoder_2"])}[family["name"]]
+            "hunyuandit": ("hunyuandit", "ddpm", ["text_encoder", "text_encoder_2"]),
+            "flux": ("flux", "flow", ["text_encoder", "text_encoder_2"]),
+            "flux-schnell": ("flux", "flow", ["text_encoder", "text_encoder_2"])}[family["name"]]
     assert (m["arch"], m["objective"], [os.path.basename(e["path"]) for e in encoders]) == want
+    if family["name"] == "sd35":  # SD3.5's transformer keys reach the network's config
+        assert (m["kwargs"]["qk_norm"], m["kwargs"]["dual_attention_layers"]) == ("rms_norm", [0])
     if family["name"] == "sd3":  # the scheduler's shift; the T5 after the pooled CLIPs, unmasked as SD3 calls it
         assert d["train"]["flow"]["shift"] == 3.0 and [e["pooled"] for e in encoders] == [True, True, False]
         assert encoders[2]["use_mask"] is False and encoders[2]["max_length"] == 256
+    if family["name"].startswith("flux"):  # the CLIP pooled only, the T5's 512 tokens unmasked; flow unshifted
+        assert [(e["layer"], e["pooled"], e["use_mask"], e["max_length"]) for e in encoders] == [
+            ("none", True, True, None), ("last", False, False, 512)]
+        dev = family["name"] == "flux"  # dev: dynamic shifting (training draws unshifted) and the guidance input
+        assert d["train"]["flow"]["shift"] == 1.0 and m["kwargs"]["time_scale"] == 1
+        assert (m["kwargs"].get("guidance"), d["sample"]["guidance"]) == ((3.5, 3.5) if dev else (None, 1.0))
     if family["name"] == "pixart":  # PixArt-Sigma's 300 T5 tokens, masked; learned sigma kept as the config says
         assert encoders[0]["max_length"] == 300 and encoders[0]["use_mask"] and m["kwargs"]["out_channels"] == 8
     # The folder's files' sha256, in the run's record (its identity) and in every checkpoint's config.
@@ -97,7 +113,8 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     snap = work / "results" / kind / "snapshots" / "step_0000001.safetensors"
     (tmp_path / "prompts.yaml").write_text(yaml.safe_dump(PROMPTS))
     assert d["sample"]["scheduler"] == "pipeline"  # a pipeline run's default
-    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), guidance=4.0, batch_size=2, weights="raw",
+    g = GUIDANCE.get(family["name"], 4.0)
+    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), guidance=g, batch_size=2, weights="raw",
                             prompts=str(tmp_path / "prompts.yaml"), scheduler=family["scheduler"])
     manifest = sample.run(snap, tmp_path / "ours", s, model_cfg=d["model"], data_cfg=d["data"],
                           resources=d["run"]["resources"])
@@ -118,9 +135,20 @@ def test_the_exported_pipelines_call_gives_the_pngs_diffrelay_sampled(family, ki
     # prompt: SDXL's force_zeros_for_empty_prompt); a batch gives the same (one generator per image).
     out = np.concatenate([pipe(prompt=p["prompt"], **{k: v for k, v in p.items() if k == "negative_prompt"},
                                generator=[torch.Generator().manual_seed(p["seed"])], num_inference_steps=3,
-                               guidance_scale=4.0, height=side, width=side, output_type="np",
+                               guidance_scale=g, height=side, width=side, output_type="np",
                                **CALL.get(family["name"], {})).images for p in PROMPTS])
     theirs = (out * 255).round().astype(np.uint8)
+    if kind == "lora" and hasattr(pipe, "load_lora_weights"):  # PixArt's and HunyuanDiT's pipelines have no loader
+        # The run's adapter file, as written at the checkpoint, loaded by the base pipeline's own load_lora_weights
+        # (unfused, as diffrelay samples it): the same images as the fused export's.
+        base = diffusers.DiffusionPipeline.from_pretrained(family["pipe"], local_files_only=True, use_safetensors=True)
+        base.load_lora_weights(work / "results" / kind / "lora" / "step_0000001", weight_name="pytorch_lora_weights_raw.safetensors")
+        base.set_progress_bar_config(disable=True)
+        loaded = np.concatenate([base(prompt=p["prompt"], **{k: v for k, v in p.items() if k == "negative_prompt"},
+                                      generator=[torch.Generator().manual_seed(p["seed"])], num_inference_steps=3,
+                                      guidance_scale=g, height=side, width=side, output_type="np",
+                                      **CALL.get(family["name"], {})).images for p in PROMPTS])
+        assert np.abs((loaded * 255).round().astype(int) - ours.astype(int)).max() <= 1
     diff = np.abs(ours.astype(int) - theirs.astype(int))
     assert ours.shape == theirs.shape == (2, side, side, 3)
     assert ours.dtype == theirs.dtype == np.uint8

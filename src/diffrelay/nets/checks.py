@@ -76,6 +76,8 @@ def _text_geometry(m: dict, res: int) -> list[tuple[str, str]]:
         if res % factor:
             return [(f"data.resolution={res}", f"diffusers' UNet with {len(blocks)} blocks halves it "
                      f"{len(blocks) - 1} times; use a multiple of {factor} or change model.kwargs.block_out_channels")]
+    if arch == "flux" and res % 2:  # FluxPipeline packs 2 x 2 latent pixels into a token
+        return [(f"data.resolution={res}", "FLUX.1 packs 2 x 2 latent pixels into one token; use an even side")]
     if arch in ("pixart", "sd3", "hunyuandit"):
         patch = kw.get("patch_size", 2)
         if not isinstance(patch, int) or patch < 1 or res % patch:

@@ -27,7 +27,7 @@ from diffrelay.text.condition import Text
 BUILDERS = {"ddpmpp": edm.build_ddpmpp, "ncsnpp": edm.build_ncsnpp, "adm": edm.build_adm, "edm2": edm2.build,
             "dit": dit.build, "sit": dit.build_sit, "unet": unet.build, "diffusers-unet": text_nets.build_unet,
             "pixart": text_nets.build_pixart, "sd3": text_nets.build_sd3,
-            "hunyuandit": text_nets.build_hunyuandit}
+            "hunyuandit": text_nets.build_hunyuandit, "flux": text_nets.build_flux}
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
 LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
                       *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})

@@ -33,6 +33,17 @@ model.kwargs (their config keys) and the contract's text dims, called as their p
                   the timestep's dtype, so ddpm's integer steps would fail). Learned sigma: learn_sigma (diffusers'
                   default true, out 2C) is the 2C layout below; hidden_size defaults to heads x head dim. Activation
                   checkpointing: diffusers has none for it, so each block is recomputed (recomputed, below).
+  flux            FluxTransformer2DModel (FLUX.1 dev and schnell): joint_attention_dim = D (the T5's states alone:
+                  the CLIP gives only its pooled embedding, layer none), pooled_projection_dim = P; in_channels =
+                  4C, as FluxPipeline packs each 2 x 2 block of latent pixels into one token (_pack_latents: token
+                  (i, j) holds channels c x (2 x 2) in that order) and unpacks its output the same way
+                  (_unpack_latents). img_ids are the packed grid's (0, row, column) (_prepare_latent_image_ids),
+                  txt_ids zeros (the pipeline's text_ids), no mask (FLUX takes none). The timestep is t in [0, 1]
+                  (time_scale 1: the transformer multiplies it by 1000 itself, as the pipeline's timestep / 1000
+                  expects). guidance_embeds (dev): the guidance input is Text.guidance when the sampler sets it
+                  (sample.guidance, FluxPipeline's guidance_scale) and model.kwargs.guidance otherwise, the value
+                  train_dreambooth_lora_flux.py feeds in training (its --guidance_scale, default 3.5), in float32
+                  as its torch.tensor([guidance_scale]); schnell (guidance_embeds false) takes none.
 
 Time input: diffusers embeds the timestep with sinusoids (Timesteps); c_noise is multiplied by `time_scale` first,
 as nets/dit.py does: 1000 (default) stretches EDM's ln(sigma)/4 and flow's t in [0, 1] (SD3's pipeline gives its
@@ -52,10 +63,10 @@ import torch
 from torch import nn
 
 from diffrelay.errors import UserError
-from diffrelay.nets import TEXT_KWARGS, TEXT_SET
+from diffrelay.nets import FLUX_GUIDANCE, TEXT_KWARGS, TEXT_SET
 
 CLASSES = {"diffusers-unet": "UNet2DConditionModel", "pixart": "PixArtTransformer2DModel",
-           "sd3": "SD3Transformer2DModel", "hunyuandit": "HunyuanDiT2DModel"}
+           "sd3": "SD3Transformer2DModel", "hunyuandit": "HunyuanDiT2DModel", "flux": "FluxTransformer2DModel"}
 ROPE_BASE = 512 // 8  # pipeline_hunyuandit: base_size = 512 // 8 // patch_size (latents of 512 pixels, rope base512)
 
 
@@ -137,9 +148,10 @@ class TextNet(nn.Module):
     diffusers under `model.`, so diffusers' state dicts load with that prefix)."""
 
     def __init__(self, arch: str, model: nn.Module, in_channels: int, num_classes: int, time_scale: float,
-                 use_mask: bool, pixel_size: int):
+                 use_mask: bool, pixel_size: int, guidance: float = FLUX_GUIDANCE):
         super().__init__()
         self.arch, self.model, self.in_channels, self.num_classes = arch, model, in_channels, num_classes
+        self.guidance = float(guidance)  # flux with guidance_embeds: the training guidance input
         self.time_scale, self.use_mask = float(time_scale), bool(use_mask)
         cfg = model.config
         self.sdxl = arch == "diffusers-unet" and cfg.addition_embed_type == "text_time"
@@ -182,6 +194,8 @@ class TextNet(nn.Module):
         mask = text.mask if self.use_mask else None
         if self.arch == "hunyuandit":
             return self._hunyuandit(x, t, text, states)
+        if self.arch == "flux":
+            return self._flux(x, t, text, states)
         if self.arch == "sd3":
             return self.model(x, states, pooled_projections=text.pooled.to(x.dtype), timestep=t, return_dict=False)[0]
         if self.arch == "pixart":
@@ -224,6 +238,24 @@ class TextNet(nn.Module):
                           encoder_hidden_states_t5=second, text_embedding_mask_t5=text.mask[:, n:].contiguous(),
                           image_meta_size=meta, style=style,
                           image_rotary_emb=self.rotary(x.shape[-2], x.shape[-1], x.device), return_dict=False)[0]
+
+    def _flux(self, x, t, text, states):
+        b, c, h, w = x.shape
+        packed = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c)
+        key = (h, w, str(x.device), x.dtype)
+        if key not in self._rope:  # FluxPipeline._prepare_latent_image_ids: (0, row, column) of each token
+            ids = torch.zeros(h // 2, w // 2, 3, device=x.device, dtype=x.dtype)
+            ids[..., 1] += torch.arange(h // 2, device=x.device)[:, None]
+            ids[..., 2] += torch.arange(w // 2, device=x.device)[None, :]
+            self._rope[key] = ids.reshape(-1, 3)
+        guidance = None
+        if self.model.config.guidance_embeds:
+            guidance = text.guidance if text.guidance is not None else torch.full(
+                (b,), self.guidance, dtype=torch.float32, device=x.device)
+        out = self.model(hidden_states=packed, timestep=t.to(x.dtype).reshape(-1).expand(b), guidance=guidance,
+                         pooled_projections=text.pooled.to(x.dtype), encoder_hidden_states=states,
+                         txt_ids=states.new_zeros(states.shape[1], 3), img_ids=self._rope[key], return_dict=False)[0]
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
     def forward(self, x, c_noise, labels=None, text=None):
         out = self.forward_all(x, c_noise, labels, text)
@@ -298,3 +330,22 @@ def build_hunyuandit(resolution: int, in_channels: int, num_classes: int, text: 
     config = {"hidden_size": _width(cls, config), "patch_size": 2, **config}
     model = cls(sample_size=resolution, in_channels=in_channels, cross_attention_dim_t5=text["states"], **config)
     return TextNet("hunyuandit", model, in_channels, 0, time_scale, True, pixel_size or resolution)
+
+
+def build_flux(resolution: int, in_channels: int, num_classes: int, text: dict | None = None,
+               time_scale: float = 1.0, guidance: float = FLUX_GUIDANCE, **config) -> TextNet:
+    """`arch: flux`: FluxTransformer2DModel(in_channels=4C, joint_attention_dim=D, pooled_projection_dim=P,
+    **config); the latents' side must be even (2 x 2 packing)."""
+    _check("flux", config, text, num_classes)
+    if not text["pooled"]:
+        raise UserError("model.arch=flux: FLUX.1's transformer needs a pooled text embedding (pooled_projections); "
+                        "mark its CLIP encoder of data.text_encoders pooled: true")
+    if resolution % 2:
+        raise UserError(f"model.arch=flux: a latent side of {resolution}; FLUX.1 packs 2 x 2 latent pixels into one "
+                        "token, so the side must be even")
+    out = config.get("out_channels")
+    if out not in (None, 4 * in_channels):
+        raise ValueError(f"out_channels={out}: FLUX.1's is its packed in_channels, {4 * in_channels} (or null)")
+    model = diffusers_class("flux")(in_channels=4 * in_channels, joint_attention_dim=text["states"],
+                                    pooled_projection_dim=text["pooled"], **config)
+    return TextNet("flux", model, in_channels, 0, time_scale, False, resolution, guidance)

@@ -26,7 +26,7 @@ from pathlib import Path
 from diffrelay.errors import UserError
 
 ENCODER_DEFAULTS = {"max_length": None, "layer": "last", "pooled": False, "use_mask": True}
-OWN_KWARGS = ("use_mask", "pixel_size")  # diffrelay's keys that a user may set beside the pipeline's config
+OWN_KWARGS = ("use_mask", "pixel_size", "guidance")  # diffrelay's keys that a user may set beside the pipeline's config
 DDPM_CHOICES = ("prediction_type", "rescale_betas_zero_snr", "snr_gamma", "noise_offset")
 SOLVER_DEFAULT = "heun"  # sample.solver's schema default: left there, a pipeline run samples with its scheduler
 
@@ -69,7 +69,8 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
                     "(data.captions: auto, or a caption table)"))
     if m["arch"] not in ("unet", arch):
         bad.append(_conflict("model.arch", m["arch"], arch))
-    kwargs["time_scale"] = 1 if kind == "ddpm" else 1000  # ddpm's integer steps; SD3's sigma x 1000
+    # ddpm's integer steps; SD3's sigma x 1000; FLUX.1's transformer multiplies t by 1000 itself
+    kwargs["time_scale"] = 1 if kind == "ddpm" or arch == "flux" else 1000
     if arch in ("pixart", "hunyuandit") or parts.sdxl(pipe):
         # SDXL's time ids, PixArt's resolution and HunyuanDiT's image_meta_size are in pixels
         kwargs["pixel_size"] = data["resolution"]
@@ -97,6 +98,8 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
         for section in (d["train"]["flow"], d["sample"].get("flow", {})):
             if section.get("shift", 1.0) == 1.0:
                 section["shift"] = schedule["shift"]
+    if arch == "flux":
+        bad += _flux_guidance(pipe, kwargs, d["sample"])
     if data["encoder"] not in ("none", "sd-vae", "sd-vae-ft-mse", "sd-vae-ft-ema"):
         bad.append(_conflict("data.encoder", data["encoder"], "sd-vae (its vae/)", "drop it, or give data.encoder_path "
                              "another AutoencoderKL folder"))
@@ -128,6 +131,29 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     given = spec.get("config") if isinstance(spec, dict) else None
     m["pretrained"] = {"path": str(path_of(spec)), "config": given, "sha256": sums}
     return bad
+
+
+def _flux_guidance(pipe, kwargs: dict, sample: dict) -> list[tuple[str, str]]:
+    """FLUX.1-dev (guidance_embeds) takes sample.guidance as its guidance input, FluxPipeline's guidance_scale, whose
+    default (3.5) it gets when the key is left at the schema's 1; schnell takes none, and FluxPipeline ignores
+    guidance_scale there, so any other value is refused rather than ignored."""
+    from diffrelay.nets import FLUX_GUIDANCE
+    from diffrelay.pretrained import folder
+
+    distilled = bool(folder.config(pipe, pipe.net).get("guidance_embeds", False))
+    scales = sample["guidance"] if isinstance(sample["guidance"], list) else [sample["guidance"]]
+    if distilled:
+        kwargs.setdefault("guidance", FLUX_GUIDANCE)
+        if scales == [1.0]:
+            sample["guidance"] = FLUX_GUIDANCE
+        return []
+    if "guidance" in kwargs:
+        return [("model.kwargs.guidance", "this FLUX.1 transformer has guidance_embeds false (schnell): it takes no "
+                 "guidance input; drop it")]
+    if scales != [1.0]:
+        return [(f"sample.guidance={sample['guidance']}", "this FLUX.1 transformer has guidance_embeds false "
+                 "(schnell): it takes no guidance and FluxPipeline ignores guidance_scale; use 1")]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,9 @@ from diffrelay import io
 from diffrelay.errors import UserError
 
 PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline",
-             "PixArtAlphaPipeline", "PixArtSigmaPipeline", "HunyuanDiTPipeline")
+             "PixArtAlphaPipeline", "PixArtSigmaPipeline", "HunyuanDiTPipeline", "FluxPipeline")
 NETWORKS = {"UNet2DConditionModel": "diffusers-unet", "PixArtTransformer2DModel": "pixart",
-            "SD3Transformer2DModel": "sd3", "HunyuanDiT2DModel": "hunyuandit"}
+            "SD3Transformer2DModel": "sd3", "HunyuanDiT2DModel": "hunyuandit", "FluxTransformer2DModel": "flux"}
 VAES = ("AutoencoderKL",)
 TEXT = ("CLIPTextModel", "CLIPTextModelWithProjection", "BertModel", "T5EncoderModel")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

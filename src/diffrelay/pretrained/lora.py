@@ -19,10 +19,14 @@ from diffrelay.errors import UserError
 # diffusers' LoRA training scripts adapt the attention projections: train_text_to_image_lora*.py these four (the
 # same names exist in PixArt's and HunyuanDiT's transformers; HunyuanDiT's own repository names them Wqkv, q_proj,
 # kv_proj, out_proj, the network here is diffusers'); train_dreambooth_lora_sd3.py also the joint attention's text-side
-# projections (its default target_modules).
+# projections (its default target_modules); train_dreambooth_lora_flux.py those and the feed-forwards of both streams.
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                          "attn.to_out.0", "attn.to_q", "attn.to_v"]}
+                          "attn.to_out.0", "attn.to_q", "attn.to_v"],
+                   # train_dreambooth_lora_flux.py's default target_modules (its --lora_layers unset)
+                   "flux": ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                            "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                            "ff_context.net.0.proj", "ff_context.net.2"]}
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
 MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
@@ -158,7 +162,11 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
             if states is not None:  # the wrapper's keys, less the path to the diffusers network inside it
                 prefix = next(n for n, m in net.named_modules() if m is model)
                 whole = {k[len(prefix) + 1:] if prefix else k: v for k, v in states[name].items()}
-            layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model, state_dict=whole))
+            layers = get_peft_model_state_dict(model, state_dict=whole)
+            if net_part == "unet":  # train_text_to_image_lora(_sdxl).py's keys; the transformer scripts (SD3,
+                # FLUX.1) save peft's as they are: converted, their to_q/k/v/out keys would become lora.down/up,
+                # which the transformers' loaders skip
+                layers = convert_state_dict_to_diffusers(layers)
             cls.save_lora_weights(tmp, **{f"{net_part}_lora_layers": layers,
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)

@@ -21,6 +21,10 @@ TAKES = {"rescale_betas_zero_snr": ("DDPMScheduler", "DDIMScheduler", "DPMSolver
 PIXART_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # their max_sequence_length
 SD3_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
 HUNYUAN_LENGTHS = (77, 256)  # HunyuanDiTPipeline.__call__'s max_sequence_length for its BertModel and its mT5
+FLUX_T5_LENGTH = 512  # FluxPipeline.__call__'s max_sequence_length (and train_dreambooth_lora_flux.py's)
+# FlowMatchEulerDiscreteScheduler's dynamic-shift keys and their class defaults (FluxPipeline reads them with
+# these defaults: scheduler.config.get(key, default)).
+DYNAMIC_SHIFT = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
 
 def network(pipe: Pipeline) -> tuple[str, dict]:
@@ -51,6 +55,10 @@ def text_encoders(pipe: Pipeline) -> list[dict]:
         want = [("text_encoder", clip), ("text_encoder_2", clip),
                 ("text_encoder_3", {"use_mask": False, "max_length": SD3_T5_LENGTH})]
         family = "an SD3 pipeline"
+    elif arch == "flux":  # the CLIP's pooler_output alone, the T5's states unmasked (FluxPipeline.encode_prompt)
+        want = [("text_encoder", {"layer": "none", "pooled": True}),
+                ("text_encoder_2", {"use_mask": False, "max_length": FLUX_T5_LENGTH})]
+        family = "a FLUX.1 pipeline (CLIPTextModel, then T5EncoderModel)"
     elif arch == "hunyuandit":  # both get the mask (encode_prompt passes attention_mask), [0] = last_hidden_state
         want = [("text_encoder", {"max_length": HUNYUAN_LENGTHS[0]}),
                 ("text_encoder_2", {"max_length": HUNYUAN_LENGTHS[1]})]
@@ -66,7 +74,10 @@ def text_encoders(pipe: Pipeline) -> list[dict]:
 
 
 def objective(pipe: Pipeline) -> tuple[str, dict]:
-    """("ddpm", model.ddpm keys) or ("flow", {"shift": s}) from scheduler/scheduler_config.json."""
+    """("ddpm", model.ddpm keys) or ("flow", {"shift": s}) from scheduler/scheduler_config.json. A FLUX.1
+    scheduler's use_dynamic_shifting: training draws from its unshifted sigmas (FlowMatchEulerDiscreteScheduler's
+    __init__ shifts them only without it, and train_dreambooth_lora_flux.py indexes those), so shift 1; the
+    sampler shifts by the image's size (sampling/schedulers.py)."""
     path = pipe.root / "scheduler" / "scheduler_config.json"
     c = config(pipe, "scheduler", "scheduler_config.json")
     cls = c.get("_class_name")
@@ -75,8 +86,10 @@ def objective(pipe: Pipeline) -> tuple[str, dict]:
                         "1000 timesteps, as every supported pipeline does")
     if cls in FLOW_SCHEDULERS:
         if c.get("use_dynamic_shifting"):
-            raise UserError(f"{path}: use_dynamic_shifting true (a resolution-dependent shift) is not supported; "
-                            "give the scheduler a fixed shift")
+            if network(pipe)[0] != "flux":
+                raise UserError(f"{path}: use_dynamic_shifting true (a resolution-dependent shift) is supported for "
+                                "FLUX.1 only (FluxPipeline computes its mu); give the scheduler a fixed shift")
+            return "flow", {"shift": 1.0, "dynamic": True}
         return "flow", {"shift": float(c.get("shift", 1.0))}
     if cls not in DDPM_SCHEDULERS:
         raise UserError(f"{path}: _class_name {cls}: not supported; diffrelay reads the schedule of "
@@ -109,16 +122,20 @@ def check_dims(pipe: Pipeline, arch: str, encoders: list[dict]) -> None:
 
     c, v = config(pipe, pipe.net), config(pipe, "vae")
     where = pipe.root / pipe.net / "config.json"
-    if c.get("in_channels", 4) != v.get("latent_channels", 4):
-        raise UserError(f"{where}: in_channels {c.get('in_channels', 4)}, but the VAE makes "
-                        f"{v.get('latent_channels', 4)} latent channels; {FIX}")
+    packed = 4 if arch == "flux" else 1  # FLUX.1 packs 2 x 2 latent pixels into a token
+    if c.get("in_channels", 4 * packed) != packed * v.get("latent_channels", 4):
+        raise UserError(f"{where}: in_channels {c.get('in_channels', 4 * packed)}, but the VAE makes "
+                        f"{v.get('latent_channels', 4)} latent channels{' (x 4 packed)' * (packed > 1)}; {FIX}")
     recs = text_encoders.records(encoders, hashed=False)
     dims = text_encoders.combined_dims(recs)
     width = {"diffusers-unet": "cross_attention_dim", "pixart": "caption_channels", "sd3": "joint_attention_dim",
-             "hunyuandit": "cross_attention_dim_t5"}[arch]
+             "hunyuandit": "cross_attention_dim_t5", "flux": "joint_attention_dim"}[arch]
     if c.get(width) is not None and c[width] != dims["states"]:
         raise UserError(f"{where}: {width} {c[width]}, but the text encoders give {dims['states']} features a token; "
                         f"{FIX}")
+    if arch == "flux" and c.get("pooled_projection_dim") not in (None, dims["pooled"]):
+        raise UserError(f"{where}: pooled_projection_dim {c['pooled_projection_dim']}, but the text encoders' pooled "
+                        f"embedding is {dims['pooled']} wide; {FIX}")
     if arch == "hunyuandit":  # the first encoder's tokens and width, the T5's tokens (the net splits the states)
         for key, value in (("text_len", recs[0]["length"]), ("cross_attention_dim", recs[0]["states_dim"]),
                            ("text_len_t5", recs[-1]["length"])):

@@ -25,6 +25,16 @@ def check(scale: float, meta: dict, source) -> None:
                         "train.label_dropout, so it has no unconditional model; use 1 or retrain with it")
 
 
+def distilled(model_cfg: dict) -> bool | None:
+    """None for every network but FLUX.1's; for FLUX.1, whether it takes a guidance input (guidance_embeds: dev).
+    FluxPipeline gives guidance_scale to a guidance-distilled transformer as an input, one forward a step, and no
+    classifier-free guidance (its true_cfg_scale, with a negative prompt, is not built here: negative prompts are
+    unused, as the pipeline leaves them at true_cfg_scale 1, its default)."""
+    if model_cfg.get("arch") != "flux":
+        return None
+    return bool((model_cfg.get("kwargs") or {}).get("guidance_embeds", False))
+
+
 def _first(channels, guided, plain):
     # The guided value on the first `channels` output channels, the plain (conditional) one on the rest: DiT's
     # forward_with_cfg keeps the learned variance (and all but 3 latent channels) of the conditional pass.

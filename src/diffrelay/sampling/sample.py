@@ -105,21 +105,27 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         with autocast:
             return net(x, sigma, labels)
 
+    # FLUX.1: sample.guidance is the network's guidance input (dev), never classifier-free guidance.
+    flux = guidance.distilled(meta["model"])
+    if flux is False and s.guidance != 1:
+        raise UserError(f"guidance {s.guidance:g}: a FLUX.1 network without guidance_embeds (schnell) takes no "
+                        "guidance, and FluxPipeline ignores guidance_scale there; use 1")
+    scale = s.guidance if flux is None else 1.0
     # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
     kind = objectives.objective(meta["model"])
     channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
         else None
     # A diffusers scheduler gets the pipelines' row order (unconditional first); the samplers keep today's call.
     order = {"uncond_first": True} if s.scheduler is not None else {}
-    denoise = guidance.guided(plain, s.guidance, meta.get("num_classes", 0), channels, **order)  # the null class
-    if guide is not None and s.guidance != 1:
+    denoise = guidance.guided(plain, scale, meta.get("num_classes", 0), channels, **order)  # the null class
+    if guide is not None and scale != 1:
 
         def reference(x, sigma, labels):
             with autocast:
                 return guide(x, sigma, labels)
 
-        denoise = guidance.autoguided(plain, reference, s.guidance, channels)
-    interval = s.guidance_interval if s.guidance != 1 else None
+        denoise = guidance.autoguided(plain, reference, scale, channels)
+    interval = s.guidance_interval if scale != 1 else None
     scheduler = None if s.scheduler is None else schedulers.build(s, meta["model"], "sample.scheduler")
 
     indices, rows = list(indices), forward_rows(s)
@@ -139,11 +145,14 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
         if text is not None:
-            labels = prompted.condition(text, [items[i] for i in padded], device, labels, s.guidance != 1,
+            labels = prompted.condition(text, [items[i] for i in padded], device, labels, scale != 1,
                                         meta.get("num_classes", 0), rules)
+            if flux:  # FluxPipeline's torch.full([1], guidance_scale, dtype=torch.float32), one per row
+                labels.guidance = torch.full((len(padded),), float(s.guidance), dtype=torch.float32, device=device)
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
-                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta)
+                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta,
+                                           flux=flux is not None)
             else:
                 images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
                                            noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
@@ -280,7 +289,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     rules = pretrained.prompt_rules(model_cfg or meta["model"]) if text is not None else None
     if items is not None:
         s = dataclasses.replace(s, num_images=len(items))
-        prompted.check(meta, items, s.guidance, snapshot)
+        prompted.check(meta, items, s.guidance if guidance.distilled(meta["model"]) is None else 1.0, snapshot)
     guide = None
     if s.guide is not None and s.guidance != 1:  # autoguidance: checked against the sampled network's record
         guide = guidance.load_guide(s.guide, meta, s.weights, device)

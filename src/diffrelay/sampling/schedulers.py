@@ -10,6 +10,11 @@ The scheduler is built from the run's schedule, so it samples the objective the 
   flow: FlowMatch* with num_train_timesteps 1000 and shift = sample.flow.shift; the network's time input is
         timestep / 1000, its t in [0, 1] (SD3's pipeline gives the transformer sigma x 1000: a TextNet with
         time_scale 1000).
+FLUX.1 (model.arch flux), as FluxPipeline.__call__: set_timesteps(sigmas = linspace(1, 1 / N, N), mu), mu the
+dynamic shift of the packed image's token count, (H / 2)(W / 2) of H x W latents: mu = base_shift + (tokens -
+base_image_seq_len) (max_shift - base_shift) / (max_image_seq_len - base_image_seq_len) (pipeline_flux's
+calculate_shift, the scheduler config's keys, their defaults when absent); any scheduler with use_dynamic_shifting
+gets that mu.
 sample.scheduler_kwargs adds the scheduler's other config keys (use_karras_sigmas, algorithm_type, ...).
 sample.scheduler: pipeline (a model.pretrained run's default) is the class and keys of the folder's
 scheduler/scheduler_config.json, the pipeline's own sampler when it is called; the run's keys above are set over
@@ -141,7 +146,7 @@ def build(s, model_cfg: dict, source):
         scheduler = cls(**{**config, **(s.scheduler_kwargs or {})})
         probe = cls.from_config(scheduler.config)
         x = torch.zeros(1, 1, 1, 1)
-        probe.set_timesteps(s.steps)
+        probe.set_timesteps(**timestep_args(probe, s.steps, (2, 2), model_cfg.get("arch") == "flux"))
         # its own generator: the probe leaves torch's global random state as it found it
         extra = {"generator": torch.Generator().manual_seed(0)} if "generator" in inspect.signature(
             probe.step).parameters else {}
@@ -193,20 +198,38 @@ def record(scheduler) -> dict:
     return json.loads(json.dumps({"class": type(scheduler).__name__, "config": config}))
 
 
+def timestep_args(scheduler, steps: int, side: tuple, flux: bool) -> dict:
+    """set_timesteps' arguments for `steps` steps of latents of `side` (H, W): FLUX.1's sigmas and mu (docstring)."""
+    import numpy as np
+
+    from diffrelay.pretrained.parts import DYNAMIC_SHIFT
+
+    c, takes = scheduler.config, inspect.signature(scheduler.set_timesteps).parameters
+    args = {"num_inference_steps": steps}
+    if flux and not c.get("use_flow_sigmas", False) and "sigmas" in takes:
+        args = {"sigmas": np.linspace(1.0, 1 / steps, steps)}  # retrieve_timesteps passes the sigmas alone
+    if c.get("use_dynamic_shifting", False) and "mu" in takes:
+        k = {key: c.get(key) if c.get(key) is not None else default for key, default in DYNAMIC_SHIFT.items()}
+        tokens = (side[0] // 2) * (side[1] // 2) if flux else side[0] * side[1]
+        slope = (k["max_shift"] - k["base_shift"]) / (k["max_image_seq_len"] - k["base_image_seq_len"])
+        args["mu"] = tokens * slope + (k["base_shift"] - slope * k["base_image_seq_len"])
+    return args
+
+
 def _scaled(scheduler, x, t):
     # FlowMatch* have no scale_model_input; the pipelines call it where it exists.
     return scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
 
 
-def sample(net, latents, labels, num_steps: int, scheduler, generators: list, eta: float = 0.0):
+def sample(net, latents, labels, num_steps: int, scheduler, generators: list, eta: float = 0.0, flux: bool = False):
     """From latents ~ N(0, 1) (one row per image, drawn from generators[k]) to images, with a fresh copy of
     `scheduler` (its multistep history is per batch). net(x, time, labels) is the objective's network, guided;
-    time is the scheduler's timestep (ddpm: 0..999) or timestep / 1000 (flow's t)."""
+    time is the scheduler's timestep (ddpm: 0..999) or timestep / 1000 (flow's t). flux: FluxPipeline's timesteps."""
     import torch
 
     sched = type(scheduler).from_config(scheduler.config)
     dev, c = latents.device, latents.shape[1]
-    sched.set_timesteps(num_steps, device=dev)
+    sched.set_timesteps(device=dev, **timestep_args(sched, num_steps, tuple(latents.shape[-2:]), flux))
     params = inspect.signature(sched.step).parameters
     extra = {"generator": generators} if "generator" in params else {}
     if "eta" in params:  # DDIM's, as the pipelines' prepare_extra_step_kwargs pass it

@@ -11,6 +11,8 @@ mask (B, L) int64 is 1 for a real token and 0 for padding, as transformers' atte
 the pooled embedding of the encoders that give one (None when none does). `labels` are the class labels
 carried along, None for a text-only dataset. `null` is the unconditional branch of classifier-free guidance
 for the same rows: the empty caption's embedding, or the negative prompt's; it is set only when sampling.
+`guidance` (B,) float32 is a guidance-distilled network's guidance input (FLUX.1-dev's), set only when sampling;
+None in training, where the network feeds its own (nets/text_nets.py).
 """
 
 from dataclasses import dataclass, replace
@@ -25,10 +27,12 @@ class Text:
     pooled: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     null: "Text | None" = None
+    guidance: torch.Tensor | None = None
 
     def _map(self, fn) -> "Text":
         return Text(fn(self.states), fn(self.mask), None if self.pooled is None else fn(self.pooled),
-                    None if self.labels is None else fn(self.labels), None if self.null is None else self.null._map(fn))
+                    None if self.labels is None else fn(self.labels), None if self.null is None else self.null._map(fn),
+                    None if self.guidance is None else fn(self.guidance))
 
     def to(self, device, non_blocking: bool = False) -> "Text":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -44,14 +48,16 @@ class Text:
         pooled = self.pooled.tensor_split(n) if self.pooled is not None else [None] * n
         labels = self.labels.tensor_split(n) if self.labels is not None else [None] * n
         nulls = self.null.tensor_split(n) if self.null is not None else [None] * n
-        return tuple(Text(s, m, p, c, u) for s, m, p, c, u in zip(*parts, pooled, labels, nulls))
+        guides = self.guidance.tensor_split(n) if self.guidance is not None else [None] * n
+        return tuple(Text(s, m, p, c, u, g) for s, m, p, c, u, g in zip(*parts, pooled, labels, nulls, guides))
 
     def where(self, rows: torch.Tensor, other: "Text") -> "Text":
         """`other`'s rows where the boolean `rows` is set (caption dropout: the empty caption's embedding)."""
         def pick(a, b):
             return torch.where(rows.view(-1, *[1] * (a.dim() - 1)), b.to(a.dtype), a)
         return Text(pick(self.states, other.states), pick(self.mask, other.mask),
-                    None if self.pooled is None else pick(self.pooled, other.pooled), self.labels, self.null)
+                    None if self.pooled is None else pick(self.pooled, other.pooled), self.labels, self.null,
+                    self.guidance)
 
     def with_null(self) -> "Text":
         """The rows followed by their unconditional rows, one batch (classifier-free guidance's two branches);
@@ -61,7 +67,8 @@ class Text:
             raise ValueError("guidance with text needs the unconditional embedding (Text.null)")
         return Text(torch.cat([self.states, u.states]), torch.cat([self.mask, u.mask]),
                     None if self.pooled is None else torch.cat([self.pooled, u.pooled]),
-                    None if self.labels is None else torch.cat([self.labels, u.labels]))
+                    None if self.labels is None else torch.cat([self.labels, u.labels]),
+                    None if self.guidance is None else torch.cat([self.guidance, self.guidance]))
 
     def without_null(self) -> "Text":
         return replace(self, null=None)

@@ -21,7 +21,9 @@ encode_prompt):
         encoder gets the attention mask and the mask travels with the states (HunyuanDiT's transformer gets it
         as text_embedding_mask), as a T5's; [0] = last_hidden_state.
   layer last = last_hidden_state (CLIP's after its final layer norm: SD 1.x, PixArt); penultimate =
-        hidden_states[-2], without the final norm (SDXL's and SD3's CLIP choice, clip_skip None).
+        hidden_states[-2], without the final norm (SDXL's and SD3's CLIP choice, clip_skip None); none = no
+        states at all, the pooled embedding only (FLUX.1's CLIP: FluxPipeline._get_clip_prompt_embeds keeps
+        its pooler_output; the states are the T5's alone).
   pooled CLIPTextModelWithProjection's text_embeds (SDXL's second CLIP, both of SD3's), CLIPTextModel's
         pooler_output; a T5 has none.
 Several encoders: the CLIPs' states concatenated along the features (SDXL: 768 + 1280), then a T5 after them
@@ -122,6 +124,9 @@ def _record(entry: dict, hashed: bool = True) -> dict:
     c = _config(path)
     cls, files = _class(path, c), weight_files(path)
     layer, pooled, max_length = entry.get("layer", "last"), bool(entry.get("pooled", False)), entry.get("max_length")
+    if layer == "none" and not pooled:
+        raise UserError(f"{path}: data.text_encoders: layer none (no states) and pooled false: this encoder would "
+                        "give nothing; set pooled: true (FLUX.1's CLIP) or layer: last")
     use_mask = bool(entry.get("use_mask", True))  # records made before the setting existed: the mask was passed
     try:
         if cls == "T5EncoderModel":
@@ -155,13 +160,19 @@ def _record(entry: dict, hashed: bool = True) -> dict:
             "pooled_dim": pooled_dim if pooled else None, "length": length, "use_mask": use_mask}
 
 
+def gives_states(record: dict) -> bool:
+    return record["layer"] != "none"
+
+
 def layout(records) -> tuple[int, int, int]:
     """(tokens L, width D, pooled width P, 0 for none) of the encoders combined; one line when they cannot be."""
-    clips = [r for r in records if not is_t5(r)]
+    clips = [r for r in records if not is_t5(r) and gives_states(r)]
     t5s = [r for r in records if is_t5(r)]
     where = "data.text_encoders"
     if not records:
         raise UserError(f"{where}: empty; list at least one text encoder folder")
+    if not any(gives_states(r) for r in records):
+        raise UserError(f"{where}: every encoder has layer none; give at least one encoder's states (layer last)")
     if len(t5s) > 1 or (t5s and records[-1] is not t5s[0]):
         raise UserError(f"{where}: {', '.join(r['path'] for r in t5s)}: list the CLIP encoders first and then at "
                         "most one T5 (SD3's order: CLIP-L, CLIP-G, T5-XXL)")
@@ -359,7 +370,7 @@ def _combine(parts: list, recs: list[dict]):
     """The encoders' outputs as SDXL (CLIPs along the features) and SD3 (then a T5 along the tokens) combine them."""
     import torch
 
-    clips = [p for p, r in zip(parts, recs) if not is_t5(r)]
+    clips = [p for p, r in zip(parts, recs) if not is_t5(r) and gives_states(r)]
     t5 = next((p for p, r in zip(parts, recs) if is_t5(r)), None)
     pooled = [p[2] for p in parts if p[2] is not None]
     pooled = torch.cat(pooled, -1) if pooled else None
