@@ -27,7 +27,9 @@ GB = 1e9
 # The network config.json of each diffusers folder (less _class_name/_diffusers_version and the keys diffrelay sets
 # from the text encoders and latents: sample_size, in_channels and the text widths, given in TEXT), and the text
 # encoders' dims. Parameter counts as published: SDXL's UNet 2.6 B (SDXL paper, Table 1: 2.6 B), SD3-medium's
-# transformer 2 B (SD3 medium model card), HunyuanDiT 1.5 B (its model card), PixArt-Sigma 0.6 B (its paper).
+# transformer 2 B (SD3 medium model card), HunyuanDiT 1.5 B (its model card), PixArt-Sigma 0.6 B (its paper), SD3.5
+# Large 8.1 B and Medium 2.5 B (their model cards), FLUX.1-dev 12 B (its model card; schnell is the same network less
+# the guidance embedder).
 CONFIGS = {
     "sdxl-base-1.0": {
         "repo": "stabilityai/stable-diffusion-xl-base-1.0 unet/config.json", "arch": "diffusers-unet",
@@ -44,6 +46,24 @@ CONFIGS = {
         "kwargs": {"patch_size": 2, "num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24,
                    "caption_projection_dim": 1536, "out_channels": 16, "pos_embed_max_size": 192,
                    "time_scale": 1000}},
+    "sd3.5-large": {
+        "repo": "stabilityai/stable-diffusion-3.5-large transformer/config.json", "arch": "sd3",
+        "published": 8.1e9, "latent": (16, 128), "text": {"states": 4096, "length": 333, "pooled": 2048},
+        "kwargs": {"patch_size": 2, "num_layers": 38, "attention_head_dim": 64, "num_attention_heads": 38,
+                   "caption_projection_dim": 2432, "out_channels": 16, "pos_embed_max_size": 192,
+                   "qk_norm": "rms_norm", "time_scale": 1000}},
+    "sd3.5-medium": {
+        "repo": "stabilityai/stable-diffusion-3.5-medium transformer/config.json", "arch": "sd3",
+        "published": 2.5e9, "latent": (16, 128), "text": {"states": 4096, "length": 333, "pooled": 2048},
+        "kwargs": {"patch_size": 2, "num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24,
+                   "caption_projection_dim": 1536, "out_channels": 16, "pos_embed_max_size": 384,
+                   "qk_norm": "rms_norm", "dual_attention_layers": list(range(13)), "time_scale": 1000}},
+    "flux.1-dev": {
+        "repo": "black-forest-labs/FLUX.1-dev transformer/config.json", "arch": "flux",
+        "published": 12e9, "latent": (16, 128), "text": {"states": 4096, "length": 512, "pooled": 768},
+        "kwargs": {"patch_size": 1, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+                   "num_attention_heads": 24, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+                   "time_scale": 1}},
     "hunyuandit-v1.1": {
         "repo": "Tencent-Hunyuan/HunyuanDiT-v1.1-Diffusers transformer/config.json", "arch": "hunyuandit",
         "published": 1.5e9, "latent": (4, 128), "text": {"states": 2048, "length": 77 + 256, "pooled": 0},
@@ -65,7 +85,7 @@ def model_section(spec: dict) -> dict:
     from diffrelay import config
 
     m = config.validate({})["model"]
-    objective = "flow" if spec["arch"] == "sd3" else "ddpm"
+    objective = "flow" if spec["arch"] in ("sd3", "flux") else "ddpm"
     return {**m, "arch": spec["arch"], "kwargs": dict(spec["kwargs"]), "objective": objective,
             "class_conditional": False}
 

@@ -1,4 +1,5 @@
-"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, sd3-lora.yaml and hunyuandit-finetune.yaml,
+"""The fine-tuning recipes (config/examples/sdxl-lora.yaml, flux-dev-lora.yaml and hunyuandit-finetune.yaml;
+sd3-lora.yaml and sd35-large-lora.yaml to their run's config,
 docs/recipes.md) through the whole workflow, shrunk as the papers' recipes are (test_recipes.py): the tiny pipelines
 of tests/pipelines.py in place of the real ones, a tiny captioned folder, the tests' CLIP and random features, sizes,
 steps and the machine. Every other
@@ -44,7 +45,10 @@ def shrink(d: dict, tmp, pipe: str = "sdxl", steps: int = 2) -> dict:
 
 
 # recipe: (tests/pipelines.py's builder, the diffusers pipeline class that loads the adapter)
-LORA_RECIPES = {"sdxl-lora": ("sdxl", "StableDiffusionXLPipeline", 2), "sd3-lora": ("sd3", "StableDiffusion3Pipeline", 1)}
+LORA_RECIPES = {"sdxl-lora": ("sdxl", "StableDiffusionXLPipeline", 2), "flux-dev-lora": ("flux", "FluxPipeline", 1)}
+# Recipes whose pipeline class another test runs through the workflow and every step of (test_pretrained_families.py
+# trains, samples and exports SD3 and SD3.5 transformers): their files are checked to reach the run's config.
+CONFIG_RECIPES = {"sd3-lora": "sd3", "sd35-large-lora": "sd35"}
 
 
 @pytest.mark.slow
@@ -89,9 +93,25 @@ def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_ad
     pipe.load_lora_weights(run / "lora" / last, weight_name="pytorch_lora_weights_raw.safetensors")
     after = net.state_dict()
     assert any("lora" in k for k in after) and all(torch.equal(before[k], after[k]) for k in before if k in after)
-    if family == "sd3":  # the script's eight projections: the joint attention's text side too
-        assert any("add_k_proj.lora_A" in k for k in after) and any("to_add_out.lora_B" in k for k in after)
+    if family == "flux":  # the script's twelve projections: the text stream's and the feed-forwards too
+        assert made["model"]["kwargs"]["guidance"] == 1.0 and made["sample"]["guidance"] == [3.5]
+        assert any("add_k_proj.lora_A" in k for k in after) and any("ff_context.net.2.lora_B" in k for k in after)
     assert sorted(os.listdir(run / "lora")) == [f"step_{k:07d}" for k in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize("recipe", list(CONFIG_RECIPES))
+def test_sd3_recipes_reach_the_runs_config_over_a_pipeline_of_their_class(tmp_path, recipe):
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "examples" / f"{recipe}.yaml"]
+    base, d = (yaml.safe_load(f.read_text()) for f in files)
+    assert d["train"]["lora"]["rank"] == 4 and d["model"]["pretrained"]
+    getattr(pipelines, CONFIG_RECIPES[recipe])(tmp_path / "pipe")
+    (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle"}]))
+    over = shrink(d, tmp_path, "pipe", 1)
+    made = config.validate(deep_merge(deep_merge(base, d), over))
+    kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
+    assert {k: leaves(made)[k] for k in kept} == kept
+    assert (made["model"]["arch"], made["train"]["flow"]["shift"], made["train"]["lora"]["target_modules"][0]) == (
+        "sd3", 3.0, "attn.add_k_proj")
 
 
 @pytest.mark.slow
