@@ -359,3 +359,41 @@ def test_the_ema_update_walks_only_the_trainable_tensors(run, monkeypatch):
     assert all(torch.equal(a, torch.lerp(b, p.detach(), 1 - d)) for a, b, p in zip(pairs.avg, before, trainable))
     frozen = {id(p) for p in net.parameters() if not p.requires_grad}
     assert frozen and frozen <= {id(p) for p in ema.nets[0].parameters()}  # shared, never copied nor moved
+
+
+def test_an_int8_base_trains_the_adapter_and_resumes_bit_for_bit(run):
+    """train.lora.quantize_base: int8 (torchao's weight-only int8 on the frozen base's linear layers): two segments
+    end where one run does, bit for bit; the checkpoint holds the adapter only; the base is the pipeline's, quantized
+    (the adapter differs from the fp32 base's run); nf4 and fsdp2 are one line each."""
+    from torchao.utils import TorchAOBaseTensor
+
+    work, dataset = run["work"], run["work"] / "dataset"
+    spec = LORA | {"quantize_base": "int8"}
+    d = config.validate(raw(work, run["sd"], name="int8", lora=spec))
+    assert train.run(config.Config(d), until_step=2, dataset_dir=dataset) == 0
+    for until in (1, 2):
+        assert train.run(config.Config(config.validate(raw(work, run["sd"], name="int8-2", lora=spec))),
+                         until_step=until, dataset_dir=dataset) == 0
+    a, _ = checkpoint.load_checkpoint(work / "results" / "int8" / "checkpoints" / "step_0000002")
+    b, _ = checkpoint.load_checkpoint(work / "results" / "int8-2" / "checkpoints" / "step_0000002")
+    fp32, _ = checkpoint.load_checkpoint(run["one"] / "checkpoints" / "step_0000002")
+    assert a["net"] and all(lora.MARK in k for k in a["net"]) and set(a["net"]) == set(fp32["net"])
+    assert all(torch.equal(a["net"][k], b["net"][k]) and torch.equal(a["ema"][0][k], b["ema"][0][k]) for k in a["net"])
+    assert all(torch.equal(a["optimizer"]["state"][i]["exp_avg"], b["optimizer"]["state"][i]["exp_avg"])
+               for i in a["optimizer"]["state"])
+    assert not all(torch.equal(a["net"][k], fp32["net"][k]) for k in a["net"])  # trained on the quantized base
+    # In the run's identity when set (another trajectory than the fp32 base's run), absent when not.
+    assert config.trajectory(config.Config(d))["train"]["lora"]["quantize_base"] == "int8"
+    assert "quantize_base" not in config.trajectory(config.Config(run["cfg"]))["train"]["lora"]
+    # The layers the base quantizes: every linear weight of the diffusers network, none of the convolutions.
+    net, _ = checkpoint.load_snapshot(run["one"] / "snapshots" / "step_0000002.safetensors", "raw",
+                                      model_cfg=run["cfg"]["model"])
+    lora.quantize(net, "int8")
+    model = weights.text_net(net)
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear and all(isinstance(m.weight, TorchAOBaseTensor) for m in linear)
+    assert not any(isinstance(m.weight, TorchAOBaseTensor) for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    for bad, fix in (({"quantize_base": "nf4"}, "NF4 is not built"), ({"quantize_base": "int8"}, "not sharded here")):
+        keys = raw(work, run["sd"], name="bad", lora=LORA | bad)
+        keys["train"]["sharding"] = "fsdp2" if fix == "not sharded here" else "ddp"
+        assert fix in one_line(lambda: config.validate(keys, "ft.yaml"))

@@ -19,7 +19,7 @@ def split(req: str) -> tuple[str, str]:
     return name.lower(), spec.replace(" ", "")
 
 
-@pytest.mark.parametrize("env_file, extras", [("diffrelay.yaml", ()), ("track.yaml", ("wandb", "mlflow"))])
+@pytest.mark.parametrize("env_file, extras", [("diffrelay.yaml", ("quantize",)), ("track.yaml", ("wandb", "mlflow"))])
 def test_conda_env_mirrors_pyproject_ranges(env_file, extras):
     """Every dependency, at pyproject's range; the track env (pip -e installs diffrelay's declared dependencies
     there too) also holds its extras."""

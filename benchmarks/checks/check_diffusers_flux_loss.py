@@ -42,6 +42,7 @@ tests/test_flow_flux_loss.py runs it against the installed diffusers and a stand
 
 import argparse
 import ast
+import inspect
 import time
 import types
 from pathlib import Path
@@ -106,9 +107,13 @@ def transformer(diffusers, guidance_embeds: bool):
 
 
 def recording(model) -> dict:
-    """What `model` is called with, by keyword (both sides call it so), recorded at each call."""
-    seen = {}
-    model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    """What `model` is called with, by its forward's argument names, recorded at each call."""
+    seen, signature = {}, inspect.signature(model.forward)
+
+    def hook(module, args, kwargs):
+        seen.update({"guidance": None, **signature.bind(*args, **kwargs).arguments})
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
@@ -177,16 +182,16 @@ def main() -> None:
         st = flow.TrainSettings("uniform", shift=1.0)
         with torch.no_grad():
             ours = flow.loss(flow.VelocityModel(net), x0, text, torch.special.ndtri(sigma.double()).float(), noise, st)
-        figures = {"x_t": maxabs(ours_seen["hidden_states"], seen["hidden_states"]),
-                   "time": maxabs(ours_seen["timestep"], seen["timestep"]),
-                   "ids": max(maxabs(ours_seen["img_ids"], seen["img_ids"]),
-                              maxabs(ours_seen["txt_ids"], seen["txt_ids"])),
+        figures = {"x_t": maxabs(ours_seen.get("hidden_states"), seen.get("hidden_states")),
+                   "time": maxabs(ours_seen.get("timestep"), seen.get("timestep")),
+                   "ids": max(maxabs(ours_seen.get("img_ids"), seen.get("img_ids")),
+                              maxabs(ours_seen.get("txt_ids"), seen.get("txt_ids"))),
                    "loss": abs(float(ours) - float(theirs)) / abs(float(theirs)),
                    "rounding": float((sigma.double() - (1 - u.double())).abs().max()),
                    "table": maxabs(table, grid)}
         for key, value in figures.items():
             g.at_most(f"{key}/{case}", value, BOUNDS[key])
-        guidance = {"ours": listed(ours_seen["guidance"]), "diffusers": listed(seen["guidance"])}
+        guidance = {"ours": listed(ours_seen.get("guidance")), "diffusers": listed(seen.get("guidance"))}
         g.equal(f"guidance/{case}", guidance["ours"], guidance["diffusers"])
         results[case] = {"ours": float(ours), "diffusers": float(theirs), **figures, "guidance": guidance}
     worst = g.worst()

@@ -1,3 +1,10 @@
 """diffrelay: diffusion training in resumable torchrun segments, evaluated outside the process group."""
 
 __version__ = "0.1.0"
+
+import logging as _logging
+
+# torchao 0.18 (train.lora.quantize_base; peft imports it whenever it is installed) registers enums with torch's
+# pytree, which torch 2.14 deprecates with one WARNING line per enum at import: noise on every LoRA command's
+# stderr, where diffrelay keeps one line per problem. Only that logger is quietened.
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)

@@ -88,6 +88,8 @@ def trajectory_of(d: dict) -> dict:
     phema = train.pop("phema", None) or {}
     if phema.get("every"):
         train["phema"] = {"profiles": phema["profiles"]}
+    if train.get("lora") and train["lora"].get("quantize_base") is None:
+        train["lora"] = {k: v for k, v in train["lora"].items() if k != "quantize_base"}  # runs from before it
     if train["lr_schedule"] != "cosine":
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]

@@ -105,6 +105,10 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
         sharded_note = (f", fsdp2: the state / {processes} process(es) plus {gathered / 2**30:.3g} GiB of two "
                         f"blocks' gathered weights; each process first builds the network and its averages whole in "
                         f"the CPU's memory ({built / 2**30:.3g} GiB)")
+    base = _frozen_base(build, n) if cfg.to_dict()["train"]["lora"] is not None else None
+    chosen = (cfg.to_dict()["train"]["lora"] or {}).get("quantize_base")
+    if base is not None and chosen in base:  # the quantized base replaces the fp32 one in the weights
+        state["weights"] += base[chosen] - base[None]
     est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
@@ -117,7 +121,34 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
         need = -(-unsharded // (capacity - (act or 0)))
         if t.sharding == "ddp" or need > processes:
             fixes += [f"train.sharding: fsdp2 over at least {max(need, 2)} processes (the state / processes)"]
-    return footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes))
+    if base is not None and chosen is None and len(base) > 1:
+        fixes += ["train.lora.quantize_base: int8 (the frozen base's linear weights in 1 byte)"]
+    out, warning = footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes))
+    if base is not None:
+        out.insert(1, "# memory: frozen base by train.lora.quantize_base: " + ", ".join(
+            f"{kind or 'null (fp32)'} {footprint.gib(size)}" for kind, size in base.items()) + f" (this run: {chosen})")
+    return out, warning
+
+
+# Bytes a weight takes under each train.lora.quantize_base (torchao's weight-only int8 and float8: one byte, and a
+# float32 scale per output row, counted below).
+QUANTIZED_BYTES = {"int8": 1, "fp8": 1}
+
+
+def _frozen_base(build, n: dict) -> dict | None:
+    """{quantize_base: the frozen weights' bytes} of a LoRA run (None: the fp32 base as counted), from the network
+    built on the meta device: only the frozen nn.Linear weights (the base layers peft wraps too) are quantized."""
+    from diffrelay.nets import registry
+
+    try:
+        with registry.on_device("meta"), contextlib.redirect_stdout(sys.stderr):
+            linear = [m for m in build().modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    except (Exception, SystemExit):  # noqa: BLE001 -- a network that refuses meta: no breakdown
+        return None
+    weights, rows = sum(m.weight.numel() for m in linear), sum(m.weight.shape[0] for m in linear)
+    fp32 = (n["params"] - n["trainable"]) * n["bytes_per_param"]
+    return {None: fp32} | {kind: fp32 - weights * n["bytes_per_param"] + weights * size + rows * 4
+                           for kind, size in QUANTIZED_BYTES.items()}
 
 
 def sharded_state(state: dict, processes: int, build, precision: str) -> tuple[dict, int]:

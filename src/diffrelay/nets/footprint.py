@@ -174,7 +174,7 @@ class Estimate:
         return sum(self.state.values()) + (self.activations or 0)
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / GIB:.3g} GiB" if n >= GIB else f"{n / 2**20:.3g} MiB"
 
 
@@ -184,14 +184,14 @@ def lines(est: Estimate, n: dict, emas: int, optimizer: str, setting: str, capac
     precision, micro-batch and checkpointing in words; capacity/against: gpu_memory(); `fixes`: what the warning
     suggests."""
     s, dtype = est.state, {4: "fp32", 2: "16-bit"}.get(n["bytes_per_param"], f"{n['bytes_per_param']}-byte")
-    out = [f"# memory: training state {_gib(sum(s.values()))} a process: weights {_gib(s['weights'])} "
-           f"({n['params']:,} parameters, {dtype}, and buffers), gradients {_gib(s['gradients'])} "
-           f"({n['trainable']:,} trainable, {dtype}), {optimizer} moments {_gib(s['optimizer'])} "
-           f"({OPTIMIZER_MOMENTS[optimizer]} x {dtype}), EMA {_gib(s['ema'])} ({emas} {dtype} cop{'y' if emas == 1 else 'ies'})",
+    out = [f"# memory: training state {gib(sum(s.values()))} a process: weights {gib(s['weights'])} "
+           f"({n['params']:,} parameters, {dtype}, and buffers), gradients {gib(s['gradients'])} "
+           f"({n['trainable']:,} trainable, {dtype}), {optimizer} moments {gib(s['optimizer'])} "
+           f"({OPTIMIZER_MOMENTS[optimizer]} x {dtype}), EMA {gib(s['ema'])} ({emas} {dtype} cop{'y' if emas == 1 else 'ies'})",
            f"# memory: activations "
-           f"{_gib(est.activations) if est.activations is not None else 'not measured'} saved for the backward "
+           f"{gib(est.activations) if est.activations is not None else 'not measured'} saved for the backward "
            f"pass, {setting}; {est.how}"]
-    total = f"{_gib(est.total)}{'' if est.activations is not None else ' without activations'}"
+    total = f"{gib(est.total)}{'' if est.activations is not None else ' without activations'}"
     if capacity is None:
         out.append(f"# memory: total {total} a process; {against}")
         return out, None

@@ -27,6 +27,8 @@ FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj
                    "flux": ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
                             "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
                             "ff_context.net.0.proj", "ff_context.net.2"]}
+# train.lora.quantize_base: torchao's weight-only configs (int8 runs on the CPU too; fp8 is emulated there)
+QUANTIZERS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
 MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
@@ -48,7 +50,39 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if t["phema"]["every"]:
         return [(f"train.phema.every={t['phema']['every']}", "post-hoc EMA is not kept for train.lora runs; "
                  "set train.phema.every: 0 (train.ema_decays averages the adapter)")]
+    return quantize_problems(spec, t)
+
+
+def quantize_problems(spec: dict, train: dict) -> list[tuple[str, str]]:
+    """train.lora.quantize_base against what can run (torch-free: the config's checks)."""
+    kind = spec.get("quantize_base")
+    if kind is None:
+        return []
+    key = f"train.lora.quantize_base={kind}"
+    if kind not in QUANTIZERS:
+        return [(key, "bitsandbytes' NF4 is not built in this version (no CUDA machine here to test it on); use "
+                 "int8 or fp8 (torchao), or null")]
+    if train.get("sharding") == "fsdp2":
+        return [(key, "a quantized frozen base is not sharded here (train.sharding: fsdp2); use train.sharding: "
+                 "ddp (a LoRA run's state is its adapter) or quantize_base: null")]
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return [(key, "needs torchao, which is not installed; pip install 'diffrelay[quantize]' (or torchao)")]
     return []
+
+
+def quantize(net, kind: str | None) -> None:
+    """Quantize the frozen base's nn.Linear weights of the diffusers network inside `net` in place (torchao's
+    weight-only configs; its quantize_ picks the linear layers), before the adapter is attached: peft then wraps
+    each quantized layer (its torchao LoRA layer) and the adapter stays in full precision. None: nothing."""
+    if kind is None:
+        return
+    import torchao.quantization as tq
+
+    from diffrelay.pretrained import weights
+
+    tq.quantize_(weights.text_net(net), getattr(tq, QUANTIZERS[kind])())
 
 
 def enabled(cfg_dict: dict) -> dict | None:

@@ -35,6 +35,16 @@ def distilled(model_cfg: dict) -> bool | None:
     return bool((model_cfg.get("kwargs") or {}).get("guidance_embeds", False))
 
 
+def classifier_free(model_cfg: dict, scale: float) -> tuple[float, bool | None]:
+    """(the classifier-free guidance scale, distilled(model_cfg)) of sample.guidance `scale`: FLUX.1's is 1 (its
+    guidance is the network's input); schnell's `scale` must be 1."""
+    flux = distilled(model_cfg)
+    if flux is False and scale != 1:
+        raise UserError(f"guidance {scale:g}: a FLUX.1 network without guidance_embeds (schnell) takes no guidance, "
+                        "and FluxPipeline ignores guidance_scale there; use 1")
+    return (scale if flux is None else 1.0), flux
+
+
 def _first(channels, guided, plain):
     # The guided value on the first `channels` output channels, the plain (conditional) one on the rest: DiT's
     # forward_with_cfg keeps the learned variance (and all but 3 latent channels) of the conditional pass.

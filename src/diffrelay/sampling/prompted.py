@@ -79,14 +79,20 @@ def check(meta: dict, chosen: list, guidance: float, source) -> None:
                             "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")
 
 
-def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0, rules=None):
+def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0, rules=None,
+              embedded: float | None = None):
     """The Text of the items' prompts (the sampler's conditioning); with guidance, its null rows are each item's
     negative prompt, or the empty caption, with the contract's null class when class labels ride along. `rules`:
     the pipeline's own treatment of prompts (pretrained.PromptRules): PixArt's lower-casing, and SDXL's zero
-    states and pooled embedding for an item without a negative prompt."""
+    states and pooled embedding for an item without a negative prompt. `embedded`: a guidance-distilled network's
+    guidance input (FLUX.1-dev), as FluxPipeline makes it: torch.full([1], guidance_scale, dtype=float32) a row."""
+    import torch
+
     prepare = rules.text if rules is not None else str
     cond = text.encode([prepare(it.prompt) for it in chosen], device)
     cond.labels = labels
+    if embedded is not None:
+        cond.guidance = torch.full((len(chosen),), float(embedded), dtype=torch.float32, device=device)
     if guided:
         null = text.encode([prepare(it.negative_prompt or "") for it in chosen], device)
         empty = [i for i, it in enumerate(chosen) if it.negative_prompt is None]

@@ -105,12 +105,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         with autocast:
             return net(x, sigma, labels)
 
-    # FLUX.1: sample.guidance is the network's guidance input (dev), never classifier-free guidance.
-    flux = guidance.distilled(meta["model"])
-    if flux is False and s.guidance != 1:
-        raise UserError(f"guidance {s.guidance:g}: a FLUX.1 network without guidance_embeds (schnell) takes no "
-                        "guidance, and FluxPipeline ignores guidance_scale there; use 1")
-    scale = s.guidance if flux is None else 1.0
+    scale, flux = guidance.classifier_free(meta["model"], s.guidance)  # FLUX.1's is an input of its network
     # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
     kind = objectives.objective(meta["model"])
     channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
@@ -146,13 +141,10 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         labels = None if labels is None else torch.tensor(labels, device=device)
         if text is not None:
             labels = prompted.condition(text, [items[i] for i in padded], device, labels, scale != 1,
-                                        meta.get("num_classes", 0), rules)
-            if flux:  # FluxPipeline's torch.full([1], guidance_scale, dtype=torch.float32), one per row
-                labels.guidance = torch.full((len(padded),), float(s.guidance), dtype=torch.float32, device=device)
+                                        meta.get("num_classes", 0), rules, s.guidance if flux else None)
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
-                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta,
-                                           flux=flux is not None)
+                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta, flux is not None)
             else:
                 images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
                                            noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
