@@ -397,3 +397,45 @@ def test_an_int8_base_trains_the_adapter_and_resumes_bit_for_bit(run):
         keys = raw(work, run["sd"], name="bad", lora=LORA | bad)
         keys["train"]["sharding"] = "fsdp2" if fix == "not sharded here" else "ddp"
         assert fix in one_line(lambda: config.validate(keys, "ft.yaml"))
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_each_adapter_kind_trains_alone_and_is_written_where_its_loader_reads_it(run, kind):
+    """train.lora.kind through peft's own configs: only the adapter's tensors train and are checkpointed; DoRA's
+    file loads with diffusers' load_lora_weights, LoKr's and LoHa's as peft saves them (adapter_config.json and
+    adapter_model.safetensors, read back by peft), each giving diffrelay's network output."""
+    import json as json_
+
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    work, spec = run["work"], LORA | {"kind": kind}
+    d = config.validate(raw(work, run["sd"], name=kind, total_steps=1, lora=spec))
+    assert train.run(config.Config(d), until_step=1, dataset_dir=work / "dataset") == 0
+    state, _ = checkpoint.load_checkpoint(work / "results" / kind / "checkpoints" / "step_0000001")
+    marks = {"dora": "lora_magnitude_vector", "lokr": "lokr_w1", "loha": "hada_w1_a"}
+    assert state["net"] and all(lora.is_adapter(k) for k in state["net"])
+    assert any(marks[kind] in k for k in state["net"])
+    assert config.trajectory(config.Config(d))["train"]["lora"]["kind"] == kind
+    snap = work / "results" / kind / "snapshots" / "step_0000001.safetensors"
+    net, _ = checkpoint.load_snapshot(snap, "raw", model_cfg=d["model"])
+    mine = weights.text_net(net)
+    folder = work / "results" / kind / "lora" / "step_0000001"
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    if kind == "dora":
+        pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+        pipe.load_lora_weights(folder, weight_name=lora.RAW_NAME)
+        theirs = pipe.unet
+    else:
+        assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors",
+                                              "adapter_model_raw.safetensors"]
+        assert json_.loads((folder / "adapter_config.json").read_text())["peft_type"] == kind.upper()
+        theirs = UNet2DConditionModel.from_pretrained(run["sd"] / "unet", local_files_only=True, use_safetensors=True)
+        inject_adapter_in_model(PeftConfig.from_pretrained(folder), theirs)
+        set_peft_model_state_dict(theirs, load_file(folder / "adapter_model_raw.safetensors"))
+    base = UNet2DConditionModel.from_pretrained(run["sd"] / "unet", local_files_only=True, use_safetensors=True)
+    with torch.no_grad():
+        got, want, plain = (m(x, t, encoder_hidden_states=text).sample for m in (mine, theirs, base))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    assert not torch.allclose(plain, want, atol=1e-6)  # the trained adapter changes the output

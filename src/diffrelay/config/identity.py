@@ -88,8 +88,9 @@ def trajectory_of(d: dict) -> dict:
     phema = train.pop("phema", None) or {}
     if phema.get("every"):
         train["phema"] = {"profiles": phema["profiles"]}
-    if train.get("lora") and train["lora"].get("quantize_base") is None:
-        train["lora"] = {k: v for k, v in train["lora"].items() if k != "quantize_base"}  # runs from before it
+    if train.get("lora"):  # at their defaults, keys added since: runs from before them keep their hash
+        train["lora"] = {k: v for k, v in train["lora"].items()
+                         if (k, v) not in (("quantize_base", None), ("kind", "lora"))}
     if train["lr_schedule"] != "cosine":
         # Only a cosine schedule looks at the run's length; otherwise a longer run extends this one.
         del train["total_steps"]

@@ -12,6 +12,7 @@
 The base weights are never stored: they come from the pipeline folder, whose sha256s are the run's identity.
 """
 
+import json
 import os
 
 from diffrelay.errors import UserError
@@ -31,7 +32,14 @@ FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj
 QUANTIZERS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
-MARK = ".lora_"  # in every adapter tensor's state-dict key (lora_A, lora_B, ...), in no base key
+MARK = ".lora_"  # in every LoRA (and DoRA) tensor's state-dict key (lora_A, lora_B, lora_magnitude_vector)
+# train.lora.kind's tensors: LoRA's and DoRA's, LoKr's (lokr_w1, lokr_w2, ...) and LoHa's (hada_w1_a, ...); in no base key
+MARKS = (MARK, ".lokr_", ".hada_")
+PEFT_NAME = "adapter_model.safetensors"  # LoKr and LoHa adapters as peft saves them, beside its adapter_config.json
+
+
+def is_adapter(key: str) -> bool:
+    return any(m in key for m in MARKS)
 
 
 def check_config(d: dict) -> list[tuple[str, str]]:
@@ -115,14 +123,12 @@ def attach(net, spec: dict, seed: int) -> list:
     """Add the adapter to the diffusers network inside `net` and freeze everything else; the trainable
     parameters. The adapter's init is drawn from `seed` (CPU generator, forked: the caller's draws go on)."""
     import torch
-    from peft import LoraConfig
 
     from diffrelay.pretrained import weights
 
     check_targets(net, spec["target_modules"])
     model = weights.text_net(net)
-    config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                        init_lora_weights="gaussian", target_modules=list(spec["target_modules"]))
+    config = peft_config(spec)
     net.requires_grad_(False)
     # peft draws the init on the CPU; only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too).
     with torch.random.fork_rng(devices=[]):
@@ -136,10 +142,25 @@ def attach(net, spec: dict, seed: int) -> list:
             model.peft_config = {"default": config}
     trainable = []
     for name, p in net.named_parameters():
-        p.requires_grad_(MARK in name)
-        if MARK in name:
+        p.requires_grad_(is_adapter(name))
+        if is_adapter(name):
             trainable.append(p)
     return trainable
+
+
+def peft_config(spec: dict):
+    """peft's config of train.lora: LoraConfig as diffusers' LoRA scripts make it (gaussian init), with use_dora
+    for dora (DoRA, Liu et al. 2024: the update split into magnitude and direction); LoKrConfig and LoHaConfig for
+    lokr and loha (LyCORIS' Kronecker and Hadamard products), at peft's own init (the update starts at zero).
+    rank and alpha are r and alpha in each."""
+    import peft
+
+    kind, common = spec.get("kind", "lora"), {"r": spec["rank"], "target_modules": list(spec["target_modules"])}
+    if kind in ("lora", "dora"):
+        return peft.LoraConfig(lora_alpha=spec["alpha"], lora_dropout=spec["dropout"], init_lora_weights="gaussian",
+                               use_dora=kind == "dora", **common)
+    cls = peft.LoKrConfig if kind == "lokr" else peft.LoHaConfig
+    return cls(alpha=spec["alpha"], rank_dropout=spec["dropout"], **common)
 
 
 def fuse(model) -> None:
@@ -161,13 +182,13 @@ def fuse(model) -> None:
 
 def only(state: dict) -> dict:
     """The adapter's entries of a state dict."""
-    return {k: v for k, v in state.items() if MARK in k}
+    return {k: v for k, v in state.items() if is_adapter(k)}
 
 
 def load(module, state: dict, path) -> None:
     """Load adapter tensors over a network whose base is in place; every adapter tensor, nothing else."""
     missing, unexpected = module.load_state_dict(state, strict=False)
-    gaps = [k for k in missing if MARK in k]
+    gaps = [k for k in missing if is_adapter(k)]
     if unexpected or gaps:
         key = (unexpected or gaps)[0]
         raise UserError(f"{path}: {'holds' if unexpected else 'lacks'} {key}, so it is not this train.lora run's "
@@ -187,9 +208,13 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
     from diffrelay.pretrained import weights
 
     cls = getattr(diffusers, pipeline_cls, None)
-    if not hasattr(cls, "save_lora_weights"):
+    config = weights.text_net(next(iter(nets.values()))).peft_config["default"]
+    lycoris = type(config).__name__ in ("LoKrConfig", "LoHaConfig")  # no diffusers loader: peft's own files
+    if not lycoris and not hasattr(cls, "save_lora_weights"):
         return False
-    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= set(nets)) as tmp:
+    files = {name: peft_name(name) if lycoris else name for name in nets}
+    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= set(files.values()) | {"adapter_config.json"}) \
+            as tmp:
         for name, net in nets.items():
             model = weights.text_net(net)
             whole = None
@@ -197,6 +222,13 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
                 prefix = next(n for n, m in net.named_modules() if m is model)
                 whole = {k[len(prefix) + 1:] if prefix else k: v for k, v in states[name].items()}
             layers = get_peft_model_state_dict(model, state_dict=whole)
+            if lycoris:  # as PeftModel.save_pretrained writes them: the tensors and the config beside them
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in layers.items()}, str(tmp / files[name]),
+                          metadata={"format": "pt"})
+                io.write_json(tmp / "adapter_config.json", json.loads(json.dumps(config.to_dict(), default=sorted)))
+                continue
             if net_part == "unet":  # train_text_to_image_lora(_sdxl).py's keys; the transformer scripts (SD3,
                 # FLUX.1) save peft's as they are: converted, their to_q/k/v/out keys would become lora.down/up,
                 # which the transformers' loaders skip
@@ -205,6 +237,11 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)
     return True
+
+
+def peft_name(name: str) -> str:
+    """The peft file of a LoKr or LoHa adapter for diffusers' file name: adapter_model(_raw).safetensors."""
+    return name.replace(WEIGHT_NAME.split(".")[0], PEFT_NAME.split(".")[0])
 
 
 def check_base(path, meta: dict, model_cfg: dict | None) -> dict:
