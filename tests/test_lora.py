@@ -439,3 +439,38 @@ def test_each_adapter_kind_trains_alone_and_is_written_where_its_loader_reads_it
         got, want, plain = (m(x, t, encoder_hidden_states=text).sample for m in (mine, theirs, base))
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
     assert not torch.allclose(plain, want, atol=1e-6)  # the trained adapter changes the output
+
+
+def test_the_comfyui_export_is_kohyas_layout_and_diffusers_converter_reads_it_to_the_same_output(run, tmp_path):
+    """`diffrelay export --lora-format comfyui`: lora_unet_<module>.lora_down/lora_up/alpha, read back by diffusers'
+    own converter of kohya files (load_lora_weights of a non-diffusers file) to diffrelay's UNet output; it
+    replaces only a file it wrote."""
+    from diffusers import StableDiffusionPipeline
+    from safetensors import safe_open
+
+    snap = run["one"] / "snapshots" / "step_0000002.safetensors"
+    (tmp_path / "ft.yaml").write_text(__import__("yaml").safe_dump(run["cfg"]))
+    out = tmp_path / "my-lora.safetensors"
+    run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", out, "--weights", "raw",
+            "--lora-format", "comfyui")
+    keys = load_file(out)
+    assert keys and all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+                        for k in keys)
+    assert "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_out_0.alpha" in keys
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["ss_network_dim"] == "2"
+    net, _ = checkpoint.load_snapshot(snap, "raw", model_cfg=run["cfg"]["model"])
+    pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+    pipe.load_lora_weights(str(out))
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        got, want = (m(x, t, encoder_hidden_states=text).sample for m in (weights.text_net(net), pipe.unet))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", out, "--lora-format", "comfyui")
+    theirs = tmp_path / "theirs.safetensors"
+    theirs.write_bytes(b"someone's file")
+    p = run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", theirs, "--lora-format",
+                "comfyui", check=False)
+    assert p.returncode == 2 and "is not a file `diffrelay export --lora-format comfyui` wrote" in p.stderr
+    assert theirs.read_bytes() == b"someone's file" and len(p.stderr.strip().splitlines()) == 1

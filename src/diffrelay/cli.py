@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the pipeline folder to write (new, or an earlier export's)")
     p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="the snapshot's EMA or raw weights [ema]")
     p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs; default the first")
+    p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
+                   help="diffusers: the pipeline folder, the adapter fused [default]; comfyui: a LoRA run's adapter "
+                        "alone, one .safetensors file in kohya's keys (ComfyUI, sd-scripts; UNet pipelines)")
     p.set_defaults(module="diffrelay.training.export")
 
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")

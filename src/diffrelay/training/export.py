@@ -28,11 +28,27 @@ def main(args) -> int:
         raise UserError(f"{where}: model.pretrained is not set: export writes a diffusers pipeline folder, so it "
                         "needs the run's pipeline; sample the snapshot with `diffrelay sample` instead")
     out = Path(args.out)
+    if getattr(args, "lora_format", "diffusers") == "comfyui":  # the adapter alone, in kohya's keys
+        return _comfyui(args, cfg.to_dict(), out, where)
     # Refused before any work: a folder (or file) this command did not write.
     io.check_replaceable(out, _ours, "a folder `diffrelay export` wrote", "choose another --out or move it aside")
     record = export(args.snapshot, model_cfg, out, args.weights, args.ema_decay)
     print(f"diffrelay: wrote {out} ({record['network']}: {record['weights']} weights of {args.snapshot}); "
           f"DiffusionPipeline.from_pretrained({str(out)!r}) loads it")
+    return 0
+
+
+def _comfyui(args, d: dict, out: Path, where: str) -> int:
+    from diffrelay.pretrained import comfyui
+    from diffrelay.training import checkpoint
+
+    comfyui.check(d["model"], d["train"]["lora"], out, where)
+    net, meta = checkpoint.load_snapshot(args.snapshot, args.weights, model_cfg=d["model"], decay=args.ema_decay)
+    record = {"snapshot": str(Path(args.snapshot).resolve()), "step": meta.get("step"),
+              "weights": checkpoint.weights_of(meta, args.weights)}
+    n = comfyui.write(net, d["train"]["lora"], out, record)
+    print(f"diffrelay: wrote {out} ({n} adapted modules in kohya's keys, {record['weights']} weights of "
+          f"{args.snapshot}); ComfyUI's LoRA loader and pipe.load_lora_weights({str(out)!r}) read it")
     return 0
 
 
