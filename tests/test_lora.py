@@ -80,7 +80,8 @@ def run(tmp_path_factory):
 
 def test_config_fills_diffusers_defaults_and_needs_a_pipeline(run, tmp_path):
     spec = run["cfg"]["train"]["lora"]
-    assert spec == {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["to_k", "to_q", "to_v", "to_out.0"]}
+    assert spec == {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["to_k", "to_q", "to_v", "to_out.0"],
+                    "kind": "lora", "quantize_base": None}
     assert config.validate(run["cfg"]) == run["cfg"]  # a recorded config reads back as itself
     d = raw(tmp_path, run["sd"], lora={})
     assert config.validate(d)["train"]["lora"]["alpha"] == 4  # alpha = rank

@@ -32,6 +32,18 @@ models are tiny, built here from configs with seeded weights.
       (its default). Against TextNet("hunyuandit") in ddpm.EpsModel fed the combined Text (the Bert block
       zero-padded to the T5's width, then the T5's tokens), diffrelay's guidance and schedulers; the initial
       noise is generate()'s draw, which the pipeline's prepare_latents draws alike.
+  flux-dev/FlowMatchEulerDiscreteScheduler and flux-schnell/...: a tiny FluxPipeline (FluxTransformer2DModel with
+      guidance_embeds for dev, without for schnell; a 2-level VAE, scale factor 2) given the prompt embeddings
+      (random, no text encoders), its scheduler FLUX.1-dev's (shift 3, use_dynamic_shifting: mu from the packed
+      token count, pipeline_flux's calculate_shift) or FLUX.1-schnell's (shift 1), called with guidance_scale 3.5
+      (dev: the transformer's guidance input; schnell's pipeline ignores it) on a non-square 16 x 24 image (8 x 12
+      latents: 4 x 6 tokens, so the image ids and the 2 x 2 packing are exercised). Against build_flux's TextNet
+      (the pipeline transformer's state dict loaded; its square `resolution` is only checked for evenness, the
+      forward takes any even H, W) in flow.VelocityModel, fed a Text with guidance = torch.full((B,), 3.5) for dev
+      (none for schnell), one forward a step (FLUX.1's guidance is no classifier-free guidance: guidance.guided
+      at scale 1 is the bare network), schedulers.build/sample with model.arch flux (FluxPipeline's sigmas and
+      mu). The pipeline returns packed latents (B, tokens, 4C); they are compared after FluxPipeline._unpack_latents,
+      in diffrelay's (B, C, H, W) layout.
   config/...: the scheduler diffrelay builds has the reference's config, key for key.
 What it covers is the loop around each scheduler's step() (timesteps, scale_model_input, guidance, the initial and
 per-step noise): both sides build the same diffusers scheduler classes from the same checkout, so a fault inside a
@@ -67,6 +79,12 @@ HUNYUAN = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_
            "prediction_type": "v_prediction", "clip_sample": False, "steps_offset": 1, "timestep_spacing": "leading",
            "variance_type": "fixed_small", "trained_betas": None, "rescale_betas_zero_snr": False}
 HUNYUAN_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler")
+# FLUX.1-dev's and FLUX.1-schnell's scheduler/scheduler_config.json keys (FlowMatchEulerDiscreteScheduler).
+FLUX = {"dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+        "schnell": {"num_train_timesteps": 1000, "shift": 1.0}}
+FLUX_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default: dev's guidance input
+FLUX_SIZE = (16, 24)  # pixels (H, W): 8 x 12 latents, 4 x 6 tokens
 # The keys diffrelay takes from model.ddpm (the rest of a case's config goes to sample.scheduler_kwargs).
 MODEL_KEYS = ("beta_schedule", "beta_start", "beta_end", "prediction_type", "rescale_betas_zero_snr")
 
@@ -130,8 +148,8 @@ def _settings(name: str, config: dict, eta: float, kind: str, accepted, **extra)
 
     skip = set(MODEL_KEYS) | {"num_train_timesteps", "clip_sample", "trained_betas", "shift"}
     kwargs = {k: v for k, v in config.items() if k not in skip and k in accepted}
-    return sample.default_settings(steps=STEPS, guidance=GUIDANCE, scheduler=name, scheduler_kwargs=kwargs,
-                                   ddpm=SamplerSettings(eta=eta), **extra)
+    return sample.default_settings(**{"steps": STEPS, "guidance": GUIDANCE, "scheduler": name,
+                                      "scheduler_kwargs": kwargs, "ddpm": SamplerSettings(eta=eta), **extra})
 
 
 def _same(ours, reference: dict, accepted) -> bool:
@@ -287,6 +305,75 @@ def compare_hunyuandit(diffusers, pipe, name: str) -> tuple[float, bool]:
     return float((got - want).abs().max()), same
 
 
+def flux_pipeline(diffusers, variant: str):
+    """A tiny FluxPipeline: FLUX.1-dev's (guidance_embeds) or -schnell's transformer shape in small, a 2-level VAE
+    (vae_scale_factor 2), no text encoders (called with prompt embeddings)."""
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=variant == "dev", axes_dims_rope=(2, 2, 4))
+    with torch.no_grad():  # as sd3_pipeline: seeded weights with no zero-initialised layer left
+        for p in transformer.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), latent_channels=4, norm_num_groups=8,
+                                  down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                                  shift_factor=0.1, scaling_factor=0.5)
+    pipe = diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**FLUX[variant]), vae=vae, text_encoder=None,
+        tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def compare_flux(diffusers, pipe, variant: str, name: str = "FlowMatchEulerDiscreteScheduler") -> tuple[float, bool]:
+    """FluxPipeline's loop against diffrelay's (model.arch flux), given the same prompt embeddings; the latents
+    compared unpacked, (B, C, H, W)."""
+    import inspect
+
+    from diffrelay.nets import text_nets
+    from diffrelay.objectives.flow import SamplerSettings, VelocityModel
+    from diffrelay.sampling import guidance, schedulers
+    from diffrelay.text.condition import Text
+
+    g = torch.Generator().manual_seed(1)
+    n, tokens = len(SEEDS), 6
+    states, pooled = torch.randn(n, tokens, 32, generator=g), torch.randn(n, 32, generator=g)
+    cls = getattr(diffusers, name)
+    config = FLUX[variant]
+    pipe.scheduler = cls.from_config(config)
+    reference = dict(pipe.scheduler.config)
+    height, width = FLUX_SIZE
+    packed = pipe(prompt_embeds=states, pooled_prompt_embeds=pooled, num_inference_steps=STEPS,
+                  guidance_scale=FLUX_GUIDANCE, height=height, width=width,
+                  generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent").images
+    want = diffusers.FluxPipeline._unpack_latents(packed, height, width, pipe.vae_scale_factor)
+    side = (height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    dev = variant == "dev"
+    model_cfg = {"arch": "flux", "objective": "flow", "kwargs": {"guidance_embeds": dev}}
+    # sample.guidance: dev's is the network's input, schnell's must be 1 (generate's classifier_free)
+    scale, _ = guidance.classifier_free(model_cfg, FLUX_GUIDANCE if dev else 1.0)
+    accepted = inspect.signature(cls.__init__).parameters
+    s = _settings(name, config, 0.0, "flow", accepted, flow=SamplerSettings(shift=config["shift"]),
+                  guidance=FLUX_GUIDANCE if dev else 1.0)
+    scheduler = schedulers.build(s, model_cfg, f"flux-{variant}/{name}")
+    same = _same(scheduler, reference, accepted)
+    c = pipe.transformer.config
+    net = text_nets.build_flux(
+        resolution=side[0], in_channels=4, num_classes=0, text={"states": 32, "length": tokens, "pooled": 32},
+        guidance=FLUX_GUIDANCE, patch_size=c.patch_size, num_layers=c.num_layers,
+        num_single_layers=c.num_single_layers, attention_head_dim=c.attention_head_dim,
+        num_attention_heads=c.num_attention_heads, guidance_embeds=c.guidance_embeds,
+        axes_dims_rope=tuple(c.axes_dims_rope))
+    net.model.load_state_dict(pipe.transformer.state_dict())
+    net = VelocityModel(net)
+    cond = Text(states, torch.ones(n, tokens, dtype=torch.int64), pooled,
+                guidance=torch.full((n,), FLUX_GUIDANCE, dtype=torch.float32) if dev else None)
+    gens, x = _noise((4, *side))
+    got = schedulers.sample(guidance.guided(net, scale, 0, uncond_first=True), x, cond, STEPS, scheduler, gens,
+                            flux=True)
+    return float((got - want).abs().max()), same
+
+
 def run(diffusers, names=None) -> dict:
     """{case: (max difference, configs equal)} of every case (names: only these scheduler classes)."""
     from diffrelay.sampling.schedulers import FLOW_FAMILY
@@ -313,6 +400,10 @@ def run(diffusers, names=None) -> dict:
         pipe = hunyuandit_pipeline(diffusers)
         for name in hunyuan:
             out[f"hunyuandit/{name}"] = compare_hunyuandit(diffusers, pipe, name)
+    if names is None or "FlowMatchEulerDiscreteScheduler" in names:  # FluxPipeline's sigmas: Heun takes none
+        for variant in FLUX:
+            out[f"flux-{variant}/FlowMatchEulerDiscreteScheduler"] = compare_flux(
+                diffusers, flux_pipeline(diffusers, variant), variant)
     return out
 
 
@@ -331,7 +422,7 @@ def main(argv=None) -> None:
         g.at_most(case, diff, BOUND)
         g.equal(f"config/{case}", same, True)
     write_results(a.out, "diffrelay's sample.scheduler against diffusers' StableDiffusionPipeline, "
-                  "StableDiffusion3Pipeline and HunyuanDiTPipeline (latents, same weights, prompts, seeds and scheduler)",
+                  "StableDiffusion3Pipeline, HunyuanDiTPipeline and FluxPipeline (latents, same weights, prompts, seeds and scheduler)",
                   diffusers=diffusers.__version__, diffusers_file=diffusers.__file__, steps=STEPS, guidance=GUIDANCE,
                   seeds=SEEDS, bound=BOUND, seconds=round(time.time() - started, 1), **g.to_json())
     g.finish("check_diffusers_sampling")
