@@ -55,7 +55,7 @@ def one_line(fn) -> str:
 
 
 def test_flux_refusals_are_one_line_each(dev, tmp_path):
-    work, pipe = dev["work"], dev["pipe"]
+    pipe = dev["pipe"]
     schnell = pipelines.flux_schnell(tmp_path / "schnell")
     d = flux_raw(tmp_path, schnell, "s")
     d["sample"]["guidance"] = 3.5
