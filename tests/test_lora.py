@@ -452,8 +452,14 @@ def test_the_comfyui_export_is_kohyas_layout_and_diffusers_converter_reads_it_to
     snap = run["one"] / "snapshots" / "step_0000002.safetensors"
     (tmp_path / "ft.yaml").write_text(__import__("yaml").safe_dump(run["cfg"]))
     out = tmp_path / "my-lora.safetensors"
-    run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", out, "--weights", "raw",
-            "--lora-format", "comfyui")
+    from diffrelay import cli
+    from diffrelay.training import export
+
+    def in_process(*argv):  # the command's own parse and main, without a new interpreter's imports
+        return export.main(cli.build_parser().parse_args(["export", "--config", str(tmp_path / "ft.yaml"),
+                                                          "--snapshot", str(snap), *map(str, argv)]))
+
+    assert in_process("--out", out, "--weights", "raw", "--lora-format", "comfyui") == 0
     keys = load_file(out)
     assert keys and all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
                         for k in keys)
@@ -468,7 +474,7 @@ def test_the_comfyui_export_is_kohyas_layout_and_diffusers_converter_reads_it_to
     with torch.no_grad():
         got, want = (m(x, t, encoder_hidden_states=text).sample for m in (weights.text_net(net), pipe.unet))
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
-    run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", out, "--lora-format", "comfyui")
+    assert in_process("--out", out, "--lora-format", "comfyui") == 0  # its own earlier file is replaced
     theirs = tmp_path / "theirs.safetensors"
     theirs.write_bytes(b"someone's file")
     p = run_cli("export", "--config", tmp_path / "ft.yaml", "--snapshot", snap, "--out", theirs, "--lora-format",
