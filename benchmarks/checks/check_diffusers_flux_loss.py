@@ -40,7 +40,6 @@ FAIL line per figure outside its bound. Writes benchmarks/results/diffusers_flux
 tests/test_flow_flux_loss.py runs it against the installed diffusers and a stand-in script.
 """
 
-import argparse
 import ast
 import inspect
 import time
@@ -48,7 +47,7 @@ import types
 from pathlib import Path
 
 import torch
-from official import RESULTS, Gate, write_results
+from official import Gate, script_command, write_results
 
 from check_diffusers_objective import import_diffusers
 from diffrelay.nets import text_nets
@@ -154,14 +153,9 @@ def listed(x):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--diffusers-src", type=Path, required=True, help="the src folder of a diffusers checkout")
-    ap.add_argument("--script", type=Path, help="train_dreambooth_lora_flux.py (default <src>/../examples/dreambooth/)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "diffusers_flux_loss.json")
-    a = ap.parse_args()
+    a, path = script_command(__doc__, "train_dreambooth_lora_flux.py", "diffusers_flux_loss.json")
     t0 = time.perf_counter()
     diffusers = import_diffusers(a.diffusers_src)
-    path = a.script or a.diffusers_src.resolve().parent / "examples" / "dreambooth" / "train_dreambooth_lora_flux.py"
     g = Gate()
     g.equal("script found", path.exists(), True)
     results = {}

@@ -28,7 +28,6 @@ bound. Writes benchmarks/results/diffusers_sd3_loss.json.
 tests/test_flow_sd3_loss.py runs it against the installed diffusers and a stand-in script.
 """
 
-import argparse
 import ast
 import itertools
 import time
@@ -36,7 +35,7 @@ import types
 from pathlib import Path
 
 import torch
-from official import RESULTS, Gate, write_results
+from official import Gate, script_command, write_results
 
 from check_diffusers_objective import import_diffusers
 from diffrelay.objectives import flow
@@ -112,14 +111,9 @@ def normal_for(sigma: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--diffusers-src", type=Path, required=True, help="the src folder of a diffusers checkout")
-    ap.add_argument("--script", type=Path, help="train_dreambooth_lora_sd3.py (default <src>/../examples/dreambooth/)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "diffusers_sd3_loss.json")
-    a = ap.parse_args()
+    a, path = script_command(__doc__, "train_dreambooth_lora_sd3.py", "diffusers_sd3_loss.json")
     t0 = time.perf_counter()
     diffusers = import_diffusers(a.diffusers_src)
-    path = a.script or a.diffusers_src.resolve().parent / "examples" / "dreambooth" / "train_dreambooth_lora_sd3.py"
     g = Gate()
     g.equal("script found", path.exists(), True)
     results = {}

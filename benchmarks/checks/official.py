@@ -5,6 +5,7 @@ Every check script imports this module before diffrelay (tests/test_check_script
 it puts this checkout's src/ first on sys.path: the environment's editable install points at one checkout, and a
 check run from a second checkout that shares the environment would otherwise compare the first one's diffrelay."""
 
+import argparse
 import json
 import math
 import platform
@@ -16,6 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout this script belongs t
 RESULTS = ROOT / "benchmarks" / "results"  # where each check writes its figures
 if sys.path[:1] != [str(ROOT / "src")]:
     sys.path.insert(0, str(ROOT / "src"))
+
+
+def script_command(doc: str, script: str, out: str):
+    """The command line of a check against one of diffusers' examples/dreambooth scripts: (its arguments, the
+    script's path: --script, else <--diffusers-src>/../examples/dreambooth/<script>)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--diffusers-src", type=Path, required=True, help="the src folder of a diffusers checkout")
+    ap.add_argument("--script", type=Path, help=f"{script} (default <src>/../examples/dreambooth/)")
+    ap.add_argument("--out", type=Path, default=RESULTS / out)
+    a = ap.parse_args()
+    return a, a.script or a.diffusers_src.resolve().parent / "examples" / "dreambooth" / script
 
 
 def write_results(path: Path, what: str, **fields) -> None:
