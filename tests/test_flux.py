@@ -1,5 +1,6 @@
-"""FLUX.1 beyond the every-family test (tests/test_pretrained_families.py): a LoRA on an int8 base in two segments
-equals one run bit for bit, and each FLUX.1-specific refusal is one line before any work."""
+"""FLUX.1 beyond the every-family test (tests/test_pretrained_families.py): a QLoRA (a LoRA on an NF4 base,
+bitsandbytes' CPU backend here) in two segments equals one run bit for bit, and each FLUX.1-specific refusal is one
+line before any work."""
 
 import os
 
@@ -27,14 +28,14 @@ def flux_raw(work, pipe, name, **train_keys) -> dict:
 def dev(tmp_path_factory):
     work = tmp_path_factory.mktemp("flux")
     pipe = pipelines.flux(work / "flux")
-    d = config.validate(flux_raw(work, pipe, "one", lora={"rank": 2, "quantize_base": "int8"}))
+    d = config.validate(flux_raw(work, pipe, "one", lora={"rank": 2, "quantize_base": "nf4"}))
     (work / "one.yaml").write_text(yaml.safe_dump(d))
     run_cli("prepare", "--config", work / "one.yaml", "--out", work / "dataset")
     return {"work": work, "pipe": pipe, "cfg": d}
 
 
-def test_a_flux_lora_on_an_int8_base_in_two_segments_equals_one_run(dev):
-    work, spec = dev["work"], {"rank": 2, "quantize_base": "int8"}
+def test_a_flux_lora_on_an_nf4_base_in_two_segments_equals_one_run(dev):
+    work, spec = dev["work"], {"rank": 2, "quantize_base": "nf4"}
     assert train.run(config.Config(dev["cfg"]), until_step=2, dataset_dir=work / "dataset") == 0
     two = config.Config(config.validate(flux_raw(work, dev["pipe"], "two", lora=spec)))
     for until in (1, 2):
@@ -45,6 +46,17 @@ def test_a_flux_lora_on_an_int8_base_in_two_segments_equals_one_run(dev):
     assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
     assert all(torch.equal(x["exp_avg_sq"], b["optimizer"]["state"][i]["exp_avg_sq"])
                for i, x in a["optimizer"]["state"].items())
+    # The base was quantized: its linear layers are bitsandbytes' 4-bit ones, the convolutions none.
+    import bitsandbytes as bnb
+
+    from diffrelay.pretrained import lora, weights
+
+    net, _ = checkpoint.load_snapshot(work / "results" / "one" / "snapshots" / "step_0000002.safetensors", "raw",
+                                      model_cfg=dev["cfg"]["model"])
+    plain = weights.text_net(net).transformer_blocks[0].ff.net[2].base_layer.weight.detach().clone()
+    lora.quantize(net, "nf4")
+    q = weights.text_net(net).transformer_blocks[0].ff.net[2].base_layer
+    assert isinstance(q, bnb.nn.Linear4bit) and q.weight.dtype == torch.uint8 and q.weight.numel() * 2 == plain.numel()
 
 
 def one_line(fn) -> str:

@@ -2,6 +2,7 @@
 
   python tools/gpu_bundle.py [--out build/gpu-bundle.tar.xz] [--python-version 3.12] [--torchvision 0.26.0]
   python tools/gpu_bundle.py --from-site --out DIR     # this interpreter's own installed files (the tests)
+  python tools/gpu_bundle.py --with-lora               # build/gpu-bundle-lora.tar.xz: also peft, transformers, torchao
 
 That machine has Python 3.12 and torch, no network, and only 64 MiB of files reach it. The bundle is the
 installed dependency tree of diffrelay's runtime (pyproject.toml), minus torch and what torch brings, minus
@@ -13,6 +14,10 @@ where one is installed and checks the pin otherwise.
 Default: `pip install --target` of cp312 manylinux wheels under constraints.txt (the package registry is
 needed here, never there). --from-site copies the distributions from this interpreter's site-packages
 instead: same Python, no network.
+
+--with-lora (opt-in; benchmarks/gpu_flux_lora.py) also packs peft, transformers (peft imports it), accelerate (peft
+imports it), torchao (pyproject's `quantize` extra) and their requirements (tokenizers, regex, psutil, ...); peft and
+accelerate without their torch requirement (pip would fetch torch). Without it, the bundle is the one described above.
 """
 
 import argparse
@@ -38,28 +43,39 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64"]
 STRIP_DIRS = {"tests", "__pycache__"}
 HUB = "1.33.0"  # huggingface_hub: see pip_install
+# --with-lora: taken back out of LEFT_OUT; NO_DEPS_LORA require torch, installed without their requirements (named in
+# LORA_EXTRA: accelerate's and peft's besides torch and transformers), TORCHAO from pyproject's `quantize` extra.
+LORA = {"peft", "transformers"}
+NO_DEPS_LORA = {"peft", "accelerate"}
+LORA_EXTRA = ["accelerate", "psutil"]
+DEFAULT_LORA_OUT = ROOT / "build" / "gpu-bundle-lora.tar.xz"
 
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements() -> list[str]:
-    """pyproject.toml's runtime requirements, less LEFT_OUT, as pip arguments (their ranges kept)."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT]
+def requirements(lora: bool = False) -> list[str]:
+    """pyproject.toml's runtime requirements, less LEFT_OUT, as pip arguments (their ranges kept); `lora`: less
+    LEFT_OUT - LORA, plus LORA_EXTRA and the `quantize` extra (torchao)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"]
+    if not lora:
+        return [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT]
+    out = [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT - LORA]
+    return out + LORA_EXTRA + project["optional-dependencies"]["quantize"]
 
 
 def name_of(req: str) -> str:
     return norm(re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0])
 
 
-def pip_install(site: Path, python_version: str, torchvision: str) -> None:
+def pip_install(site: Path, python_version: str, torchvision: str, lora: bool = False) -> None:
     base = [sys.executable, "-m", "pip", "install", "-q", "--target", str(site), "--python-version", python_version,
             "--implementation", "cp", "--only-binary=:all:", "--no-compile", *sum((["--platform", p] for p in
                                                                                   PLATFORMS), [])]
-    reqs = requirements()
-    plain = [r for r in reqs if name_of(r) not in NO_DEPS]
+    reqs = requirements(lora)
+    plain = [r for r in reqs if name_of(r) not in NO_DEPS and not (lora and name_of(r) in NO_DEPS_LORA)]
     pinned = [r if name_of(r) != "torchvision" else f"torchvision=={torchvision}" for r in reqs
               if name_of(r) in NO_DEPS]
     # huggingface_hub as the machine's (1.33): its transformers (5.17), which diffusers imports through peft
@@ -71,16 +87,19 @@ def pip_install(site: Path, python_version: str, torchvision: str) -> None:
     subprocess.run([*base, "-c", str(constraints), *plain], check=True)
     # torchvision is pinned to the machine's torch, not to constraints.txt's (this machine's torch).
     subprocess.run([*base, "--no-deps", *pinned], check=True)
+    if lora:  # peft and accelerate require torch: their other requirements are in `plain`
+        subprocess.run([*base, "-c", str(constraints), "--no-deps", *[r for r in reqs if name_of(r) in NO_DEPS_LORA]],
+                       check=True)
 
 
-def closure(names) -> set[str]:
+def closure(names, left_out=frozenset(LEFT_OUT)) -> set[str]:
     """The installed distributions `names` need, recursively, less torch's own (present on the machine)."""
     torch_side = {norm(r.split(";")[0].split(" ")[0].split("<")[0].split(">")[0].split("=")[0])
                   for r in md.requires("torch") or [] if "extra ==" not in r}
     seen, todo = set(), [norm(n) for n in names]
     while todo:
         n = todo.pop()
-        if n in seen or n in LEFT_OUT or (n in torch_side and n not in {norm(x) for x in names}):
+        if n in seen or n in left_out or (n in torch_side and n not in {norm(x) for x in names}):
             continue
         try:
             reqs = md.requires(n) or []
@@ -93,9 +112,11 @@ def closure(names) -> set[str]:
     return seen
 
 
-def copy_site(site: Path) -> None:
+def copy_site(site: Path, lora: bool = False) -> None:
     """--from-site: each distribution's installed files (RECORD), copied into `site`."""
-    for name in sorted(closure(name_of(r) for r in requirements())):
+    names = closure(name_of(r) for r in requirements()) if not lora else \
+        closure([name_of(r) for r in requirements(lora)], frozenset(LEFT_OUT - LORA))
+    for name in sorted(names):
         dist = md.distribution(name)
         for f in dist.files or []:
             src = Path(dist.locate_file(f))
@@ -115,20 +136,28 @@ def strip(site: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(DEFAULT_OUT),
-                    help="a .tar.xz file, or a folder (no packing)")
+    ap.add_argument("--out", default=None,
+                    help="a .tar.xz file, or a folder (no packing); default build/gpu-bundle.tar.xz (--with-lora: "
+                    "build/gpu-bundle-lora.tar.xz)")
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     ap.add_argument("--torchvision", default="0.26.0", help="the torchvision that fits the GPU machine's torch "
                     "(2.11 there: 0.26.0)")
     ap.add_argument("--from-site", action="store_true", help="copy this interpreter's installed packages")
+    ap.add_argument("--with-lora", action="store_true", help="also peft, transformers, accelerate and torchao "
+                    "(benchmarks/gpu_flux_lora.py)")
     args = ap.parse_args()
-    out = Path(args.out)
-    if out.exists() and out.resolve() != DEFAULT_OUT.resolve():  # only make gpu-bundle's own file is replaced
+    own = DEFAULT_LORA_OUT if args.with_lora else DEFAULT_OUT
+    out = Path(args.out) if args.out is not None else own
+    if out.exists() and out.resolve() != own.resolve():  # only this tool's own default file is replaced
         sys.exit(f"gpu_bundle: {out} exists and this tool did not make it there; give a new path")
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         site = Path(tmp) / "site"
         site.mkdir()
-        copy_site(site) if args.from_site else pip_install(site, args.python_version, args.torchvision)
+        if args.with_lora:
+            copy_site(site, lora=True) if args.from_site else pip_install(site, args.python_version, args.torchvision,
+                                                                          lora=True)
+        else:
+            copy_site(site) if args.from_site else pip_install(site, args.python_version, args.torchvision)
         strip(site)
         if out.suffix == ".xz":
             out.parent.mkdir(parents=True, exist_ok=True)

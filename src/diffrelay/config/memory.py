@@ -131,8 +131,9 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
 
 
 # Bytes a weight takes under each train.lora.quantize_base (torchao's weight-only int8 and float8: one byte, and a
-# float32 scale per output row, counted below).
-QUANTIZED_BYTES = {"int8": 1, "fp8": 1}
+# float32 scale per output row, counted below; bitsandbytes' nf4: half a byte, and an 8-bit scale per block of 64
+# with double quantization, 0.516 bytes).
+QUANTIZED_BYTES = {"int8": 1, "fp8": 1, "nf4": 0.5 + 1 / 64}
 
 
 def _frozen_base(build, n: dict) -> dict | None:
@@ -147,7 +148,7 @@ def _frozen_base(build, n: dict) -> dict | None:
         return None
     weights, rows = sum(m.weight.numel() for m in linear), sum(m.weight.shape[0] for m in linear)
     fp32 = (n["params"] - n["trainable"]) * n["bytes_per_param"]
-    return {None: fp32} | {kind: fp32 - weights * n["bytes_per_param"] + weights * size + rows * 4
+    return {None: fp32} | {kind: int(fp32 - weights * n["bytes_per_param"] + weights * size + rows * 4)
                            for kind, size in QUANTIZED_BYTES.items()}
 
 

@@ -28,7 +28,8 @@ FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj
                    "flux": ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
                             "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
                             "ff_context.net.0.proj", "ff_context.net.2"]}
-# train.lora.quantize_base: torchao's weight-only configs (int8 runs on the CPU too; fp8 is emulated there)
+# train.lora.quantize_base: torchao's weight-only configs (int8 runs on the CPU too; fp8 is emulated there); nf4 is
+# bitsandbytes' (its CPU backend too)
 QUANTIZERS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
 RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
@@ -67,30 +68,47 @@ def quantize_problems(spec: dict, train: dict) -> list[tuple[str, str]]:
     if kind is None:
         return []
     key = f"train.lora.quantize_base={kind}"
-    if kind not in QUANTIZERS:
-        return [(key, "bitsandbytes' NF4 is not built in this version (no CUDA machine here to test it on); use "
-                 "int8 or fp8 (torchao), or null")]
     if train.get("sharding") == "fsdp2":
         return [(key, "a quantized frozen base is not sharded here (train.sharding: fsdp2); use train.sharding: "
                  "ddp (a LoRA run's state is its adapter) or quantize_base: null")]
     import importlib.util
 
-    if importlib.util.find_spec("torchao") is None:
-        return [(key, "needs torchao, which is not installed; pip install 'diffrelay[quantize]' (or torchao)")]
+    library = "bitsandbytes" if kind == "nf4" else "torchao"
+    if importlib.util.find_spec(library) is None:
+        return [(key, f"needs {library}, which is not installed; pip install 'diffrelay[quantize]' (or {library})")]
     return []
 
 
-def quantize(net, kind: str | None) -> None:
-    """Quantize the frozen base's nn.Linear weights of the diffusers network inside `net` in place (torchao's
-    weight-only configs; its quantize_ picks the linear layers), before the adapter is attached: peft then wraps
-    each quantized layer (its torchao LoRA layer) and the adapter stays in full precision. None: nothing."""
+def quantize(net, kind: str | None, precision: str = "fp32") -> None:
+    """Quantize the frozen base's nn.Linear weights of the diffusers network inside `net` in place, before the
+    adapter is attached (peft then wraps each quantized layer; the adapter stays in full precision). int8, fp8:
+    torchao's weight-only configs (its quantize_ picks the linear layers). nf4: bitsandbytes' Linear4bit with
+    NF4 weights and double-quantized scales (QLoRA's, Dettmers et al. 2023: load_in_4bit, bnb_4bit_quant_type
+    nf4, bnb_4bit_use_double_quant), computing in bf16 under train.precision bf16, else fp32; its Params4bit
+    quantizes when moved to the layer's device. None: nothing."""
     if kind is None:
         return
-    import torchao.quantization as tq
-
     from diffrelay.pretrained import weights
 
-    tq.quantize_(weights.text_net(net), getattr(tq, QUANTIZERS[kind])())
+    model = weights.text_net(net)
+    if kind in QUANTIZERS:
+        import torchao.quantization as tq
+
+        tq.quantize_(model, getattr(tq, QUANTIZERS[kind])())
+        return
+    import bitsandbytes as bnb
+    import torch
+
+    compute = torch.bfloat16 if precision == "bf16" else torch.float32
+    linear = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    for name, lin in linear:
+        parent, _, leaf = name.rpartition(".")
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute,
+                              compress_statistics=True, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
+                                     quant_type="nf4")
+        q.bias = lin.bias
+        setattr(model.get_submodule(parent) if parent else model, leaf, q.to(lin.weight.device))
 
 
 def enabled(cfg_dict: dict) -> dict | None:

@@ -47,7 +47,7 @@ class TrainState:
         # The adapter on the pipeline's weights; the EMAs copy the frozen base too (it stays equal to the net's).
         spec = cfg.to_dict()["train"]["lora"]
         if spec is not None:  # a quantized frozen base (train.lora.quantize_base), before peft wraps its layers
-            lora.quantize(net, spec.get("quantize_base"))
+            lora.quantize(net, spec.get("quantize_base"), t.precision)
         params = net.parameters() if spec is None else lora.attach(net, spec, cfg.run.seed)
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
