@@ -8,3 +8,7 @@ import logging as _logging
 # pytree, which torch 2.14 deprecates with one WARNING line per enum at import: noise on every LoRA command's
 # stderr, where diffrelay keeps one line per problem. Only that logger is quietened.
 _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
+# bitsandbytes 0.50 (quantize_base: nf4; peft imports it too) warns at import on a CPU with AVX512-BF16 that it could
+# not fetch an optional kernel from the Hub (its `kernels` package, which would download): diffrelay downloads
+# nothing, and bitsandbytes computes with its own CPU code instead.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
