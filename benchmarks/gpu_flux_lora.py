@@ -2,7 +2,7 @@
 
   python3 tools/gpu_bundle.py --with-lora            # here, once: build/gpu-bundle-lora.tar.xz (peft, torchao, ...)
   python3 benchmarks/gpu_flux_lora.py --bundle build/gpu-bundle-lora.tar.xz --out "$OUT/gpu_flux_lora.json" \\
-      --budget 360                                   # there, with build/gpu-bundle-lora.tar.xz carried
+      --budget 300                                   # there, with build/gpu-bundle-lora.tar.xz carried
   python3 benchmarks/gpu_flux_lora.py --cpu-check    # here: the same code path, a tiny config, on the CPU
 
 The network is diffusers' FluxTransformer2DModel built from FLUX.1-dev's published transformer config
@@ -163,7 +163,8 @@ def batch(config: dict, shape: dict, device, seed: int = 1) -> dict:
     n = shape["text_tokens"]
     bf = torch.bfloat16
     return {"hidden_states": pack((1 - t) * x0 + t * noise).to(bf), "target": pack(noise - x0),
-            "encoder_hidden_states": torch.randn(1, n, config["joint_attention_dim"], device=device, generator=g).to(bf),
+            "encoder_hidden_states": torch.randn(1, n, config["joint_attention_dim"], device=device,
+                                                 generator=g).to(bf),
             "pooled_projections": torch.randn(1, config["pooled_projection_dim"], device=device, generator=g).to(bf),
             "timestep": t.to(bf), "guidance": torch.full((1,), GUIDANCE, device=device),
             "img_ids": ids.reshape(-1, 3).to(bf), "txt_ids": torch.zeros(n, 3, device=device, dtype=bf)}
@@ -290,11 +291,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON (default benchmarks/results/gpu_flux_lora.json;"
                     " on a lent machine give $OUT/gpu_flux_lora.json)")
     ap.add_argument("--bundle", help="tools/gpu_bundle.py --with-lora's tar.xz or folder (default "
-                    "build/gpu-bundle-lora.tar.xz where it exists; none: the interpreter's own packages)")
+                    "build/gpu-bundle-lora.tar.xz where it exists, not with --cpu-check; 'none': the interpreter's "
+                    "own packages)")
     ap.add_argument("--cases", default="int8,none", help="comma-separated, in order: int8 (first: the figure the "
                     "issue compares with SimpleTuner's) and none")
     ap.add_argument("--steps", type=int, default=6, help="steps a case: one warm-up, then the timed ones")
-    ap.add_argument("--budget", type=float, default=360, help="seconds: no case starts past it, a running one is "
+    ap.add_argument("--budget", type=float, default=300, help="seconds: no case starts past it, a running one is "
                     "stopped at it")
     ap.add_argument("--cpu-check", action="store_true", help="the same code path on the CPU, tiny config")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: this one case
@@ -315,7 +317,9 @@ def main() -> int:
     unknown = set(cases) - {"int8", "none"}
     if unknown:
         ap.error(f"--cases: {sorted(unknown)}; int8 and none")
-    bundle = Path(args.bundle) if args.bundle else DEFAULT_BUNDLE if DEFAULT_BUNDLE.exists() else None
+    # The default bundle is the GPU machine's (cp312): --cpu-check takes it only when --bundle names it.
+    bundle = None if args.bundle == "none" else Path(args.bundle) if args.bundle else \
+        DEFAULT_BUNDLE if DEFAULT_BUNDLE.exists() and not args.cpu_check else None
     with tempfile.TemporaryDirectory() as tmp:
         report = {"benchmark": "gpu_flux_lora", "issue": 56, "cpu_check": args.cpu_check,
                   "model": "FluxTransformer2DModel, FLUX.1-dev's config, random weights" if not args.cpu_check else
@@ -346,10 +350,12 @@ def main() -> int:
             if left <= 0:
                 report["cases"][case] = {"ok": False, "skipped": f"--budget {args.budget:g} s spent"}
                 save()
+                print(f"gpu_flux_lora: {case}: skipped (--budget {args.budget:g} s spent)", flush=True)
                 continue
             result = Path(tmp) / f"{case}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--result", str(result),
-                   "--steps", str(args.steps), "--deadline", str(deadline)] + (["--cpu-check"] if args.cpu_check else [])
+                   "--steps", str(args.steps), "--deadline", str(deadline)]
+            cmd += ["--cpu-check"] if args.cpu_check else []
             t0 = time.time()
             try:  # 30 s past the deadline: the child stops its own steps there and writes what it has
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=left + 30)

@@ -16,8 +16,9 @@ needed here, never there). --from-site copies the distributions from this interp
 instead: same Python, no network.
 
 --with-lora (opt-in; benchmarks/gpu_flux_lora.py) also packs peft, transformers (peft imports it), accelerate (peft
-imports it), torchao (pyproject's `quantize` extra) and their requirements (tokenizers, regex, psutil, ...); peft and
-accelerate without their torch requirement (pip would fetch torch). Without it, the bundle is the one described above.
+imports it), torchao (of pyproject's `quantize` extra; not its bitsandbytes) and their requirements (tokenizers,
+regex, psutil, ...); peft and accelerate without their torch requirement (pip would fetch torch): about 57.5 MiB as
+tar.xz. Without it, the bundle is the one described above.
 """
 
 import argparse
@@ -44,7 +45,8 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 STRIP_DIRS = {"tests", "__pycache__"}
 HUB = "1.33.0"  # huggingface_hub: see pip_install
 # --with-lora: taken back out of LEFT_OUT; NO_DEPS_LORA require torch, installed without their requirements (named in
-# LORA_EXTRA: accelerate's and peft's besides torch and transformers), TORCHAO from pyproject's `quantize` extra.
+# LORA_EXTRA: accelerate's and peft's besides torch and transformers), and torchao from pyproject's `quantize` extra
+# (its bitsandbytes, nf4, left out: it requires torch, and its CUDA builds alone would fill the 64 MiB).
 LORA = {"peft", "transformers"}
 NO_DEPS_LORA = {"peft", "accelerate"}
 LORA_EXTRA = ["accelerate", "psutil"]
@@ -57,13 +59,13 @@ def norm(name: str) -> str:
 
 def requirements(lora: bool = False) -> list[str]:
     """pyproject.toml's runtime requirements, less LEFT_OUT, as pip arguments (their ranges kept); `lora`: less
-    LEFT_OUT - LORA, plus LORA_EXTRA and the `quantize` extra (torchao)."""
+    LEFT_OUT - LORA, plus LORA_EXTRA and the `quantize` extra's torchao."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = project["dependencies"]
     if not lora:
         return [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT]
     out = [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT - LORA]
-    return out + LORA_EXTRA + project["optional-dependencies"]["quantize"]
+    return out + LORA_EXTRA + [r for r in project["optional-dependencies"]["quantize"] if name_of(r) == "torchao"]
 
 
 def name_of(req: str) -> str:
