@@ -12,3 +12,7 @@ _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 # not fetch an optional kernel from the Hub (its `kernels` package, which would download): diffrelay downloads
 # nothing, and bitsandbytes computes with its own CPU code instead.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# diffusers 0.42's torchao quantizer, imported whenever torchao is installed, looks for classes torchao 0.18 no longer
+# has (they only matter for loading torchao-serialized checkpoints, which diffrelay never does) and warns on every
+# load of a diffusers model.
+_logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").setLevel(_logging.ERROR)
