@@ -50,6 +50,7 @@ import torch
 from official import Gate, script_command, write_results
 
 from check_diffusers_objective import import_diffusers
+from check_diffusers_sd3_loss import accumulate_block
 from diffrelay.nets import text_nets
 from diffrelay.objectives import flow
 from diffrelay.text.condition import Text
@@ -67,35 +68,24 @@ BOUNDS = {"x_t": 1e-6, "time": 1e-6, "ids": 0.0,  # max abs
           "loss": 1e-6,  # relative: float32 losses, summed per sample (the script) or at once (ours) (1.0e-7)
           "rounding": 1.001e-3,  # |sigma - (1 - u)|: at most one table step (1e-3), plus float32's rounding of u
           "table": 1e-6}  # the scheduler's float32 sigma table against (1000 - i) / 1000 in float64 (max abs)
-FIRST, LAST = "noise = torch.randn_like(model_input)", "loss = loss.mean()"
 READ = ("vae_scale_factor", "latent_image_ids")  # assigned before FIRST in the script, read by its loss lines
 VAE_BLOCKS = [8, 16]  # vae_config_block_out_channels: scale factor 2 ** (len - 1) = 2
 
 
 def statements(path: Path):
-    """(get_sigmas' definition, the loss statements) of the script."""
-    tree = ast.parse(path.read_text())
-    defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_sigmas"]
-    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.With)
-              and any("accumulate" in ast.unparse(i.context_expr) for i in n.items)]
-    if len(defs) != 1 or len(blocks) != 1:
-        raise SystemExit(f"{path}: expected one get_sigmas and one `with accelerator.accumulate(...)` block, found "
-                         f"{len(defs)} and {len(blocks)}")
-    body = [ast.unparse(s) for s in blocks[0].body]
-    if FIRST not in body or LAST not in body:
-        raise SystemExit(f"{path}: the accumulate block has no `{FIRST}` or no `{LAST}`")
-    first, last = body.index(FIRST), body.index(LAST)
-    lines = blocks[0].body[first:last + 1]
+    """(get_sigmas' definition, the loss statements) of the script, with the READ assignments made before them."""
+    get_sigmas, block, first, last = accumulate_block(path)
+    lines = block[first:last + 1]
 
     def assigns(st) -> set:
         return {t.id for t in ast.walk(st) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)} \
             if isinstance(st, (ast.Assign, ast.AnnAssign)) else set()
 
-    earlier = [st for st in blocks[0].body[:first] if assigns(st) & set(READ)]
+    earlier = [st for st in block[:first] if assigns(st) & set(READ)]
     found = set().union(*map(assigns, earlier + lines))
     if not set(READ) <= found:
         raise SystemExit(f"{path}: the accumulate block assigns no {sorted(set(READ) - found)}")
-    return defs[0], earlier + lines
+    return get_sigmas, earlier + lines
 
 
 def transformer(diffusers, guidance_embeds: bool):

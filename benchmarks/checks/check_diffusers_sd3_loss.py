@@ -50,6 +50,13 @@ FIRST, LAST = "noise = torch.randn_like(model_input)", "loss = loss.mean()"
 
 def statements(path: Path):
     """(get_sigmas' definition, the loss statements) of the script."""
+    get_sigmas, block, first, last = accumulate_block(path)
+    return get_sigmas, block[first:last + 1]
+
+
+def accumulate_block(path: Path):
+    """(get_sigmas' definition, the statements of the script's `with accelerator.accumulate(...)` block, the
+    indices of FIRST and LAST among them); the FLUX script's check reads the same parts."""
     tree = ast.parse(path.read_text())
     defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_sigmas"]
     blocks = [n for n in ast.walk(tree) if isinstance(n, ast.With)
@@ -60,7 +67,7 @@ def statements(path: Path):
     body = [ast.unparse(s) for s in blocks[0].body]
     if FIRST not in body or LAST not in body:
         raise SystemExit(f"{path}: the accumulate block has no `{FIRST}` or no `{LAST}`")
-    return defs[0], blocks[0].body[body.index(FIRST):body.index(LAST) + 1]
+    return defs[0], blocks[0].body, body.index(FIRST), body.index(LAST)
 
 
 def velocity(x, timestep):
