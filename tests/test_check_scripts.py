@@ -58,6 +58,25 @@ def get_2d_sincos_pos_embed(embed_dim, grid_size):
 '''
 ROW_COL = "row, col = np.divmod("
 
+# PickScore (Kirstain et al. 2023) as its README's "Inference with PickScore" block gives it: a function
+# calc_probs(prompt, images) of the globals processor, model and device, returning the softmax over the images of
+# logit_scale.exp() * cos(text, image). Restated: T exp(logit_scale) times the cosines, then the softmax.
+PICKSCORE_README = """# PickScore (stand-in)
+
+## Inference with PickScore
+```python
+def calc_probs(prompt, images):
+    pixels = processor(images=images, return_tensors="pt").to(device)
+    tokens = processor(text=prompt, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
+    with torch.no_grad():
+        image, text = model.get_image_features(**pixels), model.get_text_features(**tokens)
+        cos = (text / text.norm(dim=-1, keepdim=True)) @ (image / image.norm(dim=-1, keepdim=True)).T
+        scores = model.logit_scale.exp() * cos[0]
+        return torch.softmax(scores, dim=-1).cpu().tolist()
+```
+"""
+TEMPERATURE = "model.logit_scale.exp() * cos[0]"
+
 
 def run(script: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CHECKS / script), *map(str, args)], capture_output=True, text=True,
@@ -107,6 +126,21 @@ def test_check_dit_equivalence_fails_when_the_position_table_swaps_rows_and_colu
     assert p.returncode == 1, p.stdout + p.stderr
     assert [line.split(":")[0] for line in failing(p)] == ["FAIL position-table/max_abs_diff"], p.stdout
     assert json.loads(out.read_text())["gate"]["bounds"][0]["value"] > 0.1
+
+
+@pytest.mark.slow
+def test_check_pick_score_fails_when_the_readme_drops_the_logit_scale(tmp_path):
+    ref, out = tmp_path / "PickScore", tmp_path / "out.json"
+    ref.mkdir()
+    (ref / "README.md").write_text(PICKSCORE_README)
+    p = run("check_pick_score.py", "--pickscore-src", ref, "--out", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(out.read_text())["gate"]["failed"] == 0
+
+    (ref / "README.md").write_text(mutate(PICKSCORE_README, TEMPERATURE, "cos[0]"))
+    p = run("check_pick_score.py", "--pickscore-src", ref, "--out", out)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert [line.split(":")[0] for line in failing(p)] == ["FAIL per-image", "FAIL probs", "FAIL mean"], p.stdout
 
 
 def test_the_gate_fails_on_a_figure_past_its_bound_nan_and_nothing_compared(capsys):

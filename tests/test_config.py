@@ -72,6 +72,9 @@ BAD = [
     ({"run": {"name": "../up"}}, ['run.name="../up"', "only letters, digits"]),
     ({"run": {"name": "x" * 101}}, ["run.name=", "must have at most 100 characters"]),
     ({"data": 5}, ["data=5: wrong type; expected object"]),
+    ({"fid": {"pick_model": "models/pick"}}, ["fid.pick_model", "a text run's (data.captions)"]),
+    ({"model": {"class_conditional": False}, "fid": {"classifier": "models/vit"}},
+     ["fid.classifier", "a class-conditional run's (model.class_conditional) or a text run's"]),
 ]
 
 

@@ -315,6 +315,42 @@ def test_fid_passes_the_device_to_its_clean_child(data, tmp_path, monkeypatch):
     assert code == 3 and "--device" in seen[0] and seen[0][seen[0].index("--device") + 1] == "cpu"
 
 
+def test_a_bad_pick_model_or_classifier_fails_before_the_clean_child(data, tmp_path, monkeypatch, capsys):
+    """fid.pick_model and fid.classifier are checked by the parent, as fid.clip_model is: no FID pass is paid for."""
+    monkeypatch.setattr(fid, "run_clean", lambda cmd, timeout: pytest.fail("the scoring child started"))
+    for flag, key in (("--pick-model", "fid.pick_model"), ("--classifier", "fid.classifier")):
+        code = cli.main(["fid", "--images", str(data["half"]), "--ref", str(data["ref"]), "--extractor",
+                         str(data["ext"]), flag, str(tmp_path / "absent"), "--out", str(tmp_path / "r.json")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and key in err and "not found" in err, err
+
+
+def test_the_scoring_child_writes_pick_score_and_class_accuracy_beside_the_fid(data, tmp_path):
+    """Issue 58: both per-file scores in the score file, where evaluation/columns.py reads them for metrics.csv."""
+    import textmodels
+    from test_adherence import colour_classifier
+
+    from diffrelay.evaluation import columns
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for png in sorted(data["half"].glob("*.png")):
+        (images / png.name).write_bytes(png.read_bytes())
+        (images / png.name).with_suffix(".txt").write_text("a red dog")
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(f"- {{prompt: a red dog, num_images: {N}}}\n")
+    pick = textmodels.clip_model(tmp_path / "pick", ("a", "red", "dog"))
+    out = tmp_path / "r.json"
+    code = cli.main(["fid", "--images", str(images), "--ref", str(data["ref"]), "--extractor", str(data["ext"]),
+                     "--pick-model", str(pick), "--classifier", str(colour_classifier(tmp_path / "cls")),
+                     "--prompts", str(prompts), "--device", "cpu", "--in-process", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["pick_score"]["count"] == result["class_accuracy"]["count"] == N
+    assert len(result["pick_score"]["sha256"]) == len(result["class_accuracy"]["sha256"]) == 64
+    row = columns.values(result, result["scores"][0], True)
+    assert row["pick_score"] == result["pick_score"]["pick_score"] and 0 <= row["class_accuracy"] <= 1
+
+
 def test_an_unwritable_cache_folder_keeps_the_written_statistics(data, tmp_path, caplog):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder would go")

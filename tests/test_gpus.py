@@ -164,7 +164,8 @@ def test_workflow_with_a_pool_evaluates_beside_training_on_other_ids(tmp_path):
     d = deep_merge(TINY, {"run": {"results": str(tmp_path / "results"), "resources": str(tmp_path / "resources"),
                                   "gpus": [0, 1, 2]},
                           "train": {"total_steps": 80, "segment_steps": 40, "batch_size": 16, "log_every": 10},
-                          "sample": {"num_images": 256, "steps": 20, "batch_size": 64}})
+                          # MEET makes sampling and training meet, however short: few images, few steps.
+                          "sample": {"num_images": 32, "steps": 4, "batch_size": 16}})
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(d, sort_keys=False))
     shim, meet = tmp_path / "shim", tmp_path / "meet"

@@ -63,8 +63,7 @@ def official_state(classes=3, seed=0, **kwargs) -> dict:
     return out
 
 
-@pytest.fixture
-def setup(tmp_path):
+def setup_in(tmp_path):
     def write(state, name="DiT-tiny.pt", overrides=None):
         ckpt = tmp_path / name
         torch.save(state, ckpt)
@@ -76,6 +75,11 @@ def setup(tmp_path):
         return ckpt, cfg
 
     return write
+
+
+@pytest.fixture
+def setup(tmp_path):
+    return setup_in(tmp_path)
 
 
 def test_import_keeps_every_weight_and_the_network_gives_dits_output(setup, tmp_path):
@@ -205,6 +209,15 @@ def test_a_run_naming_an_imported_snapshot_samples_and_scores_it_and_trains_noth
     assert len(list((run / "samples" / "step_0007000").glob("*.png"))) >= 8
 
 
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """official_state() imported once under the tiny config: the tests below change the config after the import."""
+    tmp = tmp_path_factory.mktemp("imported")
+    ckpt, cfg = setup_in(tmp)(official_state())
+    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", tmp / "imported.safetensors")
+    return tmp / "imported.safetensors"
+
+
 @pytest.mark.parametrize("change, words", [
     ({"data": {"resolution": 32}}, "data.resolution"),
     ({"model": {"kwargs": KW | {"depth": 3}}}, "model.kwargs"),
@@ -215,10 +228,10 @@ def test_a_run_naming_an_imported_snapshot_samples_and_scores_it_and_trains_noth
     ({"sample": {"guidance": 1.5}, "train": {"label_dropout": 0.1}}, "train.label_dropout 0"),
     ("trained", "holds a trained run"),
 ])
-def test_a_snapshot_that_does_not_fit_the_config_stops_the_run_before_any_job(setup, tmp_path, change, words):
-    ckpt, cfg = setup(official_state())
-    out = tmp_path / "imported.safetensors"
-    run_cli("import", "--config", cfg, "--checkpoint", ckpt, "--out", out)
+def test_a_snapshot_that_does_not_fit_the_config_stops_the_run_before_any_job(setup, tmp_path, imported, change,
+                                                                             words):
+    _, cfg = setup(official_state())
+    out = imported
     if change == "trained":
         (tmp_path / "results" / "tiny" / "checkpoints" / "step_0000003").mkdir(parents=True)
         change = {}

@@ -23,7 +23,7 @@ from diffrelay import config
 from diffrelay.data import datasets, encoders, latents, loader
 from diffrelay.errors import UserError
 from test_sample import folder_bytes, sample_args
-from test_train import assert_two_segments_equal_one_run, torchrun
+from test_train import assert_tensors_equal, load_state, torchrun
 
 OWN = '''
 import os
@@ -134,11 +134,9 @@ def test_a_rows_latent_does_not_depend_on_the_other_images(tmp_path):
 # prepare: the distribution, the mirrored images' latents, the encoder's identity
 
 
-def test_prepare_stores_each_images_latent_distribution_and_its_mirrors(tmp_path):
-    d = latent_config(tmp_path)
-    cfg = write(tmp_path, d)
-    run_cli("prepare", "--config", cfg)
-    data = datasets.open_prepared(tmp_path / "results/lat/dataset")
+def test_prepare_stores_each_images_latent_distribution_and_its_mirrors(trained):
+    tmp, d, _, _ = trained  # the workflow's prepare of latent_config
+    data = datasets.open_prepared(tmp / "results/lat/dataset")
     assert data.shape == (4, 8, 8) and data.latents.shape == (24, 8, 8, 8) and data.images.shape == (24, 16, 16, 3)
     enc = encoders.load("sd-vae", Path(d["data"]["encoder_path"]))
     pixels = torch.from_numpy(np.array(data.images)).permute(0, 3, 1, 2)
@@ -147,7 +145,7 @@ def test_prepare_stores_each_images_latent_distribution_and_its_mirrors(tmp_path
         assert np.array_equal(stored, torch.cat([mean, std], 1).numpy())
     # A mirrored image's latent is not the mirrored latent: that is why they are stored.
     assert not np.allclose(data.latents_xflip[:, :4], data.latents[:, :4, :, ::-1], atol=1e-3)
-    rec = json.loads((tmp_path / "results/lat/dataset/dataset.json").read_text())["latent"]
+    rec = json.loads((tmp / "results/lat/dataset/dataset.json").read_text())["latent"]
     assert rec["sha256"] == encoders.identity("sd-vae", Path(d["data"]["encoder_path"]))
     assert (rec["channels"], rec["factor"], rec["xflip"]) == (4, 2, True)
     # The pixels' fingerprint is not the latents': a pixel run never takes this folder for its own.
@@ -197,13 +195,11 @@ def test_latent_prepare_spawns_its_decoding_processes(tmp_path, monkeypatch):
 # Training: a new draw of each latent every step, by global position
 
 
-def test_each_step_draws_every_latent_anew_after_the_noise_for_any_process_count(tmp_path):
+def test_each_step_draws_every_latent_anew_after_the_noise_for_any_process_count(trained):
     from diffrelay.data.order import noise_seed
     from diffrelay.objectives import edm
 
-    d = latent_config(tmp_path)
-    run_cli("prepare", "--config", write(tmp_path, d))
-    data = datasets.open_prepared(tmp_path / "results/lat/dataset")
+    data = datasets.open_prepared(trained[0] / "results/lat/dataset")  # the workflow's prepare of latent_config
     idx = np.array([5, 3, 17, 3, 0, 22, 9, 11])
     whole = loader.BatchMaker(data, 7, 8, rank=0, world=1, grad_accum=1, device="cpu", xflip=0.5).make(2, idx)
     parts = [loader.BatchMaker(data, 7, 8, rank=r, world=2, grad_accum=1, device="cpu", xflip=0.5).make(2, idx)
@@ -225,25 +221,35 @@ def test_each_step_draws_every_latent_anew_after_the_noise_for_any_process_count
         assert torch.equal(part.rounds[0][0], want[r::2])
 
 
-def test_latent_training_in_two_segments_matches_one_run_bitwise(tmp_path):
-    d = latent_config(tmp_path)
-    del d["run"]["results"], d["run"]["resources"]
-    losses = assert_two_segments_equal_one_run(tmp_path, d)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The latent run through the whole workflow: prepare, two segments of 2 steps, sampling, FID and the report.
+    The tests below take its dataset, its checkpoints and its step-2 snapshot."""
+    tmp = tmp_path_factory.mktemp("latent")
+    d = latent_config(tmp)
+    cfg = write(tmp, d)
+    run_cli("snakemake", "--cores", 2, "--configfile", cfg, "-d", tmp / "wf", "-s", REPO / "Snakefile",
+            timeout=900)
+    return tmp, d, cfg, tmp / "results/lat/snapshots/step_0000002.safetensors"
+
+
+def test_latent_training_in_two_segments_matches_one_run_bitwise(trained, tmp_path):
+    """The workflow's two segments (2 + 2 steps, the second from the first's checkpoint) against one run of 4
+    steps on the same dataset folder: every tensor of the step-4 checkpoints, bit for bit. (prepare's own
+    determinism is test_the_dataset_is_the_same_for_any_number_of_decoding_workers_and_without_pixels's.)"""
+    tmp, d, _, _ = trained
+    cfg = write(tmp_path, dict(d, run=dict(d["run"], results=str(tmp_path / "one"))))
+    torchrun(1, "--config", cfg, "--until-step", 4, "--dataset", tmp / "results/lat/dataset")
+    one, two = (load_state(rd / "checkpoints/step_0000004") for rd in (tmp_path / "one/lat", tmp / "results/lat"))
+    for key in ("net", "ema", "optimizer", "order", "step"):
+        assert_tensors_equal(one[key], two[key], key)
+    log = tmp_path / "one/lat/metrics/train.jsonl"
+    losses = [json.loads(x)["loss"] for x in log.read_text().splitlines() if '"loss"' in x]
     assert len(losses) == 4 and all(np.isfinite(losses))
 
 
 # ---------------------------------------------------------------------------------------------
 # Sampling decodes; bad input is one line
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("latent")
-    d = latent_config(tmp)
-    cfg = write(tmp, d)
-    run_cli("prepare", "--config", cfg)
-    torchrun(1, "--config", cfg, "--until-step", 2)
-    return tmp, d, cfg, tmp / "results/lat/snapshots/step_0000002.safetensors"
 
 
 def test_samples_are_decoded_images_byte_identical_for_any_process_count(trained):
@@ -393,12 +399,8 @@ def test_your_own_encoder_trains_and_samples_and_a_wrong_one_is_one_line(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_latent_run_goes_through_the_whole_workflow(tmp_path):
-    d = latent_config(tmp_path)
-    cfg = write(tmp_path, d)
-    run_cli("snakemake", "--cores", 2, "--configfile", cfg, "-d", tmp_path / "wf", "-s", REPO / "Snakefile",
-            timeout=900)
-    rd = tmp_path / "results/lat"
+def test_a_latent_run_goes_through_the_whole_workflow(trained):
+    rd = trained[0] / "results/lat"
     metrics = (rd / "report/metrics.csv").read_text()
     assert "fid" in metrics.splitlines()[0] and len(metrics.splitlines()) >= 3
     from PIL import Image

@@ -480,3 +480,71 @@ def test_the_comfyui_export_is_kohyas_layout_and_diffusers_converter_reads_it_to
                 "comfyui", check=False)
     assert p.returncode == 2 and "is not a file `diffrelay export --lora-format comfyui` wrote" in p.stderr
     assert theirs.read_bytes() == b"someone's file" and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_step_0_is_the_pipeline_as_it_came_and_samples_as_its_own_call(run, tmp_path):
+    """sample.baseline (on for model.pretrained): the first segment writes the network before any update as step 0;
+    sampled, it gives the pipeline's own call's images for each prompt and seed, and so does the folder itself
+    sampled with no run."""
+    import dataclasses
+
+    import numpy as np
+    from diffusers import StableDiffusionPipeline
+    from PIL import Image
+
+    from diffrelay.sampling import sample, settings
+
+    for name in ("one", "two", "full", "full2"):  # every run of a pipeline, LoRA or full, from its first segment
+        assert (run[name] / "snapshots" / "step_0000000.safetensors").is_file(), name
+    snap = run["one"] / "snapshots" / "step_0000000.safetensors"
+    net, meta = checkpoint.load_snapshot(snap, "ema", model_cfg=run["cfg"]["model"])
+    pipe = StableDiffusionPipeline.from_pretrained(run["sd"], local_files_only=True, use_safetensors=True)
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        assert torch.equal(weights.text_net(net)(x, t, encoder_hidden_states=text).sample,
+                           pipe.unet(x, t, encoder_hidden_states=text).sample)  # the adapter starts as a no-op
+    assert meta["step"] == 0
+    prompts = [{"prompt": "a red circle", "seed": 3}, {"prompt": "a blue square", "seed": 11}]
+    (tmp_path / "prompts.yaml").write_text(__import__("yaml").safe_dump(prompts))
+    d = run["cfg"]
+    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), guidance=4.0, steps=3, batch_size=2,
+                            prompts=str(tmp_path / "prompts.yaml"), scheduler="pipeline")
+    sample.run(snap, tmp_path / "ours", s, model_cfg=d["model"], data_cfg=d["data"], resources=d["run"]["resources"])
+    ours = np.stack([np.asarray(Image.open(tmp_path / "ours" / f"{i:06d}.png")) for i in range(2)])
+    pipe.set_progress_bar_config(disable=True)
+    theirs = np.concatenate([pipe(prompt=p["prompt"], generator=[torch.Generator().manual_seed(p["seed"])],
+                                  num_inference_steps=3, guidance_scale=4.0, height=16, width=16,
+                                  output_type="np").images for p in prompts])
+    diff = np.abs(ours.astype(int) - (theirs * 255).round().astype(int))
+    assert ours.shape == (2, 16, 16, 3) and diff.max() <= 1, diff.max()
+    # The pipeline folder itself, with no run: `diffrelay sample --snapshot <folder>` gives the same images.
+    run_cli("sample", "--snapshot", run["sd"], "--resolution", "16", "--out", tmp_path / "folder", "--steps", "3",
+            "--guidance", "4", "--batch-size", "2", "--prompts", tmp_path / "prompts.yaml")
+    folder = np.stack([np.asarray(Image.open(tmp_path / "folder" / f"{i:06d}.png")) for i in range(2)])
+    assert np.array_equal(folder, ours)
+    p = run_cli("sample", "--snapshot", run["sd"], "--out", tmp_path / "none", "--prompts", tmp_path / "prompts.yaml",
+                check=False)  # no --resolution and no config: one line, before any weight is read
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "give --resolution" in p.stderr, p.stderr
+
+
+def test_val_loss_is_the_same_on_a_rerun_and_moves_after_one_training_step(run):
+    """fid.metrics val_loss: the held-out images' loss with the same noise and noise levels at every checkpoint."""
+    from diffrelay.sampling import val_loss
+
+    cfg = config.Config(config.validate(raw(run["work"], run["sd"], name="ft2")))
+    snaps = run["two"] / "snapshots"
+    first = val_loss.compute(cfg, snaps / "step_0000000.safetensors", run["work"] / "dataset", batch_size=2)
+    again = val_loss.compute(cfg, snaps / "step_0000000.safetensors", run["work"] / "dataset", batch_size=2)
+    after = val_loss.compute(cfg, snaps / "step_0000001.safetensors", run["work"] / "dataset", batch_size=2)
+    keys = [*val_loss.COLUMNS, "levels"]
+    assert {k: first[k] for k in keys} == {k: again[k] for k in keys}  # bit for bit
+    assert first["count"] == 4 and len(first["levels"]) == val_loss.LEVELS  # 16 images, val_fraction 0.25
+    assert all(after[k] != first[k] for k in val_loss.COLUMNS), (first, after)
+    # The buckets are the thirds of the levels; the whole is their mean.
+    assert first["val_loss"] == pytest.approx(sum(first["levels"]) / val_loss.LEVELS)
+    assert first["val_loss_low"] == pytest.approx(sum(first["levels"][:2]) / 2)
+    # A run without a held-out split: one line naming the key and the fix, at config time.
+    d = raw(run["work"], run["sd"])
+    d["data"]["val_fraction"], d["fid"]["metrics"] = 0.0, ["fid", "val_loss"]
+    assert "data.val_fraction" in one_line(lambda: config.validate(d, "ft.yaml"))

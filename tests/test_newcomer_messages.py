@@ -8,7 +8,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from diffrelay import cli, logs
-from diffrelay.evaluation import report, tables
+from diffrelay.evaluation import plots, report, tables
 from diffrelay.sampling import sample
 from diffrelay.sampling.progress import Progress
 from test_sample import make_snapshot, settings
@@ -50,7 +50,7 @@ def test_scores_md_prints_three_significant_digits_where_two_decimals_show_fewer
 
 def test_loss_png_names_the_runs_objective_and_its_label_fits(tmp_path, monkeypatch):
     figs = []
-    monkeypatch.setattr(report, "_save_png", lambda fig, path: figs.append(fig))
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figs.append(fig))
     train = pd.DataFrame({"step": [100, 200, 300], "loss": [0.5, 0.4, 0.35], "skipped": [0, 0, 0],
                           "skipped_in_window": [0, 0, 0]})
     segments = pd.DataFrame({"start": [0], "end": [300], "seconds": [10.0]})

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from diffrelay.errors import UserError
-from diffrelay.sampling import prompted, prompts
+from diffrelay.data import prompts
+from diffrelay.sampling import prompted
 
 
 def items(*entries, first_seed=0):

@@ -1,4 +1,4 @@
-"""Prompt files (sampling/prompts.py): every format, kohya's options, the seeds expand gives, and one line for
+"""Prompt files (data/prompts.py): every format, kohya's options, the seeds expand gives, and one line for
 every bad input."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from diffrelay.errors import UserError
-from diffrelay.sampling import prompts
-from diffrelay.sampling.prompts import Prompt
+from diffrelay.data import prompts
+from diffrelay.data.prompts import Prompt
 
 
 def write(tmp_path, name, text, binary=False):

@@ -5,7 +5,9 @@ of tests/pipelines.py in place of the real ones, a tiny captioned folder, the te
 steps and the machine. Every other
 value is the recipe's own, and the test checks that it reached the run. Nothing is downloaded."""
 
+import csv
 import json
+import math
 import os
 
 import pytest
@@ -29,7 +31,7 @@ def leaves(d: dict, prefix: str = "") -> dict:
             for k2, v2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}).items()}
 
 
-def shrink(d: dict, tmp, pipe: str = "sdxl", steps: int = 2) -> dict:
+def shrink(d: dict, tmp, pipe: str = "sdxl", steps: int = 2, baseline: bool = False) -> dict:
     """The overrides that make a fine-tuning recipe run here: local files, sizes and machine only; `steps`
     segments of one step (the SDXL recipe's two check the adapter-only checkpoints across a segment boundary in the
     workflow; one keeps the others' time down)."""
@@ -39,7 +41,9 @@ def shrink(d: dict, tmp, pipe: str = "sdxl", steps: int = 2) -> dict:
             "model": {"pretrained": str(tmp / pipe)},
             "train": {"total_steps": steps, "segment_steps": 1, "batch_size": 4, "nproc_per_node": 1, "nnodes": 1,
                       "threads": 1, "recovery_every": 0, "log_every": 1},
-            "sample": {"steps": 2, "batch_size": 4, "nproc": 1, "threads": 1, "prompts": str(tmp / "prompts.yaml")},
+            # sample.baseline (step 0, on for a pipeline): one recipe's test evaluates it, the others save the time
+            "sample": {"steps": 2, "batch_size": 4, "nproc": 1, "threads": 1, "prompts": str(tmp / "prompts.yaml"),
+                       "baseline": baseline},
             # The tests' scorers: random features (offline) and the tiny CLIP.
             "fid": {"extractor": "random", "clip_model": str(tmp / "clip"), "batch_size": 8, "threads": 1}}
 
@@ -68,7 +72,9 @@ def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_ad
             f.write(json.dumps({"file_name": f"{i:06d}.png", "text": CAPTIONS[i % 4]}) + "\n")
     (tmp_path / "prompts.yaml").write_text(yaml.safe_dump([{"prompt": "a red circle", "num_images": 2},
                                                            {"prompt": "a blue square", "num_images": 2}]))
-    over = shrink(d, tmp_path, family, steps)
+    over = shrink(d, tmp_path, family, steps, baseline=family == "sdxl")
+    if family != "sdxl":  # the SDXL recipe's run checks val_loss in the workflow; the others save its jobs' time
+        over["fid"]["metrics"] = ["fid", "clip_score"]
     (tmp_path / "shrink.yaml").write_text(yaml.safe_dump(over))
     snakemake(tmp_path, "--configfile", *files, tmp_path / "shrink.yaml")
 
@@ -81,8 +87,20 @@ def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_ad
     kept = {k: v for k, v in leaves(d).items() if k not in leaves(over)}
     assert {k: leaves(made)[k] for k in kept} == kept
     assert made["model"]["pretrained"]["path"] == str(tmp_path / family)
-    rows = (run / "report" / "metrics.csv").read_text().splitlines()
-    assert rows[0].split(",")[-1] == "clip_score" and len(rows) == 1 + steps, rows  # one row a step
+    table = list(csv.DictReader((run / "report" / "metrics.csv").open()))
+    first = 0 if family == "sdxl" else 1  # sample.baseline: step 0, the pipeline before any update
+    assert [int(r["step"]) for r in table] == list(range(first, steps + 1)), table  # one row a step
+    assert all(r["clip_score"] for r in table)
+    if family != "sdxl":
+        assert "val_loss" not in table[0] and not (run / "metrics" / "val_loss").exists()
+    else:  # val_loss (the recipe's fid.metrics): the held-out images' loss at every snapshot, by its own job; the
+        # LoRA starts as a no-op, so step 0's is the pipeline's, and each trained step moves it.
+        held = [json.loads((run / "metrics" / "val_loss" / f"step_{s:07d}.json").read_text())
+                for s in range(first, steps + 1)]
+        losses = [h["val_loss"] for h in held]
+        assert all(math.isfinite(v) and v > 0 for v in losses) and len(set(losses)) == len(losses), losses
+        assert [float(r["val_loss"]) for r in table] == pytest.approx(losses, rel=1e-5)
+        assert {h["count"] for h in held} == {2} and [h["step"] for h in held] == list(range(first, steps + 1))
     best = json.loads((run / "report" / "best.json").read_text())
     assert best["best_by"] == "clip_score"
     # The last snapshot's adapter (the raw one, which the recipe samples) in diffusers' format:

@@ -280,3 +280,37 @@ def test_best_by_picks_the_lowest_distance_or_the_highest_score_of_any_metric_th
         config.validate({"fid": {"best_by": "sfid"}})
     assert config.validate({"fid": {"best_by": "precision", "metrics": ["fid", "precision"]}})["fid"]["best_by"] == \
         "precision"
+
+
+def test_step_0_and_val_loss_are_rows_lines_and_a_best_by_of_their_own(run_dir, capsys, monkeypatch):
+    """sample.baseline's step 0 is a row and a dashed line on every panel; val_loss (metrics/val_loss/<step>.json)
+    fills its columns on each step's row, and fid.best_by val_loss picks the lowest, in a panel of its own."""
+    from diffrelay.evaluation import plots
+
+    (run_dir / "metrics" / "fid" / "step_0000000.json").write_text(json.dumps({
+        "metric": "FD (random features)", "fid": 90.0, "kid": 0.1, "num_images": 8, "num_ref": 96, "seconds": 3.0}))
+    samples = run_dir / "samples" / "step_0000000"
+    samples.mkdir(parents=True)
+    (samples / "manifest.json").write_text(json.dumps({"num_images": 8, "seconds": 2.0}))
+    Image.new("RGB", (34, 34), (9, 9, 9)).save(samples / "grid.png")
+    held = {0: 1.0, 2: 0.9, 4: 0.8, 6: 0.7, 8: 0.75}  # the lowest at step 6, not FD's best (4)
+    (run_dir / "metrics" / "val_loss").mkdir()
+    for step, v in held.items():
+        (run_dir / "metrics" / "val_loss" / f"step_{step:07d}.json").write_text(json.dumps(
+            {"val_loss": v, "val_loss_low": v + 1, "val_loss_middle": v, "val_loss_high": v - 0.5, "step": step}))
+    figures = []
+    save = plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: (figures.append(fig), save(fig, path)))
+    out = run_dir / "report"
+    assert cli.main(["report", "--run-dir", str(run_dir), "--out", str(out), "--best-by", "val_loss"]) == 0
+    fields, rows = _rows(out)
+    assert fields[-4:] == ["val_loss", "val_loss_low", "val_loss_middle", "val_loss_high"]
+    assert {int(r["step"]): float(r["val_loss"]) for r in rows} == held
+    assert float(rows[0]["val_loss_low"]) == 2.0 and rows[0]["train_loss_mean"] == ""  # step 0: nothing trained yet
+    best = json.loads((out / "best.json").read_text())
+    assert (best["step"], best["best_by"], best["best_value"]) == (6, "val_loss", 0.7)
+    fd, own = figures[0].axes  # the distances' panel, then best_by's
+    for ax, at in ((fd, 90.0), (own, 1.0)):
+        lines = [ln for ln in ax.get_lines() if ln.get_label().startswith("step 0 (before training)")]
+        assert len(lines) == 1 and set(lines[0].get_ydata()) == {at}, [ln.get_label() for ln in ax.get_lines()]
+    assert "val_loss (lower is better)" == own.get_title()

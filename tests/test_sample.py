@@ -329,6 +329,7 @@ def test_snapshot_samples_in_fresh_process_without_dataset(snap, write_config, t
     assert m["snapshot_sha256"] == io.sha256_file(snap) and m["step"] == 40
     assert set(m) >= {"weights", "solver", "batch_size", "nproc", "image_shape", "seconds", "images_per_s",
                       "started", "finished", "snapshot"}
+    assert len(m["class_names"]) == m["num_classes"] > 2  # what class_accuracy names each image's class by
     assert len(sample.image_files(out)) == 5
     assert not (tmp_path / "results").exists() and not list(empty.iterdir())
 

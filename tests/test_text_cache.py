@@ -167,22 +167,34 @@ def plan_of(cfg):
     return datasets.plan(data), prepare.with_text(datasets.plan(data), data)
 
 
+@pytest.fixture(scope="module")
+def prepared_once(entries, tmp_path_factory):
+    """One `diffrelay prepare` of text_config on one rank: (its config, the dataset folder) for the tests below."""
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("prepared")
+    cfg = text_config(root, entries)
+    run_cli("prepare", "--config", cfg, "--out", root / "one")
+    return cfg, root / "one"
+
+
 @pytest.mark.slow
-def test_prepare_caches_every_caption_and_rerunning_does_nothing(entries, tmp_path):
+def test_prepare_caches_every_caption_and_rerunning_does_nothing(entries, prepared_once, tmp_path):
     import json
+    import shutil
 
     from conftest import run_cli
     from diffrelay.data import prepare
 
-    cfg = text_config(tmp_path, entries)
-    run_cli("prepare", "--config", cfg, "--out", tmp_path / "ds")
+    cfg, one = prepared_once
+    assert not (one.parent / ".one.text").exists()  # the work folder is gone
+    shutil.copytree(one, tmp_path / "ds")  # a copy, damaged below
     texts = json.loads((tmp_path / "ds/captions.json").read_text())["texts"]
     opened = cache.open(tmp_path / "ds")
     assert texts[0] == "" and len(opened) == len(texts) and opened.records == entries
     want = encoders.encode([encoders.load(e, "cpu") for e in entries], texts, "cpu")
     got = opened.take(np.arange(len(texts)), "cpu")
     assert torch.equal(got.states, want.states) and torch.equal(got.pooled, want.pooled)
-    assert not (tmp_path / ".ds.text").exists()
     # The records and the dtype join the fingerprint; without a cache (data.text_cache false) it is the
     # captioned pixels'.
     pixels, plan = plan_of(cfg)
@@ -200,18 +212,17 @@ def test_prepare_caches_every_caption_and_rerunning_does_nothing(entries, tmp_pa
 
 
 @pytest.mark.slow
-def test_prepare_under_two_ranks_writes_the_bytes_of_one(entries, tmp_path):
+def test_prepare_under_two_ranks_writes_the_bytes_of_one(prepared_once, tmp_path):
     from conftest import run_cli
 
     # (One chunk here, which rank 0 encodes: several chunks over ranks are tested above, in one process.)
-    cfg = text_config(tmp_path, entries)
-    run_cli("prepare", "--config", cfg, "--out", tmp_path / "one")
+    cfg, one = prepared_once
     run_cli("prepare", "--config", cfg, "--out", tmp_path / "two", "--relaunch",
             "diffrelay launch --standalone --nproc-per-node 2 -m diffrelay")
-    files = sorted(f.relative_to(tmp_path / "one") for f in (tmp_path / "one").rglob("*") if f.is_file())
+    files = sorted(f.relative_to(one) for f in one.rglob("*") if f.is_file())
     assert len(files) >= 12
     for f in files:
-        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+        assert (one / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
 
 
 def test_a_damaged_text_encoder_is_one_line_before_any_image_and_leaves_no_work_folder(entries, tmp_path,

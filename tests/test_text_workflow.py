@@ -112,16 +112,18 @@ def test_two_segments_train_the_weights_of_one_and_the_snapshot_records_its_enco
 
 @pytest.mark.slow
 def test_prompt_samples_are_byte_identical_for_one_and_two_processes(text_run, tmp_path):
+    """The workflow's one process (batches of 8) against two processes with batches of 1."""
     work, cfg, _ = text_run
     snap = work / "results" / "t2i" / "snapshots" / "step_0000004.safetensors"
-    common = ["--config", cfg, "--snapshot", snap, "--steps", "2", "--guidance", "2"]
-    run_cli("sample", *common, "--out", tmp_path / "one", "--batch-size", "16")
-    run_cli("torchrun", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "sample", *common,
-            "--out", tmp_path / "two", "--batch-size", "1")
-    names = sorted(p.name for p in (tmp_path / "one").iterdir() if p.suffix in (".png", ".txt") and p.stem.isdigit())
+    one = work / "results" / "t2i" / "samples" / "step_0000004_g2"
+    m = json.loads((one / "manifest.json").read_text())
+    assert (m["nproc"], m["batch_size"], m["guidance"], m["steps"]) == (1, 8, 2, 2), m
+    run_cli("torchrun", "--standalone", "--nproc-per-node", "2", "-m", "diffrelay", "sample", "--config", cfg,
+            "--snapshot", snap, "--steps", "2", "--guidance", "2", "--out", tmp_path / "two", "--batch-size", "1")
+    names = sorted(p.name for p in one.iterdir() if p.suffix in (".png", ".txt") and p.stem.isdigit())
     assert len(names) == 8
     for name in names:
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+        assert (one / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
 @pytest.mark.slow

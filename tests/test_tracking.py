@@ -109,6 +109,14 @@ def test_records_keep_the_last_record_of_a_resumed_step_and_only_finished_segmen
     assert rec.evals == {("main", 4): {"fid": 3.0, "kid": 0.1}, ("g2", 4): {"fid": 2.0, "kid": 0.1}}
     assert list(rec.grids) == [("main", 4)]  # the g2 folder has no manifest yet
     assert rec.snapshots == {4: "ab" * 32}
+    # A snapshot's held-out loss (metrics/val_loss) joins the main series at its step, under the columns' names.
+    (run_dir / "metrics" / "val_loss").mkdir()
+    (run_dir / "metrics" / "val_loss" / "step_0000004.json").write_text(json.dumps(
+        {"val_loss": 0.5, "val_loss_low": 0.9, "val_loss_middle": 0.4, "val_loss_high": float("nan"), "finished": 7.0}))
+    rec = records.collect(run_dir)
+    assert rec.evals[("main", 4)] == {"fid": 3.0, "kid": 0.1, "val_loss": 0.5, "val_loss_low": 0.9,
+                                      "val_loss_middle": 0.4}
+    assert rec.rejected[("main", 4)][1] == {"val_loss_high": pytest.approx(float("nan"), nan_ok=True)}
 
 
 class Recorder:

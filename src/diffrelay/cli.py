@@ -94,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="generate PNGs from a snapshot; no dataset, no process group needed")
     _config(p, required=False)
-    p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors)")
+    p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors), or a diffusers pipeline folder "
+                   "(model_index.json) to sample as it came, with no run")
     p.add_argument("--out", required=True, help="output folder for PNGs, grid.png and manifest.json")
+    p.add_argument("--resolution", type=int, help="a pipeline folder: the image side in pixels [default: "
+                   "data.resolution of --config]")
     p.add_argument("--num-images", type=int, help="how many images (sample.num_images)")
     p.add_argument("--first-seed", type=int, help="image i gets seed first-seed + i (sample.first_seed)")
     p.add_argument("--steps", type=int, help="sampler steps; heun makes 2 x steps - 1 network evaluations "
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="CPU threads of this process (sample.threads)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
     p.add_argument("--prompts", metavar="FILE", help="a text run's prompt file (sample.prompts): one prompt a line, or "
-                   "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images")
+                   "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images, label")
     p.add_argument("--held-out-captions", action="store_true", help="a text run: sample one image per held-out "
                    "caption (up to --num-images) even where the config names sample.prompts (the workflow's _ph)")
     p.add_argument("--prompts-sha256", metavar="HEX", help="the prompt file's sha256 when the workflow planned the job: "
@@ -214,8 +217,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="cache of the features of ADM reference batches' images")
     p.add_argument("--clip-model", metavar="DIR", help="also the CLIP score of the images and their prompts (a text "
                    "run's NNNNNN.txt sidecars) with this local CLIP folder (fid.clip_model)")
+    p.add_argument("--pick-model", metavar="DIR", help="also the PickScore of the images and their prompts with this "
+                   "local PickScore (CLIPModel) folder (fid.pick_model)")
+    p.add_argument("--classifier", metavar="DIR", help="also class_accuracy: the share of images this local image "
+                   "classifier reads as the class or prompt label they were sampled for (fid.classifier)")
+    p.add_argument("--prompts", metavar="FILE", help="the prompt file a text run's images were sampled from: "
+                   "class_accuracy's labels (its entries' label keys) [default: whole words of each image's prompt]")
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(module="diffrelay.evaluation.fid")
+
+    p = sub.add_parser("val-loss", help="the held-out loss of a snapshot (fid.metrics val_loss), with fixed noise "
+                       "and noise levels, outside any process group")
+    _config(p)
+    p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors)")
+    p.add_argument("--dataset", help="prepared dataset folder [default: the run's dataset/]")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--batch-size", type=int, help="images per forward pass [default: sample.batch_size]")
+    p.add_argument("--threads", type=int, help="CPU threads [default: sample.threads]")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="[default: run.device]")
+    p.set_defaults(module="diffrelay.sampling.val_loss")
 
     p = sub.add_parser("launch", help="torchrun that keeps exit status 75 (stopped, resumable), handles SIGUSR1 "
                                       "and reports failed ranks in one line; takes torchrun's options",
@@ -224,11 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(module="diffrelay.runtime.distributed")
 
     p = sub.add_parser("demo-encoder", help="write the text-to-image demo's text encoder (a random CLIP text model "
-                       "with the shapes captions' vocabulary) into a folder")
+                       "with the shapes captions' vocabulary, or with --captions every word of yours) into a folder")
     p.add_argument("--out", required=True, help="folder to write (transformers' save_pretrained layout)")
-    p.add_argument("--width", type=int, default=64, help="hidden size [default: 64]")
+    p.add_argument("--captions", metavar="PATH", help="an image folder (data.path, captions as data.captions auto "
+                   "reads them) or a .csv, .parquet or .jsonl caption table: every word of its captions one token")
+    p.add_argument("--file-column", default="file_name", help="data.file_column of metadata.jsonl [file_name]")
+    p.add_argument("--caption-column", default="text", help="data.caption_column of the table or metadata.jsonl "
+                   "[text]")
+    p.add_argument("--width", type=int, help="hidden size [default: 64; 128 with --captions]")
     p.add_argument("--seed", type=int, default=0, help="weights' seed [default: 0]")
-    p.set_defaults(module="diffrelay.text.demo")
+    p.set_defaults(module="diffrelay.data.caption_encoder")
 
     p = sub.add_parser("collect", help="list the FID results of one training segment in a JSON file (workflow)")
     p.add_argument("--out", required=True, help="JSON file: {\"scores\": [...]}")
@@ -264,9 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--evaluated", metavar="SNAPSHOT", help="the run trained nothing and evaluated this file "
                                                           "(sample.snapshot): no training log is read")
-    p.add_argument("--best-by", choices=["fid", "sfid", "is", "precision", "recall", "kid", "fd_dinov2", "clip_score"],
-                   default="fid", help="fid.best_by: the lowest distance (fid, sfid, kid, fd_dinov2) or the highest "
-                   "is, precision, recall or clip_score [default: fid]")
+    from diffrelay.evaluation.columns import BETTER  # plain Python: which way each metric is better
+
+    p.add_argument("--best-by", choices=list(BETTER), default="fid", help="fid.best_by: the lowest distance or loss "
+                   f"({', '.join(k for k, v in BETTER.items() if v == 'lower')}) or the highest score "
+                   f"({', '.join(k for k, v in BETTER.items() if v == 'higher')}) [default: fid]")
     p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 

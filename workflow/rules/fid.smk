@@ -33,6 +33,35 @@ rule compute_fid:
         "--timeout-minutes {params.timeout:q} --device {params.device:q} --out {output.score:q}"
 
 
+# compute_val_loss (fid.metrics val_loss): the objective's loss on the held-out split with fixed draws, from one
+# snapshot, in a process of its own on an evaluation GPU (sampling/val_loss.py).
+rule compute_val_loss:
+    input:
+        snapshot=get_val_snapshot,
+        checkpoint=get_snapshot_checkpoint,
+        dataset=rules.prepare_dataset.output.dataset,
+    output:
+        score=f"{RUN_DIR}/metrics/val_loss/step_{STEP}.json",
+    log:
+        "logs/{run}/compute_val_loss/step_{step}.log",
+    benchmark:
+        "logs/{run}/benchmarks/compute_val_loss/step_{step}.tsv"
+    conda:
+        "../../envs/diffrelay.yaml"
+    threads: CFG.sample.threads
+    resources:
+        **gpu_resources("eval", 1),
+    params:
+        config=CONFIG_ARGS,
+        launcher=get_eval_launcher,
+    message:
+        "Held-out loss of the step {wildcards.step} snapshot of {wildcards.run}"
+    shell:
+        "exec >{log:q} 2>&1; PS4=; set -x; "
+        "{params.launcher} val-loss {params.config} --snapshot {input.snapshot:q} --dataset {input.dataset:q} "
+        "--threads {threads} --out {output.score:q}"
+
+
 # collect_segment: the FID files of one training segment. Its input function waits for this
 # segment's checkpoint only, which keeps evaluation of segment k beside training of k+1.
 localrules:
@@ -42,6 +71,8 @@ localrules:
 rule collect_segment:
     input:
         scores=get_segment_scores,
+        # fid.metrics val_loss: the held-out loss of the segment's snapshots (the report reads them)
+        val_loss=get_segment_val_losses,
     output:
         segment=f"{RUN_DIR}/metrics/segments/step_{STEP}.json",
     log:

@@ -43,13 +43,25 @@ def get_score_args(wildcards, input):
     ]
     # clip_score is not the extractors': the scorer computes it with --clip-model (a text run).
     metrics = [
-        m for m in CFG.to_dict()["fid"].get("metrics") or [] if m != "clip_score"
+        m
+        for m in CFG.to_dict()["fid"].get("metrics") or []
+        if m not in ("clip_score", "val_loss")  # val_loss: compute_val_loss's
     ]
     if metrics:
         cache = shlex.quote(f"{CFG.run.resources}/fid-ref")
         pairs.append(f"--metrics {','.join(metrics)} --cache-dir {cache}")
     if CFG.fid.clip_model:
         pairs.append(f"--clip-model {shlex.quote(CFG.fid.clip_model)}")
+    # pick_score and class_accuracy: per-file scores too, only when set (other runs keep their command)
+    if CFG.fid.pick_model:
+        pairs.append(f"--pick-model {shlex.quote(CFG.fid.pick_model)}")
+    if CFG.fid.classifier:
+        pairs.append(f"--classifier {shlex.quote(CFG.fid.classifier)}")
+        # A text run's prompt file holds class_accuracy's labels; held-out captions have none (whole words).
+        prompts = protocol.prompt_files(CFG.to_dict()["sample"])
+        k = protocol.variant_prompts(wildcards.variant)
+        if prompts and k != protocol.HELD_OUT:
+            pairs.append(f"--prompts {shlex.quote(prompts[k])}")
     return " ".join(pairs)
 
 
@@ -104,6 +116,33 @@ def get_segment_scores(wildcards):
         run=wildcards.run,
         step=[step_name(s) for s in steps],
         variant=FIRST_PASS,
+    )
+
+
+VAL_LOSS = "val_loss" in (CFG.to_dict()["fid"].get("metrics") or [])
+
+
+def get_segment_val_losses(wildcards):
+    """fid.metrics val_loss: the held-out loss of every snapshot of this segment (none without it)."""
+    if not VAL_LOSS:
+        return []
+    if not EVALUATED:
+        checkpoints.train_segment.get(run=wildcards.run, step=wildcards.step)
+    return expand(
+        rules.compute_val_loss.output.score,
+        run=wildcards.run,
+        step=[step_name(s) for s in segment_snapshots(wildcards.run, wildcards.step)],
+    )
+
+
+def get_val_snapshot(wildcards):
+    """The snapshot compute_val_loss reads: the step's, or sample.snapshot's file."""
+    if EVALUATED:
+        return [EVALUATED]
+    return expand(
+        f"{RUN_DIR}/snapshots/step_{STEP}.safetensors",
+        run=wildcards.run,
+        step=wildcards.step,
     )
 
 

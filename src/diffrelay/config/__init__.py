@@ -23,9 +23,10 @@ from diffrelay.config.identity import (applicable, applicable_model, check_same_
                                        first_difference, is_same_run, lookup, run_hash, section_hash, trajectory,
                                        trajectory_hash)
 from diffrelay.config.paths import run_dir
-from diffrelay.config.schema import Config, load, load_schema, non_finite, read_yaml, validate
+from diffrelay.config.pipeline import pipeline_config, sample_config
+from diffrelay.config.schema import Config, load, load_schema, merged, non_finite, read_yaml, validate
 from diffrelay.config.segments import segment_ends, snapshot_steps
 
 __all__ = ["Config", "applicable", "applicable_model", "check_same_files", "data_hash", "difference",
-           "first_difference", "is_same_run", "load", "load_schema", "lookup", "non_finite", "read_yaml", "run_dir",
+           "first_difference", "is_same_run", "load", "load_schema", "merged", "lookup", "non_finite", "pipeline_config", "sample_config", "read_yaml", "run_dir",
            "run_hash", "section_hash", "segment_ends", "snapshot_steps", "trajectory", "trajectory_hash", "validate"]

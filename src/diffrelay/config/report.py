@@ -79,7 +79,7 @@ def sample_line(cfg: config.Config) -> str | None:
         return None
     files = [s.prompts] if isinstance(s.prompts, str) else list(s.prompts or [])
     if files:
-        from diffrelay.sampling import prompts
+        from diffrelay.data import prompts
 
         parts = []
         for f in files:

@@ -154,17 +154,23 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load(paths, overrides: dict | None = None) -> Config:
-    """Read one or more YAML files (later ones override earlier ones), validate, freeze."""
-    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    merged: dict = {}
-    for p in paths:
+def merged(paths) -> dict:
+    """One or more YAML files, later ones over earlier ones, as written (no defaults filled, not validated)."""
+    out: dict = {}
+    for p in [paths] if isinstance(paths, (str, Path)) else list(paths):
         d = read_yaml(p)
         if not isinstance(d, dict):
             raise UserError(f"{p}: the config must be a mapping of sections (run, data, model, train, sample, fid)")
-        merged = _merge(merged, d)
+        out = _merge(out, d)
+    return out
+
+
+def load(paths, overrides: dict | None = None) -> Config:
+    """Read one or more YAML files (later ones override earlier ones), validate, freeze."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    merged_ = merged(paths)
     if overrides:
-        merged = _merge(merged, overrides)
-    return Config(validate(merged, source=", ".join(map(str, paths)) or "config"))
+        merged_ = _merge(merged_, overrides)
+    return Config(validate(merged_, source=", ".join(map(str, paths)) or "config"))
 
 

@@ -48,7 +48,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     if text and s.get("guide") is None and all(g == 1 for g in scales):
-        from diffrelay.sampling import prompts as prompt_files  # reads the files: sampling's concern
+        from diffrelay.data import prompts as prompt_files  # reads the files: data's concern
 
         bad += prompt_files.unguided_negatives(prompts)
     if text and d["fid"]["final"]["best"]:
@@ -69,4 +69,10 @@ def check_config(d: dict) -> list[tuple[str, str]]:
                     "save_pretrained (e.g. a copy of openai/clip-vit-large-patch14)"))
     if (wants_clip or fid["clip_model"]) and not text:
         bad.append(("fid.clip_model", "CLIP score compares images with their prompts: a text run's (data.captions)"))
+    if fid.get("pick_model") and not text:
+        bad.append(("fid.pick_model", "PickScore compares images with their prompts: a text run's (data.captions); "
+                    "unset it"))
+    if fid.get("classifier") and not text and not d["model"].get("class_conditional"):
+        bad.append(("fid.classifier", "class_accuracy compares each image with the class or prompt it was sampled "
+                    "for: a class-conditional run's (model.class_conditional) or a text run's; unset it"))
     return bad

@@ -149,7 +149,7 @@ def _parquet(path: Path):
         yield f"row {i}", record
 
 
-def _caption_list(value, path: Path, where: str, column: str) -> list[str]:
+def caption_list(value, path: Path, where: str, column: str) -> list[str]:
     if isinstance(value, np.ndarray):  # a Parquet list column
         value = value.tolist()
     values = value if isinstance(value, (list, tuple)) else [value]
@@ -167,13 +167,18 @@ def _caption_list(value, path: Path, where: str, column: str) -> list[str]:
     return out
 
 
+def records(path: Path):
+    """(where, record) of each row of a .csv, .parquet or .jsonl table, by its extension."""
+    return {".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower(), _jsonl)(path)
+
+
 def table(path: Path, root: Path, rels, file_col: str, cap_col: str, key: str) -> dict[str, list[str]]:
     """{relative image path: its captions} from a .csv, .parquet or .jsonl table (metadata.jsonl is one)."""
     ext = path.suffix.lower()
     if ext not in TABLES:
         raise UserError(f"{path}: data.captions: a caption table ends in {', '.join(TABLES)}; rename it")
     known, got = set(rels), {}
-    for where, record in {".csv": _csv, ".parquet": _parquet}.get(ext, _jsonl)(path):
+    for where, record in records(path):
         for col, setting, what in ((file_col, "file_column", "images"), (cap_col, "caption_column", "captions")):
             if col not in record:
                 raise UserError(f"{path}: {where}: no column '{col}' (columns: {', '.join(map(str, record))}); set "
@@ -183,7 +188,7 @@ def table(path: Path, root: Path, rels, file_col: str, cap_col: str, key: str) -
         if rel not in known:
             raise UserError(f"{path}: {where}: {file_col} {str(name)[:200]!r} is not an image in {root} ({key}); "
                             f"fix the name (relative to {key}) or add the image")
-        got.setdefault(rel, []).extend(_caption_list(record[cap_col], path, where, cap_col))
+        got.setdefault(rel, []).extend(caption_list(record[cap_col], path, where, cap_col))
     return got
 
 

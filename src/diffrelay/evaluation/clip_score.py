@@ -31,6 +31,9 @@ PNG = re.compile(r"^\d{6}\.png\Z")  # a sample folder's numbered images (not gri
 MAX_PROMPT_BYTES = 1 << 20
 PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FIX = "set fid.clip_model to a local copy written by save_pretrained (e.g. of openai/clip-vit-large-patch14)"
+# The other CLIPs read through this module (evaluation/pick_score.py): the config key and the copy each one names.
+FIXES = {"fid.clip_model": FIX, "fid.pick_model": "set fid.pick_model to a local copy written by save_pretrained "
+         "(e.g. of yuvalkirstain/PickScore_v1, with the processor of laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"}
 log = logs.get()
 
 
@@ -45,15 +48,15 @@ class Clip:
     max_length: int  # tokens the text model sees (its position table)
 
 
-def check(folder, images=None) -> tuple[dict, str]:
+def check(folder, images=None, key="fid.clip_model") -> tuple[dict, str]:
     """(config.json, weights' sha256) of a CLIP folder, and every PNG of `images` has its prompt beside it: the
     cheap checks, before any model or image is read (`diffrelay fid` makes them before its scoring child starts, so
-    a bad fid.clip_model costs no FID pass). One UserError line each."""
-    folder = Path(folder)
+    a bad fid.clip_model costs no FID pass). One UserError line each, naming `key` (the config key of the folder)."""
+    folder, fix = Path(folder), FIXES[key]
     if not folder.is_dir():
-        raise UserError(f"{folder}: CLIP model folder not found; nothing is downloaded: {FIX}")
-    config = _config(folder)
-    digest = _weights_sha256(folder)
+        raise UserError(f"{folder}: CLIP model folder not found; nothing is downloaded: {fix}")
+    config = _config(folder, fix)
+    digest = weights_sha256(folder, fix)
     if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
         raise UserError(f"{folder}: no tokenizer (tokenizer.json or vocab.json + merges.txt); save the CLIP's "
                         "processor there too (CLIPProcessor.save_pretrained)")
@@ -63,14 +66,14 @@ def check(folder, images=None) -> tuple[dict, str]:
     for png in sorted(Path(images).glob("[0-9]*.png")) if images is not None else []:
         if not png.with_suffix(".txt").is_file():
             raise UserError(f"{png}: no {png.with_suffix('.txt').name} beside it (the prompt it was sampled with); "
-                            "CLIP score needs a text run's samples (sample them again with diffrelay sample)")
+                            f"{key} scores a text run's samples (sample them again with diffrelay sample)")
     return config, digest
 
 
-def load(folder, device="cpu") -> Clip:
+def load(folder, device="cpu", key="fid.clip_model") -> Clip:
     """The CLIP of a local save_pretrained folder; one UserError line when it is missing, incomplete or pickled."""
     folder = Path(folder)
-    config, digest = check(folder)
+    config, digest = check(folder, key=key)
     import torch
     import transformers
 
@@ -83,7 +86,7 @@ def load(folder, device="cpu") -> Clip:
         image_processor = processor_class.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{folder}: cannot load the CLIP model ({first}); {FIX}") from e
+        raise UserError(f"{folder}: cannot load the CLIP model ({first}); {FIXES[key]}") from e
     text = model.config.text_config
     _check_tokenizer(folder, tokenizer, text)
     max_length = min(int(text.max_position_embeddings), int(getattr(tokenizer, "model_max_length", 1 << 30)))
@@ -96,6 +99,17 @@ def score(clip: Clip, images, prompts, batch_size: int = 32) -> dict:
     """CLIP score of `images` (a sequence of (H, W, 3) uint8 arrays, read one batch at a time) against
     `prompts` (one string per image): {"clip_score", "count", "per_image", "model", "sha256", "truncated"}."""
     import numpy as np
+
+    cos, truncated = cosines(clip, images, prompts, batch_size)
+    per_image = (100 * np.maximum(cos, 0)).tolist()  # Hessel et al.: max(cos, 0) per image
+    return {"clip_score": float(np.mean(per_image)), "count": len(per_image), "per_image": per_image,
+            "model": clip.folder, "sha256": clip.sha256, "truncated": truncated}
+
+
+def cosines(clip: Clip, images, prompts, batch_size: int = 32, what: str = "CLIP score"):
+    """(cos(E_image, E_text) of each image and its prompt as float64 numpy, prompts truncated): what the CLIP
+    score and PickScore (evaluation/pick_score.py) are made of, with one preprocessing for both."""
+    import numpy as np
     import torch
 
     n = len(images)
@@ -106,25 +120,23 @@ def score(clip: Clip, images, prompts, batch_size: int = 32) -> dict:
     if batch_size < 1:
         raise ValueError(f"batch_size {batch_size} < 1")
     unique = list(dict.fromkeys(prompts))  # images of one prompt share its embedding
-    truncated = _truncated(clip, unique)
+    truncated = _truncated(clip, unique, what)
     text = _text_embeddings(clip, unique, batch_size)
     row = {p: k for k, p in enumerate(unique)}
-    per_image = []
+    out = []
     with torch.inference_mode():
         for start in range(0, n, batch_size):
-            batch = [_pixels(images[i], i) for i in range(start, min(start + batch_size, n))]
+            batch = [rgb_array(images[i], i) for i in range(start, min(start + batch_size, n))]
             pixels = clip.image_processor(images=batch, return_tensors="pt", input_data_format="channels_last")
             e = _embedding(clip.model.get_image_features(pixel_values=pixels["pixel_values"].to(clip.device)))
             t = text[[row[prompts[i]] for i in range(start, start + len(batch))]]
-            cos = (_normalised(e) * t).sum(-1)
-            per_image.extend((100 * cos.clamp(min=0)).tolist())  # Hessel et al.: max(cos, 0) per image
-    return {"clip_score": float(np.mean(per_image)), "count": n, "per_image": per_image, "model": clip.folder,
-            "sha256": clip.sha256, "truncated": truncated}
+            out.extend((_normalised(e) * t).sum(-1).tolist())
+    return np.array(out, dtype=np.float64), truncated
 
 
-def score_folder(folder, clip: Clip, batch_size: int = 32) -> dict:
-    """CLIP score of a sample folder: each NNNNNN.png against the prompt in NNNNNN.txt beside it (UTF-8, the
-    prompt exactly). Every prompt is read before any image is scored."""
+def score_folder(folder, clip: Clip, batch_size: int = 32, scorer=None) -> dict:
+    """CLIP score (or `scorer`'s, e.g. pick_score.score) of a sample folder: each NNNNNN.png against the prompt in
+    NNNNNN.txt beside it (UTF-8, the prompt exactly). Every prompt is read before any image is scored."""
     from diffrelay.evaluation import features
 
     folder = Path(folder)
@@ -133,19 +145,19 @@ def score_folder(folder, clip: Clip, batch_size: int = 32) -> dict:
     files = sorted(p for p in folder.iterdir() if PNG.match(p.name))
     if not files:
         raise UserError(f"{folder}: no numbered images (000000.png ...); sample the checkpoint with prompts first")
-    prompts = [_prompt_of(png) for png in files]
+    prompts = [prompt_of(png) for png in files]
     empty = [png.with_suffix(".txt") for png, p in zip(files, prompts) if not p.strip()]
     if empty:  # a prompt file emptied by hand, or an empty caption: the score would compare with no text at all
         log.warning(f"{empty[0]}: empty prompt ({len(empty)} of {len(files)} images' prompt files are empty or "
                     "blank); those images are scored against the empty text: if the files were emptied by "
                     "mistake, sample the folder again (diffrelay sample writes each image's prompt)")
-    result = score(clip, _Lazy(files, features.decode), prompts, batch_size)
+    result = (scorer or score)(clip, Lazy(files, features.decode), prompts, batch_size)
     return {**result, "folder": str(folder)}
 
 
 # ---------------------------------------------------------------------------- helpers
 
-class _Lazy:
+class Lazy:
     """Image i decoded when the batch that holds it is scored, so a folder never sits in memory whole."""
 
     def __init__(self, files, decode):
@@ -158,7 +170,7 @@ class _Lazy:
         return self.decode(self.files[i])
 
 
-def _prompt_of(png: Path) -> str:
+def prompt_of(png: Path) -> str:
     txt = png.with_suffix(".txt")
     if not txt.exists():
         raise UserError(f"{png}: no {txt.name} beside it (the prompt it was sampled with); sample this folder "
@@ -170,18 +182,18 @@ def _prompt_of(png: Path) -> str:
         raise UserError(f"{txt}: not valid UTF-8 (byte {e.start}); write the prompt as UTF-8") from e
 
 
-def _config(folder: Path) -> dict:
+def _config(folder: Path, fix: str = FIX) -> dict:
     path = folder / "config.json"
     if not path.is_file():
-        raise UserError(f"{folder}: no config.json, not a transformers model folder; {FIX}")
+        raise UserError(f"{folder}: no config.json, not a transformers model folder; {fix}")
     config = io.read_json(path, max_bytes=1 << 22)
     if not isinstance(config, dict) or config.get("model_type") != "clip":
         kind = config.get("model_type") if isinstance(config, dict) else None
-        raise UserError(f"{path}: model_type {kind!r}, not 'clip'; CLIP score needs a CLIPModel; {FIX}")
+        raise UserError(f"{path}: model_type {kind!r}, not 'clip'; a CLIPModel is needed here; {fix}")
     return config
 
 
-def _weights_sha256(folder: Path) -> str:
+def weights_sha256(folder: Path, fix: str = FIX, cls: str = "CLIPModel") -> str:
     """sha256 of model.safetensors; of a sharded model, of the lines 'shard sha256' of its shards, sorted.
     Pickled weights (.bin, .pt) are refused before anything reads them: unpickling can run code."""
     from diffrelay.text.encoders import weights_sha256  # the text encoders' rule, so one folder has one sha256
@@ -200,8 +212,8 @@ def _weights_sha256(folder: Path) -> str:
     if pickled:
         raise UserError(f"{folder}: only pickled weights ({', '.join(pickled[:3])}), which are never loaded here "
                         "(unpickling can run code); convert them once where you trust the file: "
-                        "CLIPModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
-    raise UserError(f"{folder}: no model.safetensors; {FIX}")
+                        f"{cls}.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
+    raise UserError(f"{folder}: no model.safetensors; {fix}")
 
 
 def _check_tokenizer(folder: Path, tokenizer, text) -> None:
@@ -232,13 +244,13 @@ def _text_embeddings(clip: Clip, texts: list, batch_size: int):
     return torch.cat(out)
 
 
-def _truncated(clip: Clip, texts: list) -> int:
+def _truncated(clip: Clip, texts: list, what: str = "CLIP score") -> int:
     """How many prompts are longer than the text model sees; said once per score."""
     lengths = [len(ids) for ids in clip.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
     long = sum(n > clip.max_length for n in lengths)
     if long:
-        log.warning("CLIP score: %d of %d prompts are longer than CLIP's %d tokens; their first %d tokens are "
-                    "scored (CLIP's limit)", long, len(texts), clip.max_length, clip.max_length - 2)
+        log.warning("%s: %d of %d prompts are longer than CLIP's %d tokens; their first %d tokens are "
+                    "scored (CLIP's limit)", what, long, len(texts), clip.max_length, clip.max_length - 2)
     return long
 
 
@@ -253,7 +265,7 @@ def _normalised(e):
     return e / e.norm(dim=-1, keepdim=True)
 
 
-def _pixels(image, i: int):
+def rgb_array(image, i: int):
     import numpy as np
 
     a = np.asarray(image)

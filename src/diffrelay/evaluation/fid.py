@@ -353,7 +353,7 @@ RESULT_KEYS = ("scores", "num_images", "mode", "images")
 
 
 def main_fid(args) -> int:
-    from diffrelay.evaluation import scores
+    from diffrelay.evaluation import adherence, scores
 
     logs.setup()
     io.check_file_target(args.out, lambda p: io.is_json_object(p, RESULT_KEYS), "a result written by `diffrelay fid`")
@@ -366,10 +366,7 @@ def main_fid(args) -> int:
                 scores.adm_reference(ref_path, files, set(args.metrics))
             else:
                 check_reference(load_reference(ref_path), ref_path, extractor_sha256(ext_path), args.mode)
-        if getattr(args, "clip_model", None):
-            from diffrelay.evaluation import clip_score
-
-            clip_score.check(args.clip_model, args.images)
+        adherence.check(args)  # CLIP score, PickScore, class accuracy: their models and every image's prompt
         # The child writes a private file that this process publishes only if the child succeeded in time:
         # a scorer outliving a failed job can never leave a result behind.
         with tempfile.TemporaryDirectory(prefix="diffrelay-fid-") as tmp:
@@ -381,7 +378,7 @@ def main_fid(args) -> int:
                    "--device", args.device, "--in-process",
                    *(["--metrics", ",".join(args.metrics)] if args.metrics is not None else []),
                    *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
-                   *(["--clip-model", args.clip_model] if getattr(args, "clip_model", None) else [])]
+                   *adherence.flags(args)]
             code = run_clean(cmd, args.timeout_minutes * 60).returncode
             if code == 0:
                 io.write_bytes(args.out, private.read_bytes())
@@ -393,13 +390,7 @@ def main_fid(args) -> int:
     # --threads: the extractors' torch threads and as many threads decoding and resizing images ahead of them.
     result = score_all(args.images, pairs, args.mode, args.batch_size, workers=args.threads, device=args.device,
                        metrics=args.metrics, cache_dir=args.cache_dir)
-    if getattr(args, "clip_model", None):  # a text run: the CLIP score of the images and their prompts, here
-        from diffrelay.evaluation import clip_score
-
-        clip = clip_score.score_folder(args.images, clip_score.load(args.clip_model, _device(args.device)),
-                                       args.batch_size)
-        result["clip_score"] = {k: v for k, v in clip.items() if k != "per_image"}
-        log.info(f"{args.images}: CLIP score {clip['clip_score']:.4f} ({clip['count']} images, {args.clip_model})")
+    adherence.score(args, _device(args.device), result)
     io.write_json(args.out, result)
     for r in result["scores"]:
         kid = "n/a" if r["kid"] is None else f"{r['kid']:.5f}"

@@ -141,7 +141,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     """Rules across keys for the evaluation sections: (key, message) pairs, empty when all is well."""
     from diffrelay.data.order import MAX_SEED
 
-    bad, f, s = [], d["fid"], d["sample"]
+    bad, f, s = check_val_loss(d), d["fid"], d["sample"]
     names = extractor_names(f)
     keys = [extractor_key(n, d["run"]["seed"]) for n in names]
     if len(set(keys)) < len(keys):
@@ -171,9 +171,30 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     return bad
 
 
+def check_val_loss(cfg: dict) -> list[tuple[str, str]]:
+    """(key, problem) when fid.metrics or fid.best_by asks for val_loss (sampling/val_loss.py) and the dataset
+    holds nothing out."""
+    fid, data = cfg["fid"], cfg["data"]
+    wanted = "val_loss" in (fid.get("metrics") or []) or fid.get("best_by") == "val_loss"
+    if not wanted:
+        return []
+    if fid.get("best_by") == "val_loss" and "val_loss" not in (fid.get("metrics") or []):
+        return [("fid.best_by=val_loss", "needs val_loss in fid.metrics, which computes it")]
+    if data.get("captions", "none") == "none" or not (data.get("val_fraction") or data.get("val_path")):
+        return [("fid.metrics: val_loss", "needs a held-out split of a captioned dataset (data.captions with "
+                 "data.val_fraction > 0 or data.val_path); hold images out with data.val_fraction (or "
+                 "data.val_path) and rerun `diffrelay prepare`, or drop val_loss from fid.metrics")]
+    return []
+
+
 def _check_metrics(f: dict, names: list[str]) -> list[tuple[str, str]]:
     wanted, by = f.get("metrics"), f["best_by"]
-    if by != "fid" and by != "clip_score" and by not in (wanted or []):  # clip_score: config/text.py's rules
+    # The scores of a model of their own are computed when the model is named (fid.pick_model, fid.classifier)
+    own = {"pick_score": "pick_model", "class_accuracy": "classifier"}
+    if by in own and not f.get(own[by]):
+        return [(f"fid.best_by={by}", f"needs fid.{own[by]}, the model that computes it; set it, or pick another "
+                 "best_by")]
+    if by not in ("fid", "clip_score", "val_loss", *own) and by not in (wanted or []):  # text.py's, val_loss's rules
         return [(f"fid.best_by={by}", f"not among the metrics each result holds (fid.metrics="
                  f"{','.join(wanted) if wanted else 'null'}); add {by} to fid.metrics, or pick another best_by")]
     if not wanted:

@@ -21,15 +21,13 @@ as each stage logged them: train_segment_s is the training loop of the segment h
 import math
 import os
 import re
-from io import BytesIO
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from diffrelay import io, logs
 from diffrelay.evaluation import columns, protocol, refsize, tables
+from diffrelay.evaluation.plots import family, plot_fid, plot_loss
 from diffrelay.errors import UserError
 
 STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
@@ -37,16 +35,6 @@ STEP_FILE = re.compile(rf"^step_(\d{{7}})({protocol.VARIANT})\.json\Z")
 COLUMNS = ["step", "phema", "phema_error", "ema_decay", "guidance", "metric", "num_images", "seed_sets", "fid", "fid_std",
            "fid_min", *columns.SCORES[1:], "train_loss_mean", "train_skipped_steps", "train_images_per_s",
            "train_segment_s", "sample_s", "sample_images_per_s", "fid_s"]
-# "FID-50k" -> ("FID", "50k"); "FD-256 (random features)" -> ("FD (random features)", "256")
-COUNTED = re.compile(r"^(\S+?)-(\d+(?:\.\d+)?[kM]?)( .*)?\Z")
-
-
-def family(metric: str) -> str:
-    """The metric without its image count: scores of one family share a plot panel, one curve per count."""
-    m = COUNTED.match(metric)
-    return m.group(1) + (m.group(3) or "") if m else metric
-
-
 # ---- Reading the run folder ---------------------------------------------------------------------
 
 def _number(rec: dict, key: str, path: Path, required: bool = True) -> float:
@@ -75,7 +63,7 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
     if not files:
         raise UserError(f"{folder}: no FID results yet (no step_XXXXXXX.json); "
                         "run the workflow (or `diffrelay fid`) for at least one checkpoint first")
-    rows = []
+    rows, held = [], read_val_loss(run_dir)
     for path in files:
         rec = io.read_json(path)
         if not isinstance(rec, dict):
@@ -99,6 +87,10 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          # every score column (a text run's CLIP score on the primary row): as the trackers read it
                          **{k: _number(values, k, path, required=k == "fid")
                             for values in [columns.values(rec, score, i == 0)] for k in columns.TRACKED},
+                         # the step's held-out loss, on its primary rows of the trained weights (not a reconstruction's)
+                         **({k: _number(held[int(m.group(1))][1], k, held[int(m.group(1))][0], required=False)
+                             for k in columns.PER_STEP}
+                            if i == 0 and ema is None and int(m.group(1)) in held else {}),
                          "num_ref": _number(score, "num_ref", path, required=False),
                          "feature_dim": _number(score, "feature_dim", path, required=False),
                          "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
@@ -107,6 +99,19 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "prompts": prompts,
                          "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay, prompts)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
+
+
+def read_val_loss(run_dir: Path) -> dict:
+    """step -> (file, record) of metrics/val_loss/step_XXXXXXX.json (sampling/val_loss.py); {} without any."""
+    folder, out = run_dir / "metrics" / "val_loss", {}
+    for path in sorted(folder.glob("step_*.json")) if folder.is_dir() else []:
+        m = re.fullmatch(r"step_(\d{7})\.json", path.name)
+        rec = io.read_json(path) if m else None
+        if m and not isinstance(rec, dict):
+            raise UserError(f"{path}: expected a JSON object; regenerate it with `diffrelay val-loss`")
+        if m:
+            out[int(m.group(1))] = (path, rec)
+    return out
 
 
 def reference_notes(fid: pd.DataFrame) -> dict:
@@ -206,13 +211,13 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "prompts": r.prompts,
         })
     return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode",
-                                       *columns.PER_FILE, "prompts"])
+                                       *columns.PER_FILE, *columns.PER_STEP, "prompts"])
 
 
 def csv_columns(table: pd.DataFrame) -> list:
     """metrics.csv's columns: COLUMNS, and the per-file scores (clip_score) and prompts (sample.prompts's file k)
     where a text run has them (other runs keep their file)."""
-    return COLUMNS + [k for k in columns.PER_FILE if table[k].notna().any()] + (
+    return COLUMNS + [k for k in columns.PER_FILE + columns.PER_STEP if table[k].notna().any()] + (
         ["prompts"] if (table.prompts != 0).any() else [])
 
 
@@ -239,57 +244,9 @@ def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
     else:
         rows, column = same[same[by].notna()], by
     if rows.empty:
-        raise UserError(f"fid.best_by={by}: no result holds {by}; add it to fid.metrics (clip_score: set "
-                        "fid.clip_model, a text run), or pick another best_by")
+        raise UserError(f"fid.best_by={by}: no result holds {by}; add it to fid.metrics (clip_score, pick_score, "
+                        "class_accuracy: set fid.clip_model, fid.pick_model, fid.classifier), or pick another best_by")
     return rows.loc[rows[column].idxmin() if columns.BETTER[by] == "lower" else rows[column].idxmax()]
-
-
-def _save_png(fig: Figure, path: Path) -> None:
-    buf = BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")  # no label cut at the edge
-    io.write_bytes(path, buf.getvalue())
-
-
-def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by: str = "fid") -> None:
-    """One panel per metric family (FID, FD_DINOv2, ...), primary first; one curve per image count, guidance
-    scale and prompt file, each labelled with its metric name; bars of one standard deviation over seed sets.
-    by: the metric that picked the best (fid.best_by), which its star says when it is not the primary distance."""
-    families = list(dict.fromkeys(map(family, table.sort_values("primary", ascending=False, kind="stable").metric)))
-    fig = Figure(figsize=(6.4, 2.2 + 1.8 * len(families)), layout="constrained")
-    axes = fig.subplots(len(families), 1, sharex=True, squeeze=False)[:, 0]
-    several_scales = table.guidance.nunique() > 1
-    for ax, fam in zip(axes, families):
-        part = table[table.metric.map(family) == fam]
-        for (m, g, ema, decay, k), curve in part.groupby(["metric", "guidance", "phema", "ema_decay", "prompts"],
-                                                         sort=True, dropna=False):
-            label = m + (f", guidance {g:g}" if several_scales else "") + (
-                ", held-out captions" if k == protocol.HELD_OUT else f", prompt file {k + 1}" if k else "")
-            label += "" if math.isnan(ema) else f", post-hoc EMA {ema:g}"
-            label += "" if math.isnan(decay) else f", EMA decay {decay:g}"
-            if curve.seed_sets.max() > 1:
-                label += f" (mean of {int(curve.seed_sets.max())} seed sets, bars: std)"
-            ax.errorbar(curve.step, curve.fid, yerr=curve.fid_std.fillna(0) if curve.seed_sets.max() > 1 else None,
-                        marker="o", capsize=3, label=label, linestyle="-" if len(curve) > 1 else "none")
-        if fam == family(best.metric):
-            at = f"step {best.step}" + (f", guidance {best.guidance:g}" if several_scales else "")
-            at += "" if math.isnan(best.ema_decay) else f", EMA decay {best.ema_decay:g}"
-            said = f" (by {by} {best[by]:.4g})" if by in columns.SCORES + columns.PER_FILE and by != "fid" else (
-                " (by fd_dinov2)" if by == "fd_dinov2" else "")
-            ax.plot([best.step], [best.fid], marker="*", markersize=16, color="tab:red", linestyle="none",
-                    label=f"best{said} {best.metric}: {best.fid:.4g} at {at}")
-        ax.set(ylabel=fam.split(" ")[0])
-        ax.set_title(fam, fontsize="medium")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(f"{run_name}: scores by training step (lower is better)")
-    axes[-1].set(xlabel="training step")
-    axes[-1].set_xlim(left=0)
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
-    _save_png(fig, path)
-
-
-# The loss each model.objective trains (objectives/): loss.png's y-label names the run's one, short enough to fit.
-LOSS_NAMES = {"edm": "EDM's weighted MSE", "flow": "velocity MSE", "ddpm": "noise MSE (+ L_vlb if learned σ)"}
 
 
 def objective_of(run_dir: Path) -> str | None:
@@ -300,35 +257,6 @@ def objective_of(run_dir: Path) -> str | None:
         except (UserError, AttributeError):
             continue
     return None
-
-
-def plot_loss(train: pd.DataFrame, segments: pd.DataFrame, run_name: str, path: Path, evaluated=None,
-              objective: str | None = None) -> None:
-    fig = Figure(figsize=(6.4, 4), layout="constrained")
-    ax = fig.add_subplot()
-    if evaluated:
-        ax.text(0.5, 0.5, f"no training: this run evaluates\n{Path(evaluated).name}", ha="center", va="center")
-        ax.set(title=f"{run_name}: training loss", xticks=[], yticks=[])
-        return _save_png(fig, path)
-    ax.plot(train.step, train.loss, color="tab:blue", alpha=0.35, linewidth=1, label="logged (mean per log interval)")
-    window = min(len(train), max(3, len(train) // 20))
-    smooth = train.loss.rolling(window, min_periods=1, center=True).mean()
-    ax.plot(train.step, smooth, color="tab:blue", linewidth=2, label=f"smoothed ({window}-record moving mean)")
-    for i, end in enumerate(segments.end.iloc[:-1] if len(segments) else []):
-        ax.axvline(end, color="gray", linestyle=":", linewidth=1, label="segment end" if i == 0 else None)
-    skipped = train[train.skipped_in_window.fillna(0) > 0]
-    for i, step in enumerate(skipped.step):
-        ax.axvline(step, color="tab:red", alpha=0.5, linewidth=1,
-                   label="window with skipped (non-finite) steps" if i == 0 else None)
-    total = train.skipped.dropna().iloc[-1] if train.skipped.notna().any() else 0
-    title = f"{run_name}: training loss" + (f" ({int(total)} steps skipped)" if total else "")
-    loss = LOSS_NAMES.get(objective)
-    ax.set(xlabel="training step", ylabel=f"training loss ({loss})" if loss else "training loss", title=title)
-    ax.set_xlim(left=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save_png(fig, path)
 
 
 def main_collect(args) -> int:

@@ -17,6 +17,8 @@ from diffrelay.evaluation import metrics
 # (column of metrics.csv, name in the header, better)
 PRIMARY = (("fid", None, "↓"), ("sfid", "sFID", "↓"), ("is", "IS", "↑"), ("precision", "Precision", "↑"),
            ("recall", "Recall", "↑"))
+# The per-file scores of how well images follow their conditioning, after the distances (column, header)
+ADHERENCE = (("clip_score", "CLIP score ↑"), ("pick_score", "PickScore ↑"), ("class_accuracy", "Class accuracy ↑"))
 
 
 def _cell(v) -> str:
@@ -62,9 +64,10 @@ def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) 
                  if col == "fid" or (part if col in anywhere else primary)[col].notna().any()]
         # KID in units of 1e-3, as StyleGAN2-ADA's tables print it: two decimals of the raw value are all zero
         kid = bool("kid" in primary and primary.kid.notna().any())
-        clip = bool("clip_score" in primary and primary.clip_score.notna().any())  # a text run's
+        # a text run's CLIP score and PickScore, a conditional run's class accuracy (evaluation/columns.py PER_FILE)
+        adherence = [k for k, _ in ADHERENCE if k in primary and primary[k].notna().any()]
         header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *([f"KID-{label} ×10³ ↓"] * kid),
-                  *(f"{m} ↓" for m in others), *(["CLIP score ↑"] * clip)]
+                  *(f"{m} ↓" for m in others), *(name for k, name in ADHERENCE if k in adherence)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
         for r in primary.to_dict("records"):
             same = part[_same(part, r)]
@@ -74,7 +77,7 @@ def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) 
             for m in others:
                 match = part[_same(part, r) & (part.metric == m)]
                 cells.append(_cell(match.fid.iloc[0]) if len(match) else "–")
-            cells += [_cell(r["clip_score"])] if clip else []
+            cells += [_cell(r[k]) for k in adherence]
             out.append(" | ".join(cells).join(["| ", " |"]))
         named = "; ".join(f"{r['metric']} against {r['reference']} ({'ADM evaluator' if r['protocol'] == 'adm' else 'clean-fid'}"
                           f", {r['mode']} mode)" for r in part.drop_duplicates("metric").to_dict("records"))

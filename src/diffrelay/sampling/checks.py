@@ -4,12 +4,11 @@ runs them). config.validate reports the first; each names the key and the fix.
 
 import json
 
+# MAX_GUIDANCE: the largest guidance scale, for the config, --guidance and prompt files (data/prompts.py holds it):
+# far beyond any useful one (the papers use 1-10, SD 7.5). Larger ones overflow float32 in the sampler: 1e39 is
+# not a float32 at all, 1e30 turns every image to NaN.
+from diffrelay.data.prompts import MAX_GUIDANCE
 from diffrelay.sampling.schedulers import problems
-
-# The largest guidance scale, for the config, --guidance and prompt files: far beyond any useful one (the papers
-# use 1-10, SD 7.5).
-# Larger ones overflow float32 in the sampler: 1e39 is not a float32 at all, 1e30 turns every image to NaN.
-MAX_GUIDANCE = 100.0
 
 
 def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults: dict) -> list[tuple[str, str]]:

@@ -16,8 +16,8 @@ from diffrelay.errors import UserError
 
 
 def items(path, first_seed: int) -> list:
-    """The images of a prompt file, in order (sampling.prompts.expand)."""
-    from diffrelay.sampling import prompts
+    """The images of a prompt file, in order (data.prompts.expand)."""
+    from diffrelay.data import prompts
 
     return prompts.expand(prompts.read(path), first_seed)
 
@@ -25,7 +25,7 @@ def items(path, first_seed: int) -> list:
 def held_out(dataset: Path, first_seed: int, limit: int = 0) -> list:
     """One image per held-out caption (the first of each held-out image, data.val_*): the held-out FID's prompts,
     against the held-out images' statistics; seeds first_seed + i. `limit` > 0 keeps the first `limit`."""
-    from diffrelay.sampling import prompts
+    from diffrelay.data import prompts
 
     if dataset is None:
         raise UserError("a text-conditional snapshot sampled without --config and without --prompts: give a prompt "

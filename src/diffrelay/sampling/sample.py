@@ -26,7 +26,7 @@ from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import export, guidance, prompted, schedulers
+from diffrelay.sampling import export, guidance, pipeline, prompted, schedulers
 from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
@@ -269,8 +269,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     torch.set_num_threads(s.threads)
     speed.set_backends(device, s.tf32, "sample.tf32")  # strict fp32 unless sample.tf32, as training's train.tf32
 
-    # Snapshot (verified by its own sha256) and the cheap checks that need its metadata.
-    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
+    # Snapshot (verified by its own sha256) or a pipeline folder, and the cheap checks that need its metadata.
+    net, meta, identity, s = pipeline.open_any(snapshot, s, device, model_cfg, data_cfg, resources)
     shape = tuple(meta["image_shape"])
     decoder = latent_data.load_decoder(meta, snapshot, data_cfg, resources, device)  # latent snapshots
     class_labels([0], meta, s.class_labels)
@@ -301,7 +301,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     if (model_cfg or {}).get("pretrained") is not None:
         meta = meta | {"model": meta["model"] | {"pretrained": model_cfg["pretrained"]}}
     scheduler = None if s.scheduler is None else schedulers.build(s, meta["model"], snapshot)
-    key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": io.sha256_file(snapshot),
+    key = {k: getattr(s, k) for k in PIXEL_KEYS} | {"snapshot_sha256": identity,
                                                      "image_shape": list(latent_data.output_shape(meta))}
     if s.edm.changed():  # only then: folders made with the defaults (and before sample.edm existed) stay valid
         key["edm"] = s.edm.changed()
@@ -384,6 +384,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
                     "batch_size": s.batch_size, "threads": s.threads, "nproc": world, "device": str(device),
                     "tf32": s.tf32,
                     "num_classes": meta.get("num_classes", 0) if is_conditional(meta) else 0, "started": started,
+                    "class_names": list(meta.get("class_names") or []) if is_conditional(meta) else [],  # class_accuracy
                     "phema": meta.get("phema")}  # a post-hoc EMA reconstruction's width and error (training/phema.py)
         result = finalize(work, out, meta, s, manifest, world)
         if result:
@@ -407,14 +408,13 @@ def default_settings(**overrides) -> "Settings":
 def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
-    cfg = config.load(args.config).to_dict() if args.config else config.validate({})
+    cfg, given = config.sample_config(args.snapshot, args.config, getattr(args, "resolution", None), args.prompts)
     s, run_cfg = settings.from_args(args, cfg, config.validate)
     want = getattr(args, "prompts_sha256", None)
     if want and s.prompts and io.sha256_file(s.prompts) != want:  # edited after the workflow planned this job
         raise UserError(f"{s.prompts}: changed since the workflow planned this job (sha256 {want[:12]}); run "
                         "snakemake again, which samples the file as it is now")
-    model_cfg = cfg["model"] if args.config else None
-    run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, model_cfg,
-        run_cfg["resources"], cfg["data"] if args.config else None,
+    run(args.snapshot, args.out, s, distributed.pick_device(run_cfg["device"]), rank, world, cfg["model"] if given else None,
+        run_cfg["resources"], cfg["data"] if given else None,
         config.run_dir(config.Config(cfg)) / "dataset" if args.config else None)
     return 0

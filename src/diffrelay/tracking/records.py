@@ -3,7 +3,7 @@
 - training records of metrics/train.jsonl up to the last finished segment (trained/step_X.json), one per step:
   a killed and resumed segment logs its steps after the last recovery checkpoint again, and the last record of
   a step (the run that went on) wins;
-- every evaluation's scores (metrics/fid/<folder>.json) and grid (samples/<folder>/grid.png), each under a
+- every evaluation's scores (metrics/fid/<folder>.json; a snapshot's held-out loss, metrics/val_loss/, in `main`) and grid (samples/<folder>/grid.png), each under a
   series named by the folder's variant suffix (evaluation/protocol.py): `main` for the plain folder, else the
   suffix without its underscore (g1.5, ema0.08, n50000_g1.5_s1, p1 ...). The scores are metrics.csv's score
   columns, read as the report reads them (evaluation/columns.py), so every one reaches the trackers under its
@@ -125,6 +125,15 @@ def collect(run_dir, until: int | None = None) -> Records:
             rec.times[key] = _ms(result.get("finished"))
         if bad:
             rec.rejected[key] = (str(path), bad)
+    for path in sorted((run_dir / "metrics" / "val_loss").glob("step_*.json")):  # a snapshot's held-out loss
+        key, result = _folder(path.stem), _read_json(path)
+        if key and isinstance(result, dict):
+            for k, v in columns.step_values(result).items():
+                if v is not None and _number(v) is None:
+                    rec.rejected.setdefault(key, (str(path), {}))[1][k] = v
+                elif v is not None:
+                    rec.evals.setdefault(key, {})[k] = _number(v)
+            rec.times.setdefault(key, _ms(result.get("finished")))
     for folder in sorted((run_dir / "samples").glob("step_*")):
         key = _folder(folder.name)
         manifest = _read_json(folder / "manifest.json") if key else None

@@ -161,6 +161,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     def save(path, at_step, **extra_meta):  # every process: sharded, each writes its own shards
         st.save(path, at_step, _meta(cfg, at_step, data, traj) | extra_meta)
 
+    def snapshot(at: int):  # an evaluation snapshot: a LoRA run's adapter only, and diffusers' file
+        st.snapshot(run_dir / "snapshots" / f"{checkpoint.step_name(at)}.safetensors", _meta(cfg, at, data, traj), cfg)
+
     # ---- Where this call stops, and what it writes on the way -----------------------------------
     segment_start = step
     snapshots = set(config.snapshot_steps(cfg, segment_start, until))
@@ -179,6 +182,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     log.info(f"segment: steps {step} -> {until} of {t.total_steps} | {world} process(es) x "
              f"{t.batch_size // (world * t.grad_accum)} images x {t.grad_accum} accumulation = batch {t.batch_size}"
              f" | {device.type} | {t.precision}")
+    if step in snapshots:  # sample.baseline: step 0, the network before any update (config/segments.py)
+        snapshot(step)
 
     # ---- Loop -----------------------------------------------------------------------------------
     window, seg_t0 = _new_window(), time.perf_counter()
@@ -202,7 +207,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         if st.consecutive >= t.max_skipped_steps:
             _stop_diverged(run_dir, step, st, save, metrics_path)
         if step in snapshots:  # every process (a sharded run gathers the weights); rank 0 writes
-            _snapshot(run_dir, step, st, cfg, data, traj)
+            snapshot(step)
         if st.pema and (step % t.phema.every == 0 or step == t.total_steps):
             # The run's last step always, so the workflow can reconstruct there whatever the length.
             st.pema.save(phema.file_path(run_dir, step), _meta(cfg, step, data, traj), st.sharded)
@@ -374,11 +379,6 @@ def _stop_diverged(run_dir, step, st, save, metrics_path) -> None:
     distributed.barrier()
     raise UserError(f"{verdict} (saved {path}, marked diverged); "
                     "lower train.lr, raise train.grad_clip or use train.precision=fp32, and use a new run.name")
-
-
-def _snapshot(run_dir, step, st, cfg, data, traj) -> None:
-    path = run_dir / "snapshots" / f"{checkpoint.step_name(step)}.safetensors"
-    st.snapshot(path, _meta(cfg, step, data, traj), cfg)  # a LoRA run's adapter only, and diffusers' file
 
 
 def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, segment_start) -> dict:

@@ -7,7 +7,9 @@ Formats, by extension:
   .yaml / .yml  a list whose entries are strings or mappings, or a mapping holding such a list as `prompts:`
   .jsonl        one JSON object or string a line (blank lines skipped)
   .json         a list of objects or strings (as OneTrainer's samples.json), or {"prompts": [...]}
-A mapping's keys are exactly prompt, negative_prompt, seed, guidance, steps, num_images; a string entry is a
+A mapping's keys are exactly prompt, negative_prompt, seed, guidance, steps, num_images, label (the class the
+prompt asks for, by a name of fid.classifier's labels: class_accuracy's, evaluation/class_accuracy.py; it changes
+no pixel); a string entry is a
 prompt line as in .txt (kohya treats the strings of its .json prompt lists the same way).
 
 Bounds: seed an integer in [0, 2^63 - 1] (seed + num_images - 1 too: image j of the entry uses seed + j);
@@ -17,7 +19,8 @@ num_images an integer in [1, 10000]. A missing value is None: sampling then uses
 `expand` gives every image its prompt and seed, deterministically, so every checkpoint samples the same
 images with the same seeds and their grids and CLIP scores compare across training.
 
-Imports the base modules and data (the seed range).
+Imports the base modules and data (the seed range). Prompt files are read where they are checked (config), sampled
+(sampling) and scored (evaluation's class_accuracy reads their labels).
 """
 
 import dataclasses
@@ -31,9 +34,9 @@ from pathlib import Path
 from diffrelay import io
 from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
-from diffrelay.sampling.checks import MAX_GUIDANCE  # one limit for the config, the flag and prompt files
 
-KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "num_images")
+MAX_GUIDANCE = 100.0  # one limit for sample.guidance, --guidance and prompt files (sampling/checks.py: why)
+KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "num_images", "label")
 MAX_BYTES = 64 << 20  # 64 MiB: hundreds of thousands of prompts; anything bigger is a wrong path
 MAX_STEPS = 10_000  # as sample.steps
 MAX_IMAGES = 10_000  # per entry
@@ -60,6 +63,7 @@ class Prompt:
     guidance: float | None
     steps: int | None
     num_images: int = 1
+    label: str | None = None  # class_accuracy's intended label; not sampled with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,8 @@ def expand(prompts: list[Prompt], first_seed: int) -> list[Item]:
 
 def fingerprint(prompts: list[Prompt]) -> str:
     """sha256 of the normalised entries: equal for files that sample the same images, whatever their format."""
-    rows = [dataclasses.asdict(p) for p in prompts]
+    # label only where given: files without one keep the fingerprint they had
+    rows = [{k: v for k, v in dataclasses.asdict(p).items() if k != "label" or v is not None} for p in prompts]
     return hashlib.sha256(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
                           .encode("utf-8")).hexdigest()
 
@@ -322,4 +327,9 @@ def _checked(v: dict, where: str) -> Prompt:
         guidance = float(guidance)
     if seed is not None and seed + num - 1 > MAX_SEED:
         raise UserError(f"{where}: seed {seed} + num_images {num} passes {MAX_SEED}; give a smaller seed")
-    return Prompt(prompt.strip(), None if neg is None else neg.strip(), seed, guidance, steps, num)
+    label = v.get("label")
+    if label is not None and (not isinstance(label, str) or not label.strip()):
+        raise UserError(f"{where}: label {label!r} is not a name; write one of fid.classifier's label names, or "
+                        "leave it out")
+    return Prompt(prompt.strip(), None if neg is None else neg.strip(), seed, guidance, steps, num,
+                  None if label is None else label.strip())

@@ -1,0 +1,68 @@
+"""Sampling a diffusers pipeline folder with no run at all: `diffrelay sample --snapshot <pipeline folder>`.
+
+The folder is read as `model.pretrained` reads it for a run (pretrained/: network, scheduler, VAE, text encoders,
+checked and hashed), and the network gets the folder's weights as step 0 of a run would: what is sampled is the
+pipeline as it came, with the same sampler, prompts files and seeds as any snapshot, so its folder compares with a
+fine-tune's checkpoints (issue 58's "did my fine-tune beat the base model?", before any run exists). The weights
+are the folder's own (no EMA); the sample folder's key names the folder's files' sha256 digest instead of a
+snapshot's.
+
+Imports torch, diffusers and transformers when used.
+"""
+
+from pathlib import Path
+
+from diffrelay.errors import UserError
+
+INDEX = "model_index.json"
+
+
+def is_pipeline(path) -> bool:
+    """A folder written by DiffusionPipeline.save_pretrained (its model_index.json), not a snapshot file."""
+    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def load(folder, cfg: dict, device):
+    """(net, meta, digest) of a pipeline folder under `cfg` (config.pipeline_config: its model, data and run): the network with the folder's weights,
+    in eval mode, and the record a snapshot would carry (image shape, latent encoder, text encoders)."""
+    from types import SimpleNamespace
+
+    from diffrelay import objectives
+    from diffrelay.data import encoders
+    from diffrelay.pretrained import folder as pipe_folder
+    from diffrelay.pretrained import weights
+    from diffrelay.text import encoders as text_encoders
+    from diffrelay.text import source
+
+    res = cfg["data"]["resolution"]
+    latent = encoders.resolve(SimpleNamespace(**cfg["data"]), cfg["run"]["resources"], fetch_missing=False)
+    if res % latent["factor"]:
+        raise UserError(f"--resolution {res}: not a multiple of the VAE's factor {latent['factor']}; use a multiple of "
+                        f"{latent['factor']}")
+    entries = [dict(e) for e in cfg["data"]["text_encoders"]]
+    records = text_encoders.records(entries)
+    text = source.TextSource([dict(r) | {"entry": e} for r, e in zip(records, entries)],
+                             text_encoders.combined_dims(records))
+    shape = [latent["channels"], res // latent["factor"], res // latent["factor"]]
+    net = objectives.build(cfg["model"], resolution=shape[1], num_classes=0, in_channels=shape[0], text=text.dims)
+    weights.load_initial(net, cfg["model"]["pretrained"])
+    meta = {"step": 0, "config": cfg, "model": cfg["model"], "image_shape": shape, "num_classes": 0,
+            "class_names": [], "latent": latent | {"image_shape": [3, res, res]}, "text": source.record(text)}
+    digest = pipe_folder.digest(pipe_folder.manifest(pipe_folder.read(cfg["model"]["pretrained"])))
+    return net.to(device).eval().requires_grad_(False), meta, digest
+
+
+def open_any(snapshot, s, device, model_cfg, data_cfg, resources):
+    """(net, meta, the sample key's snapshot_sha256, settings) of what `diffrelay sample` was given: a snapshot
+    (verified by its own sha256), or a pipeline folder (its own weights, raw, named by its files' digest)."""
+    import dataclasses
+
+    from diffrelay import io
+    from diffrelay.training import checkpoint
+
+    if is_pipeline(snapshot):
+        net, meta, digest = load(snapshot, {"model": model_cfg, "data": data_cfg, "run": {"resources": resources}},
+                                 device)
+        return net, meta, digest, dataclasses.replace(s, weights="raw")
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
+    return net, meta, io.sha256_file(snapshot), s
