@@ -544,6 +544,13 @@ def test_val_loss_is_the_same_on_a_rerun_and_moves_after_one_training_step(run):
     # The buckets are the thirds of the levels; the whole is their mean.
     assert first["val_loss"] == pytest.approx(sum(first["levels"]) / val_loss.LEVELS)
     assert first["val_loss_low"] == pytest.approx(sum(first["levels"][:2]) / 2)
+    # --out replaces only its own earlier result, refused before any work.
+    other = run["work"] / "someone_elses.json"
+    other.write_text('{"fid": 1.0}')
+    p = run_cli("val-loss", "--config", run["work"] / "ft.yaml", "--snapshot", snaps / "step_0000000.safetensors",
+                "--out", other, check=False)
+    assert p.returncode == 2 and "is not a result written by `diffrelay val-loss`" in p.stderr, p.stderr
+    assert other.read_text() == '{"fid": 1.0}'
     # A run without a held-out split: one line naming the key and the fix, at config time.
     d = raw(run["work"], run["sd"])
     d["data"]["val_fraction"], d["fid"]["metrics"] = 0.0, ["fid", "val_loss"]

@@ -60,45 +60,32 @@ def _held_out(dataset: Path):
     return val
 
 
-def _generators(rows, seed: int):
-    import torch
-
-    from diffrelay.data import order
-
-    return [torch.Generator().manual_seed(order.derive_seed(seed, SEED_TAG, i)) for i in rows]
-
-
-def _noise(rows, shape, seed: int, device):
-    """Image i's noise: the first draw of its own generator, the same at every checkpoint and level."""
-    import torch
-
-    return torch.stack([torch.randn(shape, generator=g) for g in _generators(rows, seed)]).to(device)
-
-
 def _batch(rows, val, enc, text, captions, meta, shape, classes, seed: int, device):
-    """(x, labels) of held-out images `rows`: pixels in [-1, 1], or the posterior draw of each latent (its
-    generator's second draw, after the noise), scaled as the loader scales training latents; labels the classes
+    """(x, labels, noise) of held-out images `rows`. Image i's generator, seeded by (seed, i), draws its noise
+    first, then (a latent run) its latent's posterior sample, so both are the same at every checkpoint and level.
+    x: pixels in [-1, 1], or that latent draw scaled as the loader scales training latents; labels: the classes
     and/or the Text of each image's first caption."""
     import numpy as np
     import torch
 
-    from diffrelay.data import encoders
+    from diffrelay.data import encoders, order
 
+    gens = [torch.Generator().manual_seed(order.derive_seed(seed, SEED_TAG, i)) for i in rows]
+    noise = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
     pixels = torch.from_numpy(np.array(val.images[rows])).permute(0, 3, 1, 2)  # a copy: the array is read-only
     if enc is None:
         x = pixels.to(device, torch.float32) / 127.5 - 1
     else:
         mean, std = encoders.encode(enc, pixels.to(device), meta["latent"]["encoder"])
-        gens = _generators(rows, seed)
-        eps = torch.stack([(torch.randn(shape, generator=g), torch.randn(shape, generator=g))[1] for g in gens])
+        eps = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
         scale, bias = (torch.tensor(meta["latent"][k], device=device).view(1, -1, 1, 1) for k in ("scale", "bias"))
-        x = (mean + std * eps.to(device)) * scale + bias
+        x = (mean + std * eps) * scale + bias
     labels = torch.from_numpy(np.asarray(val.labels[rows])).to(device) if classes else None
     if text is None:
-        return x, labels
+        return x, labels, noise
     cond = text.encode([captions[i] for i in rows], device)
     cond.labels = labels
-    return x, cond
+    return x, cond, noise
 
 
 def compute(cfg, snapshot, dataset, device="cpu", batch_size: int = 16, threads: int = 1) -> dict:
@@ -132,9 +119,8 @@ def compute(cfg, snapshot, dataset, device="cpu", batch_size: int = 16, threads:
             mine = [i for i, level in plan if level == k]
             for start in range(0, len(mine), batch_size):
                 rows = mine[start:start + batch_size]
-                x, labels = _batch(rows, val, enc, text, captions, meta, shape, classes, cfg.run.seed, device)
-                loss = objectives.loss(cfg, net, x, labels, torch.full((len(rows),), r, device=device),
-                                       _noise(rows, shape, cfg.run.seed, device))
+                x, labels, noise = _batch(rows, val, enc, text, captions, meta, shape, classes, cfg.run.seed, device)
+                loss = objectives.loss(cfg, net, x, labels, torch.full((len(rows),), r, device=device), noise)
                 if not torch.isfinite(loss):
                     raise UserError(f"{snapshot}: the held-out loss is not finite (images {rows} of {dataset / 'val'});"
                                     " the weights are broken (check the training loss)")
@@ -157,6 +143,9 @@ def main(args) -> int:
     from diffrelay.runtime import distributed
 
     log = logs.setup()
+    # Only its own earlier result is replaced: never a user's file, a score or a snapshot.
+    io.check_file_target(args.out, lambda p: io.is_json_object(p, ("val_loss", "levels", "snapshot_sha256")),
+                         "a result written by `diffrelay val-loss`")
     cfg = config.load(args.config)  # its rules refuse val_loss without a held-out split (evaluation/protocol.py)
     dataset = Path(args.dataset) if args.dataset else config.run_dir(cfg) / "dataset"
     batch = args.batch_size or cfg.sample.batch_size
