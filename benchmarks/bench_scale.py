@@ -2,6 +2,7 @@
 
   python benchmarks/bench_scale.py [--quick] [--resolution 8] [--threads 1] [--sizes 2000 50000 1281167] [--no-rss]
   python benchmarks/bench_scale.py --latents [--sizes 2000 50000 200000]   # -> results/scale_latents.json
+  python benchmarks/bench_scale.py --buckets [--resolution 8] [--bucket-step 1]   # -> results/scale_buckets.json
 
 host_ms_per_step[<dataset size>][<images per process>]: the host work of one training step with the
 network taken out, on one process: the data order (DataOrder.next_batch), reading the rows from the
@@ -22,6 +23,20 @@ reclaimable by the kernel. Writes benchmarks/results/scale.json.
 data.xflip 0.5): reading each row's mean and std (a flipped row from latents_xflip.npy), the objective's noise and
 this step's draw of every latent, (mean + std * eps) * scale + bias. Random values, written in full (64 KiB an
 image with the mirrors: 200,000 images are 13 GB, so ImageNet's 1.28 M are not written here). No rss runs.
+
+--buckets: the same host work for a pixel dataset prepared with data.buckets (data/bucketed.py's layout, written by
+synthetic.write_bucketed_dataset): buckets.sizes(resolution, --bucket-step, 2.0) (8 px, step 1: 6x10, 7x9, 8x8, 9x7,
+10x6, the shapes of 1024 px in 128-pixel steps) filled by synthetic.PHOTO_MIX (landscape first: about 39 % 10x6,
+22 % 8x8, 17 % 6x10, 14 % 9x7, 8 % 7x9), the rows of each bucket scattered over the dataset's order. A step is
+BucketOrder.next_batch and BatchMaker.make(step, indices, bucket) (the read from one bucket's array through
+rows.npy); `sizes_ms_per_step` is what a text run adds on top (BatchMaker._sizes: SDXL's add_time_ids rows from
+sizes.npy). `epoch_rebuild_ms`: BucketOrder's epoch (each bucket's permutation cut into batches, the batches'
+permutation), the median of 3 epochs; `members_ms`: the rows of each bucket, found once when a segment starts.
+Prepare's merge rule (min_images = one global batch) is applied per batch size, so the 2000-image set has fewer
+buckets at 256 and 1024 images a step (`buckets` records which). The same work without buckets (DataOrder, the
+square images.npy at the same resolution) is measured in the same run, alternately: `unbucketed_ms_per_step`
+(1200 steps each, in 6 alternate passes of 200). No rss runs. Other processes may share the CPUs:
+`machine.load_average` is read at the start and the end.
 """
 
 import argparse
@@ -171,9 +186,14 @@ def main():
     ap.add_argument("--no-rss", action="store_true", help="leave out the resident-memory runs")
     ap.add_argument("--latents", action="store_true", help="a latent dataset of 4 x 32 x 32 latents (see above)")
     ap.add_argument("--out", default=None, help="[default: results/scale.json, or scale_latents.json]")
+    ap.add_argument("--buckets", action="store_true", help="a bucketed pixel dataset (data.buckets, see above)")
+    ap.add_argument("--bucket-step", type=int, default=None, help="--buckets: bucket sides in multiples of this "
+                    "[default: resolution // 8]")
     args = ap.parse_args()
     if args.latents:
         return latent_main(args)
+    if args.buckets:
+        return bucket_main(args)
     args.out = args.out or str(HERE / "results" / "scale.json")
     torch.set_num_threads(args.threads)
     steps, before_steps, train_steps = (40, 3, 30) if args.quick else (300, 10, 100)
@@ -252,6 +272,107 @@ def latent_main(args) -> None:
     result["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                          "numpy": np.__version__}
     out = args.out or str(HERE / "results" / "scale_latents.json")
+    io.write_json(out, result)
+    print(f"wrote {out}")
+
+
+def bucket_step_ms(data, per_process: int, steps: int) -> tuple[list[float], list[float]]:
+    """Host ms of each step of a bucketed dataset (BucketOrder + BatchMaker.make), and of its SDXL size rows."""
+    from diffrelay.data.loader import BatchMaker
+    from diffrelay.data.order import BucketOrder
+
+    order = BucketOrder(SEED, data.buckets.members(), per_process)
+    maker = BatchMaker(data, SEED, per_process, rank=0, world=1, grad_accum=1, device="cpu")
+    times, sizes = [], []
+    for step in range(steps + 3):  # the first steps pay the first epoch and warm caches
+        t0 = time.perf_counter()
+        idx = order.next_batch()[0]
+        maker.make(step, idx, order.bucket)
+        t1 = time.perf_counter()
+        maker._sizes(idx, order.bucket)
+        times.append((t1 - t0) * 1e3)
+        sizes.append((time.perf_counter() - t1) * 1e3)
+    return times[3:], sizes[3:]
+
+
+def bucket_main(args) -> None:
+    from diffrelay import io
+    from diffrelay.data import buckets, datasets
+    from diffrelay.data.order import BucketOrder
+    from synthetic import bucket_counts, write_bucketed_dataset
+
+    torch.set_num_threads(args.threads)
+    steps, passes = (40, 2) if args.quick else (1200, 6)
+    step = args.bucket_step or max(1, args.resolution // 8)
+    sizes = buckets.sizes(args.resolution, step, 2.0)
+    settings = {"step": step, "max_aspect": 2.0, "upscale": False}
+    keys = ("host_ms_per_step", "host_ms_per_step_median", "unbucketed_ms_per_step", "unbucketed_ms_per_step_median",
+            "sizes_ms_per_step", "epoch_rebuild_ms", "amortized_rebuild_ms_per_step", "members_ms", "buckets")
+    result = {"settings": {**vars(args), "bucket_step": step, "max_aspect": 2.0, "steps": steps, "passes": passes,
+                           "bucket_sizes": [list(s) for s in sizes]}, **{k: {} for k in keys},
+              "unbucketed_epoch_rebuild_ms": {}}
+    load = [os.getloadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for n in args.sizes:
+            t0 = time.perf_counter()
+            plain = datasets.open_prepared(write_dataset(tmp / f"d{n}", n, args.resolution))
+            made = {}
+            for b in PER_PROCESS:
+                used, counts, merged = bucket_counts(n, sizes, minimum=b)
+                key = (tuple(used), tuple(counts))
+                if key not in made:
+                    made[key] = datasets.open_prepared(write_bucketed_dataset(
+                        tmp / f"b{n}-{len(made)}", n, args.resolution, used, counts,
+                        {**settings, "min_images": b, "merged": merged}))
+            os.sync()  # the write-back of what was just written would compete with the reads measured
+            print(f"wrote {n} images of {args.resolution}x{args.resolution}, squares and {len(made)} bucketed "
+                  f"set(s), in {time.perf_counter() - t0:.1f} s", flush=True)
+            t0 = time.perf_counter()
+            from diffrelay.data.order import epoch_permutation
+            epoch_permutation(SEED, 1, n)
+            result["unbucketed_epoch_rebuild_ms"][n] = round((time.perf_counter() - t0) * 1e3, 2)
+            for key in keys:
+                result[key][n] = {}
+            for b in PER_PROCESS:
+                used, counts, _ = bucket_counts(n, sizes, minimum=b)
+                data = made[(tuple(used), tuple(counts))]
+                t0 = time.perf_counter()
+                groups = data.buckets.members()
+                members = (time.perf_counter() - t0) * 1e3
+                order, rebuilds = BucketOrder(SEED, groups, b), []
+                for epoch in (1, 2, 3):
+                    t0 = time.perf_counter()
+                    order._permutation(epoch)
+                    rebuilds.append((time.perf_counter() - t0) * 1e3)
+                rebuild = statistics.median(rebuilds)
+                ours, plain_ms, extra = [], [], []
+                for _ in range(passes):  # alternately, so a busy spell on the shared machine hits both
+                    o, x = bucket_step_ms(data, b, steps // passes)
+                    ours += o
+                    extra += x
+                    plain_ms += host_step_ms(plain, b, steps // passes)
+                row = {"host_ms_per_step": statistics.mean(ours), "host_ms_per_step_median": statistics.median(ours),
+                       "unbucketed_ms_per_step": statistics.mean(plain_ms),
+                       "unbucketed_ms_per_step_median": statistics.median(plain_ms),
+                       "sizes_ms_per_step": statistics.mean(extra), "epoch_rebuild_ms": rebuild,
+                       "amortized_rebuild_ms_per_step": rebuild / order.per_epoch, "members_ms": members}
+                for k, v in row.items():
+                    result[k][n][b] = round(v, 4 if k.startswith("amortized") else 3)
+                result["buckets"][n][b] = {f"{w}x{h}": c for (w, h), c in zip(used, counts)}
+                print(f"{n:>8d} images  {b:>5d}/process  {len(used)} buckets  host {row['host_ms_per_step']:7.3f} "
+                      f"ms/step (median {row['host_ms_per_step_median']:6.3f})  unbucketed "
+                      f"{row['unbucketed_ms_per_step']:7.3f}  sizes +{row['sizes_ms_per_step']:.3f}  epoch "
+                      f"{rebuild:7.2f} ms ({row['amortized_rebuild_ms_per_step']:.4f} ms/step)  members "
+                      f"{members:.1f} ms", flush=True)
+            del plain, made, data
+            for path in tmp.iterdir():
+                shutil.rmtree(path)  # the disk holds one size at a time
+    load.append(os.getloadavg())
+    result["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                         "numpy": np.__version__, "load_average": [[round(x, 2) for x in v] for v in load],
+                         "note": "the 2 CPUs were shared with other processes during the run"}
+    out = args.out or str(HERE / "results" / "scale_buckets.json")
     io.write_json(out, result)
     print(f"wrote {out}")
 

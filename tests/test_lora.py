@@ -399,6 +399,50 @@ def test_an_int8_base_trains_the_adapter_and_resumes_bit_for_bit(run):
     assert "not sharded here" in one_line(lambda: config.validate(keys, "ft.yaml"))
 
 
+def test_sample_quantize_base_int8_samples_the_base_as_training_holds_it_and_is_keyed_only_when_set(run, tmp_path):
+    """sample.quantize_base: int8 quantizes the frozen base's linear layers before the adapter is attached (the
+    adapter stays fp32), as train.lora.quantize_base does; its images differ from the unquantized base's only
+    slightly; the folder's key names it only when set (null: the key as before); nf4 on a CPU and a run without
+    train.lora are one line each."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+    from torchao.utils import TorchAOBaseTensor
+
+    from diffrelay.sampling import sample, settings
+
+    d, snap = run["cfg"], run["one"] / "snapshots" / "step_0000002.safetensors"
+    net, _ = checkpoint.load_snapshot(snap, "ema", model_cfg=d["model"], quantize=("int8", "fp32"))
+    q = weights.text_net(net).down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q
+    assert isinstance(q.base_layer.weight, TorchAOBaseTensor)
+    assert not isinstance(q.lora_A["default"].weight, TorchAOBaseTensor) and q.lora_B["default"].weight.abs().sum() > 0
+    fp32, _ = checkpoint.load_snapshot(snap, "ema", model_cfg=d["model"])
+    torch.manual_seed(0)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        got, want = (weights.text_net(m)(x, t, encoder_hidden_states=text).sample for m in (net, fp32))
+    assert 0 < (got - want).norm() / want.norm() < 5e-3  # measured: 1.3e-3 (max 1.5e-3 of outputs up to 1.2)
+    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
+    s = dataclasses.replace(settings.Settings.from_section(d["sample"]), steps=3, batch_size=2,
+                            prompts=str(tmp_path / "prompts.txt"))
+    where = {"model_cfg": d["model"], "data_cfg": d["data"], "resources": d["run"]["resources"]}
+    plain = sample.run(snap, tmp_path / "plain", s, **where)
+    int8 = sample.run(snap, tmp_path / "int8", dataclasses.replace(s, quantize_base="int8"), **where)
+    assert "quantize_base" not in plain and int8.pop("quantize_base") == "int8"
+    assert {k: v for k, v in plain.items() if k in sample.PIXEL_KEYS} == {k: v for k, v in int8.items()
+                                                                          if k in sample.PIXEL_KEYS}
+    a, b = (np.stack([np.asarray(Image.open(tmp_path / f / f"{i:06d}.png")).astype(int) for i in range(2)])
+            for f in ("plain", "int8"))
+    diff = np.abs(a - b)  # measured: at most 1 of 255, 24 of 1,536 values
+    assert 0 < diff.max() <= 4 and diff.mean() < 0.1, (diff.max(), diff.mean())
+    assert "bitsandbytes' 4-bit inference is sampled on CUDA" in one_line(  # before any weight is read
+        lambda: sample.run(snap, tmp_path / "nf4", dataclasses.replace(s, quantize_base="nf4"), **where))
+    bad = raw(run["work"], run["sd"], name="q", lora=None)
+    bad["sample"]["quantize_base"] = "int8"
+    assert "this run has no train.lora" in one_line(lambda: config.validate(bad, "q.yaml"))
+
+
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
 def test_each_adapter_kind_trains_alone_and_is_written_where_its_loader_reads_it(run, kind):
     """train.lora.kind through peft's own configs: only the adapter's tensors train and are checkpointed; DoRA's

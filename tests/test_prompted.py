@@ -52,15 +52,16 @@ def test_guidance_needs_caption_dropout_and_a_negative_prompt_at_guidance_1_is_s
     prompted.check({"config": {"data": {}}}, items({"prompt": "a red circle"}), 1.0, "snap")
 
 
-def test_groups_share_guidance_and_steps_and_keep_every_index_once():
+def test_groups_share_guidance_steps_and_size_and_keep_every_index_once():
     chosen = items({"prompt": "a"}, {"prompt": "b", "guidance": 3.0}, {"prompt": "c", "steps": 5},
-                   {"prompt": "d", "num_images": 2})
+                   {"prompt": "d", "num_images": 2}, {"prompt": "e", "width": 24, "height": 16})
     out = list(prompted.groups(chosen, range(len(chosen)), 2.0, 8))
-    assert sorted(i for _, _, part in out for i in part) == list(range(5))
-    knobs = {(g, n): part for g, n, part in out}
-    assert knobs == {(2.0, 8): [0, 3, 4], (3.0, 8): [1], (2.0, 5): [2]}
-    # A process's share (round robin) groups the same way.
-    assert [part for _, _, part in prompted.groups(chosen, [1, 3], 2.0, 8)] == [[3], [1]]
+    assert sorted(i for _, _, _, part in out for i in part) == list(range(6))
+    knobs = {(g, n, z): part for g, n, z, part in out}
+    assert knobs == {(2.0, 8, None): [0, 3, 4], (3.0, 8, None): [1], (2.0, 5, None): [2], (2.0, 8, (24, 16)): [5]}
+    # A process's share (round robin) groups the same way; an entry without a size takes the folder's.
+    assert [part for _, _, _, part in prompted.groups(chosen, [1, 3], 2.0, 8)] == [[3], [1]]
+    assert [z for _, _, z, _ in prompted.groups(chosen, [3, 5], 2.0, 8, (16, 24))] == [(16, 24), (24, 16)]
 
 
 def test_the_seed_of_each_image_and_the_fingerprint_of_the_items():

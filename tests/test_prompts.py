@@ -47,7 +47,8 @@ def test_txt_kohya_options(tmp_path):
 
 
 @pytest.mark.parametrize("line, fragments", [
-    ("a cat --w 512", ["line 1", "unknown option '--w 512'", "--n negative prompt, --d seed"]),
+    ("a cat --ss euler_a", ["line 1", "unknown option '--ss euler_a'", "--n negative prompt, --d seed"]),
+    ("a cat --w 512", ["line 1", "width without height; give both"]),
     ("a cat -- digital art", ["unknown option", "YAML or JSON file"]),
     ("a cat --d 1 --d 2", ["option --d given twice"]),
     ("a cat --n", ["option --n has no value"]),
@@ -126,7 +127,9 @@ def test_expand_seeds():
     ({"prompt": "a", "cfg_scale": 7}, ["unknown key 'cfg_scale'", "did you mean 'guidance'"]),
     ({"prompt": "a", "sample_steps": 7}, ["did you mean 'steps'"]),
     ({"prompt": "a", "seeds": 7}, ["did you mean 'seed'"]),
-    ({"prompt": "a", "width": 512}, ["unknown key 'width'; the keys are"]),
+    ({"prompt": "a", "size": 512}, ["unknown key 'size'; the keys are"]),
+    ({"prompt": "a", "width": 512}, ["width without height; give both"]),
+    ({"prompt": "a", "width": 512, "height": 8.5}, ["height 8.5", "from 8 to 16384"]),
     ({"negative_prompt": "x"}, ["no prompt; add prompt:"]),
     ({"prompt": ""}, ["empty prompt"]),
     ({"prompt": 5}, ["prompt is a integer"]),

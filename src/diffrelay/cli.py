@@ -29,6 +29,14 @@ def _config(p, required=True):
                    help="run config; repeat to layer files (later ones win)")
 
 
+def _size(text: str) -> tuple[int, int]:
+    """An image size as the workflow's folder names write it: WIDTHxHEIGHT in pixels, e.g. 1216x832."""
+    w, x, h = text.lower().partition("x")
+    if not (x and w.isdigit() and h.isdigit() and int(w) >= 8 and int(h) >= 8):
+        raise argparse.ArgumentTypeError(f"{text!r}: use WIDTHxHEIGHT in pixels, each at least 8, e.g. 1216x832")
+    return int(w), int(h)
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -99,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder for PNGs, grid.png and manifest.json")
     p.add_argument("--resolution", type=int, help="a pipeline folder: the image side in pixels [default: "
                    "data.resolution of --config]")
+    p.add_argument("--size", type=_size, metavar="WxH", help="the image size in pixels, width x height, e.g. "
+                   "1216x832 (the workflow passes one of sample.sizes) [default: the snapshot's square, "
+                   "data.resolution]")
     p.add_argument("--num-images", type=int, help="how many images (sample.num_images)")
     p.add_argument("--first-seed", type=int, help="image i gets seed first-seed + i (sample.first_seed)")
     p.add_argument("--steps", type=int, help="sampler steps; heun makes 2 x steps - 1 network evaluations "
@@ -119,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast the network's forward "
                    "(sample.precision)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, help="sample.tf32: TF32 matmuls on CUDA")
+    p.add_argument("--quantize-base", choices=["int8", "fp8", "nf4"], help="a LoRA run's frozen base quantized "
+                   "as train.lora.quantize_base holds it (sample.quantize_base) [default: unquantized]")
     p.add_argument("--threads", type=int, help="CPU threads of this process (sample.threads)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = off")
+    p.add_argument("--true-cfg-scale", type=float, help="FLUX.1: FluxPipeline's true_cfg_scale for prompts with a "
+                   "negative prompt (sample.true_cfg_scale); 1 = off")
     p.add_argument("--prompts", metavar="FILE", help="a text run's prompt file (sample.prompts): one prompt a line, or "
                    "YAML/JSONL entries with prompt, negative_prompt, seed, guidance, steps, num_images, label")
     p.add_argument("--held-out-captions", action="store_true", help="a text run: sample one image per held-out "
@@ -294,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--best-by", choices=list(BETTER), default="fid", help="fid.best_by: the lowest distance or loss "
                    f"({', '.join(k for k, v in BETTER.items() if v == 'lower')}) or the highest score "
                    f"({', '.join(k for k, v in BETTER.items() if v == 'higher')}) [default: fid]")
+    p.add_argument("--best-size", type=_size, metavar="WxH", help="sample.sizes: the size whose results pick the best "
+                   "checkpoint (the first of sample.sizes) [default: the data.resolution square's, else the first "
+                   "size in the results]")
     p.set_defaults(module="diffrelay.evaluation.report")
     return parser
 

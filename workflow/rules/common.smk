@@ -169,19 +169,24 @@ SEED_SETS = range(CFG.sample.seed_sets)
 PROMPT_FILES = list(range(max(1, len(protocol.prompt_files(CFG.to_dict()["sample"])))))
 # sample.held_out_captions: the held-out captions too, evaluated as their own variant (_ph).
 PROMPT_FILES += [protocol.HELD_OUT] if CFG.sample.held_out_captions else []
+# sample.sizes: each image size its own evaluation (_<width>x<height>; none for the data.resolution square).
+SIZES = protocol.sizes(CFG.to_dict())
 FIRST_PASS = [
-    protocol.variant(None, g, s, decay=d, prompts=k)
+    protocol.variant(None, g, s, decay=d, prompts=k, size=z)
     for d in EMA_DECAYS
     for g in GUIDANCE_SCALES
     for s in SEED_SETS
     for k in PROMPT_FILES
+    for z in SIZES
 ]
 FINAL = CFG.fid.final
 
 
 def final_variants(guidance, decay=None):
+    """The second pass's evaluations: at the one size of sample.sizes (several are refused with fid.final)."""
     return [
-        protocol.variant(FINAL.num_images, guidance, s, decay=decay) for s in SEED_SETS
+        protocol.variant(FINAL.num_images, guidance, s, decay=decay, size=SIZES[0])
+        for s in SEED_SETS
     ]
 
 

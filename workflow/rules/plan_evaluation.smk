@@ -197,7 +197,7 @@ SAMPLER_FLAGS = {
 
 
 def get_sample_settings(wildcards):
-    """--num-images, --first-seed and --guidance of one evaluation, from its variant suffix."""
+    """--num-images, --first-seed, --guidance (and --size) of one evaluation, from its variant suffix."""
     count, guidance, seed_set = protocol.parse_variant(wildcards.variant)
     decay = protocol.variant_decay(wildcards.variant)
     count = count or CFG.sample.num_images
@@ -213,6 +213,16 @@ def get_sample_settings(wildcards):
         edm_flags += f" --guide {shlex.quote(guide[0])}"
     if decay is not None:
         edm_flags += f" --ema-decay {decay!r}"
+    # sample.sizes: the folder's image size (none for the square: its command as it was)
+    size = protocol.variant_size(wildcards.variant)
+    if size is not None:
+        edm_flags += f" --size {protocol.size_name(size)}"
+    # sample.quantize_base and FLUX.1's sample.true_cfg_scale, only when set (other runs keep their command):
+    # changing either resamples
+    if CFG.sample.quantize_base is not None:
+        edm_flags += f" --quantize-base {CFG.sample.quantize_base}"
+    if CFG.sample.true_cfg_scale != 1:
+        edm_flags += f" --true-cfg-scale {CFG.sample.true_cfg_scale!r}"
     # sample.scheduler, only when set (other runs keep their command): changing it resamples
     scheduler = CFG.to_dict()["sample"].get("scheduler")
     if scheduler:
@@ -293,11 +303,12 @@ def get_sample_config_args(wildcards, threads):
 # under the variant _ema<width> (every guidance scale and seed set of the first pass).
 PHEMA_STEP = step_name(CFG.train.total_steps)
 PHEMA_VARIANTS = [
-    protocol.variant(None, g, s, ema, prompts=k)
+    protocol.variant(None, g, s, ema, prompts=k, size=z)
     for ema in CFG.sample.phema
     for g in GUIDANCE_SCALES
     for s in SEED_SETS
     for k in PROMPT_FILES
+    for z in SIZES
 ]
 
 

@@ -46,7 +46,9 @@ rule build_report:
         # fid.best_by rides here when not the default: a param of its own (even empty) would rerun every
         # finished run's report once, and a new word in the shell text would too.
         evaluated=(f" --evaluated {shlex.quote(EVALUATED)}" if EVALUATED else "")
-        + (f" --best-by {CFG.fid.best_by}" if CFG.fid.best_by != "fid" else ""),
+        + (f" --best-by {CFG.fid.best_by}" if CFG.fid.best_by != "fid" else "")
+        # sample.sizes: the first size picks the best checkpoint (said only when it is not the square)
+        + (f" --best-size {protocol.size_name(SIZES[0])}" if SIZES[0] else ""),
     message:
         "Writing the {wildcards.run} report"
     shell:

@@ -27,6 +27,8 @@ def data_hash(cfg: Config) -> str:
     # Latent: the files differ (pixels kept or not) and may come from other weights; text: a cache or not.
     extra = ("encoder_path", "keep_images") * _latent(data) + ("text_cache", "text_encoders") * ("captions" in data)
     data = data | {k: cfg.to_dict()["data"][k] for k in extra}
+    if data.get("buckets") and data["buckets"]["min_images"] is None:  # the global batch is the merge's minimum
+        data["buckets"] = data["buckets"] | {"min_images": cfg.train.batch_size}
     blob = json.dumps({"data": data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -98,6 +100,8 @@ def trajectory_of(d: dict) -> dict:
     # Pixel runs read as they did before latents existed. Where the weights are and whether the pixels are kept
     # too does not change the weights: the dataset's fingerprint names the encoder by its sha256.
     center = ("crop",) if data.get("crop") == "center" else ()  # the default: hashed as before data.crop existed
+    if data.get("buckets", 0) is None:
+        del data["buckets"]  # off: hashed as before data.buckets existed
     for key in ("encoder_path", "keep_images") + center + (() if _latent(data) else ("encoder", "latent_norm")):
         data.pop(key, None)
     if data.get("encoder") == "sd-vae":

@@ -322,6 +322,82 @@ def latent_model(cfg, side: int, source: str) -> None:
         raise UserError(f"{source}: {key}: {why} (the network sees {side}x{side} latents)")
 
 
+def bucket_sizes(cfg, sizes, source: str, key: str = "data.buckets.step") -> None:
+    """Every bucket size (width, height in pixels) is one the network takes: a multiple of the encoder's factor
+    times the network's down-sampling; DiT's and SiT's position tables take one size only."""
+    from diffrelay.nets import checks
+
+    factor = cfg.data.resolution // net_geometry(cfg, source)[1]  # the encoder's (1 for pixels)
+    down = checks.downsampling(cfg.to_dict()["model"])
+    if down is None:
+        raise UserError(f"{source}: data.buckets: model.arch={cfg.model.arch} has position tables of one size "
+                        "(data.resolution's square), so it cannot train other shapes; set data.buckets null")
+    kw = cfg.to_dict()["model"]["kwargs"]
+    table = kw.get("pos_embed_max_size") if cfg.model.arch == "sd3" else None  # SD3 crops its table: at most this
+    for w, h in sizes:
+        if table and max(w, h) // (factor * down) > table:
+            raise UserError(f"{source}: data.buckets: bucket {w}x{h} is {max(w, h) // (factor * down)} patches long, "
+                            f"more than the SD3 transformer's position table (pos_embed_max_size={table}); lower "
+                            "data.buckets.max_aspect or data.resolution")
+        if w % (factor * down) or h % (factor * down):
+            raise UserError(f"{source}: {key}={cfg.data.buckets.step}: bucket {w}x{h} is not a multiple of "
+                            f"{factor * down} (the encoder's factor {factor} x the network's down-sampling {down}); "
+                            f"use a step that is a multiple of {factor * down}")
+
+
+def dataset_buckets(cfg, data, source: str) -> None:
+    """A bucketed dataset (data.buckets) at training: every bucket fills a global batch, the network takes its size."""
+    if data.buckets is not None:
+        from diffrelay.data import bucketed
+
+        bucketed.check_batches(data, cfg.train.batch_size, source)
+        bucket_sizes(cfg, data.buckets.sizes, source)
+
+
+def check_buckets(cfg, source: str) -> None:
+    """data.buckets: the step gives buckets the network takes (before prepare decodes anything)."""
+    if getattr(cfg.data, "buckets", None) is None:
+        return
+    from diffrelay.data import buckets
+
+    b = cfg.data.buckets
+    if cfg.data.kind != "folder" or cfg.data.crop != "center":
+        raise UserError(f"{source}: data.buckets: needs a folder of images (data.kind folder) cut with data.crop "
+                        f"center (this config: {cfg.data.kind}, {cfg.data.crop}); set those, or data.buckets null")
+    try:
+        buckets.check_settings({"step": b.step, "max_aspect": b.max_aspect}, cfg.data.resolution)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from e
+    bucket_sizes(cfg, buckets.sizes(cfg.data.resolution, b.step, b.max_aspect), source)
+
+
+def check_sizes(cfg, source: str) -> None:
+    """sample.sizes of a latent run (a pixel run's are config.rules') and the sizes prompt files give their entries
+    (width, height) against the network's whole down-sampling and position tables (nets/checks.py), before any job.
+    A prompt file that cannot be read is said when it is sampled, naming its line."""
+    from diffrelay.data import prompts
+    from diffrelay.nets import checks
+
+    d = cfg.to_dict()
+    wanted = [tuple(x) for x in d["sample"].get("sizes") or []]
+    given = []
+    for f in protocol.prompt_files(d["sample"]) if cfg.data.captions != "none" else []:
+        try:
+            given += [(f, k, e) for k, e in enumerate(prompts.read(f), 1) if e.width is not None]
+        except UserError:
+            continue
+    if not wanted and not given:
+        return
+    vae = cfg.data.resolution // net_geometry(cfg, source)[1]  # the encoder's factor (1 for pixels)
+    bad = checks.check_sizes(d["model"], wanted, vae, cfg.data.resolution) if vae > 1 else []
+    if bad:
+        raise UserError(f"{source}: {bad[0][0]}: {bad[0][1]}")
+    for f, k, e in given:
+        bad = checks.check_sizes(d["model"], [(e.width, e.height)], vae, cfg.data.resolution)
+        if bad:
+            raise UserError(f"{f}: entry {k}: width {e.width}, height {e.height}: {bad[0][1]}")
+
+
 def check(cfg, source: str, credentials: bool = True) -> None:
     """Everything that can be checked before any job starts; `credentials`: also the trackers' (only where the
     track jobs run: the Snakefile's main process and `diffrelay validate`, not a job's parse on a node)."""
@@ -333,5 +409,7 @@ def check(cfg, source: str, credentials: bool = True) -> None:
     if bad:
         raise UserError(f"{source}: {bad[0][0]}: {bad[0][1]}")
     check_latent(cfg, source)
+    check_sizes(cfg, source)
+    check_buckets(cfg, source)
     check_inputs(cfg, source)
     check_run_folder(cfg, source)

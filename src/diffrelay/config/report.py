@@ -142,6 +142,22 @@ def network_line(cfg: config.Config, params: int, classes: int) -> str:
             f"{forward_cost(cfg, params, classes)} at {side}x{side}x{channels}, {what}")
 
 
+def bucket_lines(cfg) -> list[str]:
+    """data.buckets: each bucket of the folder and its images, and what was merged (each image's header is read,
+    as prepare reads it: a minute or two for a million files)."""
+    if cfg.data.buckets is None:
+        return []
+    import numpy as np
+
+    from diffrelay.data import bucketed, datasets
+
+    p = datasets.plan(cfg.data, batch=cfg.train.batch_size)
+    counts = np.bincount([b for b in p.bucket_of if b >= 0], minlength=len(p.buckets)).tolist()
+    rec = {"settings": p.bucket_settings, "sizes": [list(b) for b in p.buckets], "counts": counts}
+    return [f"# buckets: {len(p.buckets)} of {sum(counts)} images (data.buckets; width x height in pixels)",
+            *(f"#{line}" for line in bucketed.describe(rec))]
+
+
 def main(args) -> int:
     cfg = config.load(args.config)
     preflight.check(cfg, ", ".join(args.config))
@@ -152,7 +168,7 @@ def main(args) -> int:
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(network_line(cfg, params, classes))  # a YAML comment, so stdout stays a valid config
-    for line in (text_line(cfg), sample_line(cfg)):
+    for line in (text_line(cfg), sample_line(cfg), *bucket_lines(cfg)):
         if line:
             print(line)
     from diffrelay.config import memory  # `# memory:` lines, and a warning when the GPUs are too small

@@ -40,6 +40,7 @@ def check(d: dict, schema: dict) -> list[tuple[str, str]]:
     bad += check_phema(t, s) + settings.check_config(d)
     if data["encoder"] == "none":  # a latent run's network sees the latents: preflight.check_latent checks it
         bad += checks.check_model(m, data["resolution"])
+        bad += checks.check_sizes(m, s.get("sizes"), 1, data["resolution"])  # a latent run's: preflight.check_sizes
     bad += _latent_rules(d)
     from diffrelay.runtime.gpus import check_pool  # light: no torch
     bad += check_pool(d)

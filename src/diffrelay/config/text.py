@@ -47,7 +47,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
         if not Path(f).expanduser().is_file():
             bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
-    if text and s.get("guide") is None and all(g == 1 for g in scales):
+    if text and s.get("guide") is None and all(g == 1 for g in scales) and s.get("true_cfg_scale", 1) == 1:
         from diffrelay.data import prompts as prompt_files  # reads the files: data's concern
 
         bad += prompt_files.unguided_negatives(prompts)

@@ -308,7 +308,7 @@ def val_plan(p):
     return dataclasses.replace(
         p, files=p.val_files, root=root, source=str(root.resolve()) if root else p.source, texts=p.val_texts,
         caption_rows=p.val_caption_rows, val_files=(), val_texts=(), val_caption_rows=(), val_root=None, latent=None,
-        xflip=False, keep_images=True)
+        xflip=False, keep_images=True, buckets=(), bucket_of=(), bucket_settings=None)  # held-out images: squares
 
 
 def label_of(rels, class_names, where: Path) -> tuple[list[int], list]:

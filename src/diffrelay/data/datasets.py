@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
-from diffrelay.data import captions, crop, encoders, latents
+from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents
+from diffrelay.data.files import (EXTENSIONS, MAX_IMAGE_BYTES, folder_labels, hash_files, list_images,  # noqa: F401
+                                  to_rgb, unopenable)
 from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
 FORMAT = "diffrelay-dataset/1"
 FOLDER_VERSION = 1  # bump when loading/cropping/resizing changes the pixels
-EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-MAX_IMAGE_BYTES = 1 << 30  # one image file; a bigger one is a video, an archive or a wrong path
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,15 @@ class Plan:
     val_root: str | None = None  # data.val_path; None: the held-out images are in `root`
     caption_source: str = ""
     text: tuple = ()  # the text encoders' records (prepare)
+    buckets: tuple = ()  # data.buckets: (width, height) of each bucket (data/buckets.py); () = squares
+    bucket_of: tuple = ()  # each file's bucket index; -1: unreadable, skipped
+    bucket_settings: dict | None = None
 
     def __post_init__(self):  # a plan read back from JSON (encoding.read_plan) holds lists
-        for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text"):
+        for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text",
+                     "buckets", "bucket_of"):
             v = getattr(self, name)
-            object.__setattr__(self, name, tuple(v) if "text" in name else tuple(map(tuple, v)))
+            object.__setattr__(self, name, tuple(v) if "text" in name or name == "bucket_of" else tuple(map(tuple, v)))
 
     @property
     def total(self) -> int:
@@ -81,6 +85,7 @@ class Prepared:
     latents_xflip: np.ndarray | None = None
     captions: "captions.Captions | None" = None  # a captioned dataset's (captions.json)
     text: object = None  # a text run's text.source.TextSource, set by training (train._set_up)
+    buckets: "bucketed.Buckets | None" = None  # data.buckets: each bucket's arrays (data/bucketed.py)
 
     @property
     def shape(self) -> tuple:
@@ -90,98 +95,17 @@ class Prepared:
         side = self.resolution // self.latent["factor"]
         return self.latent["channels"], side, side
 
+    def shape_of(self, bucket: int | None) -> tuple:
+        """(C, H, W) of what the network sees of a bucket's images (None: the squares)."""
+        if bucket is None or self.buckets is None:
+            return self.shape
+        w, h = self.buckets.sizes[bucket]
+        f = 1 if self.latent is None else self.latent["factor"]
+        return self.shape[0], h // f, w // f
+
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------- folders
-
-def list_images(root, key: str = "data.path") -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every image under `root`, sorted by relative path.
-
-    Recursive; extensions .png .jpg .jpeg .webp in any case. Names starting with "." (files or folders)
-    are ignored: they are hidden files such as macOS "._x.jpg" resource forks, which are not images.
-    Symlinked folders are not followed; symlinked files are, and a dangling one counts as unreadable.
-    """
-    root = Path(root)
-    if not root.exists():
-        raise UserError(f"{root}: {key}: folder not found; set {key} to an existing image folder")
-    if not root.is_dir():
-        raise UserError(f"{root}: {key}: is a file, not a folder; set {key} to the folder that holds the images")
-
-    def unreadable_folder(e: OSError):
-        # os.walk would silently leave out a folder it cannot list; a dataset missing a class is worse.
-        raise UserError(f"{e.filename}: cannot list folder ({e.strerror}); {io.advice(e)}") from e
-
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable_folder):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if not name.startswith(".") and name.lower().endswith(EXTENSIONS):
-                path = Path(dirpath) / name
-                found.append((path.relative_to(root).as_posix(), path))
-    if not found:
-        raise UserError(f"{root}: {key}: no images found (searched recursively for "
-                        f"{', '.join(EXTENSIONS)}, any case); add images or point {key} at another folder")
-    return sorted(found)
-
-
-def _unopenable(path: Path, e: OSError) -> str:
-    why = "dangling symlink" if path.is_symlink() and not path.exists() else (e.strerror or str(e))
-    return f"{path}: cannot open image file ({why}); fix or remove it, or set data.on_corrupt: skip"
-
-
-def hash_files(root, on_corrupt: str = "error", key: str = "data.path") -> tuple:
-    """(relative path, sha256 of bytes) per image; sha is None for an unreadable file when skipping.
-
-    Only regular files are opened: a FIFO or a link to a device named like an image would block forever."""
-    out = []
-    for rel, path in list_images(root, key):
-        try:
-            io.check_regular_file(path, MAX_IMAGE_BYTES, "image file",
-                                  "fix or remove it, or set data.on_corrupt: skip")
-            out.append((rel, io.sha256_file(path)))
-        except UserError:
-            if on_corrupt != "skip":
-                raise
-            out.append((rel, None))
-        except OSError as e:
-            if on_corrupt != "skip":
-                raise UserError(_unopenable(path, e)) from e
-            out.append((rel, None))
-    return tuple(out)
-
-
-def folder_labels(rels) -> tuple[list[int], list[str]]:
-    """Class labels of relative paths, from their first-level subfolder.
-
-    Labelled only when every image sits inside a first-level subfolder (a/x.png, a/b/y.png: class "a") and
-    there are at least 2 such subfolders; class index = position of the name in sorted order. Otherwise
-    every label is 0 and there are no class names (an unlabelled dataset).
-    """
-    tops = [r.split("/")[0] if "/" in r else None for r in rels]
-    if None in tops or len(set(tops)) < 2:
-        return [0] * len(rels), []
-    names = sorted(set(tops))
-    index = {n: i for i, n in enumerate(names)}
-    return [index[t] for t in tops], names
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any PIL mode to 8-bit RGB. Transparent pixels are composited over white: their stored colour is
-    arbitrary (often black), and white is how image viewers and web pages usually show transparency."""
-    img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16-bit greyscale: scale to 8 bits; PIL's own convert() would clip everything above 255 to white.
-        a = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8), "L")
-    if (img.mode == "P" and "transparency" in img.info) or img.mode in ("PA", "LA", "La", "RGBa"):
-        img = img.convert("RGBA")
-    if img.mode == "RGBA":
-        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, img).convert("RGB")
-    return img.convert("RGB")
 
 
 def load_image(data: bytes, resolution: int, mode: str = "center") -> np.ndarray:
@@ -193,9 +117,10 @@ def load_image(data: bytes, resolution: int, mode: str = "center") -> np.ndarray
     return crop.square(img, resolution, mode)
 
 
-def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tuple) -> np.ndarray | None:
-    """The image of one (rel, sha) entry of a plan; None when it cannot be read and on_corrupt is skip."""
-    rel, sha = item
+def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tuple):
+    """The image of one (rel, sha) entry of a plan; None when it cannot be read and on_corrupt is skip. An entry
+    (rel, sha, width, height) of a bucketed plan gives (square, bucket's image, its sizes: buckets.cut)."""
+    rel, sha = item[:2]
     path = root / rel
     if sha is None:
         return None
@@ -203,9 +128,14 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tup
         data = path.read_bytes()
     except OSError as e:
         if on_corrupt != "skip":
-            raise UserError(_unopenable(path, e)) from e
+            raise UserError(unopenable(path, e)) from e
         return None
     try:
+        if len(item) > 2:
+            with Image.open(bytes_io.BytesIO(data)) as img:
+                img.load()
+                img = to_rgb(img)
+            return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]))
         return load_image(data, resolution, mode)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         # PIL reports broken files with several exception types (UnidentifiedImageError is an OSError).
@@ -230,6 +160,8 @@ def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
         fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop), p.files
+        if p.buckets:  # the bucket's size travels with each file; a file found unreadable by its header is skipped
+            items = [(rel, sha if b >= 0 else None, *p.buckets[b]) for (rel, sha), b in zip(items, p.bucket_of)]
     if indices is not None:
         items = [items[i] for i in indices]
     with contextlib.closing(parallel.ordered_map(fn, items, workers, chunk, processes=True, start=start)) as results:
@@ -267,11 +199,14 @@ class Progress:
         return head + (f"eta {logs.fmt_duration((self.total - self.done) / rate)}" if rate else "eta ?")
 
 
-def plan(data, latent: dict | None = None) -> Plan:
+def plan(data, latent: dict | None = None, batch: int | None = None) -> Plan:
     """Check the `data` config section and fingerprint its source. Folder datasets hash every file. `latent`:
     the encoder's record (encoders.record) for a latent dataset; its sha256 and conventions join the fingerprint, as
-    do the captions (read here, before any image is decoded: captions.attach)."""
+    do the captions (read here, before any image is decoded: captions.attach) and the buckets (data.buckets: each
+    image's size read from its header; `batch`, the global batch, is their default minimum: buckets.attach)."""
     p = captions.attach(_pixel_plan(data), data, hash_files, folder_labels)
+    if getattr(data, "buckets", None) is not None:
+        p = buckets.attach(p, data, batch)
     if latent is None:
         return p
     fp = _digest({"pixels": p.fingerprint, "latent": {k: latent[k] for k in encoders.RECORD_KEYS},
@@ -307,16 +242,21 @@ def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None)
     images = np.lib.format.open_memmap(out / "images.npy", mode="w+", dtype=np.uint8,
                                        shape=(total, p.resolution, p.resolution, 3))
     labels, rels, skipped = [], [], []
-    progress = Progress(total)
+    progress, cuts = Progress(total), bucketed.Writer(p, out) if p.buckets else None
     with contextlib.closing(source_rows(p, workers, start=start)) as rows:
         for img, label, rel in rows:
             if img is None:
                 skipped.append(rel)
             else:
+                if cuts is not None:  # (square, the bucket's image, its sizes); the square is the FID reference
+                    img, cut, sizes = img
+                    cuts.add(p.bucket_of[len(labels) + len(skipped)], cut, sizes)
                 images[len(labels)] = img
                 labels.append(label)
                 rels.append(rel)
             progress.update(len(labels) + len(skipped))
+    if cuts is not None:
+        cuts.close()
     count = len(labels)
     images.flush()
     del images
@@ -348,6 +288,8 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
             "fingerprint": p.fingerprint, "skipped": skipped, "source": p.source}
     if p.latent:
         info["latent"] = p.latent | {"xflip": p.xflip, "keep_images": p.keep_images}
+    if p.buckets:
+        info["buckets"] = bucketed.record(p, out)
     if p.texts:
         info["captions"] = captions.write(p, out, rels, build, workers, class_names)
     info |= extra or {}
@@ -384,10 +326,11 @@ def open_prepared(path) -> Prepared:
     if labels.shape != (n,) or labels.dtype != np.int64:
         raise UserError(f"{path / 'labels.npy'}: shape {labels.shape} {labels.dtype} does not match dataset.json "
                         f"(count={n}, int64); rerun `diffrelay prepare --config <your config>`")
-    encoded, flipped = latents.open_arrays(path, info, n) if latent else (None, None)
+    encoded, flipped = latents.open_arrays(path, info, n) if latent and "buckets" not in info else (None, None)
     texts = captions.open_file(path / captions.FILE, n) if "captions" in info else None
+    held = bucketed.open_arrays(path, info, n) if "buckets" in info else None
     return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"],
-                    latent, encoded, flipped, texts)
+                    latent, encoded, flipped, texts, buckets=held)
 
 
 def open_val(path) -> Prepared | None:

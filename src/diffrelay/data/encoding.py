@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from diffrelay import io, logs
-from diffrelay.data import datasets, encoders, latents
+from diffrelay.data import bucketed, datasets, encoders, latents
+from diffrelay.data.buckets import file_name
 from diffrelay.errors import UserError
 
 CHUNK_BYTES = 48 << 20  # pixels of one chunk in memory: 256 rows up to 256 px, 64 at 512 px
@@ -83,12 +84,20 @@ def chunk_span(p, index: int) -> range:
     return range(index * rows, min(p.total, (index + 1) * rows))
 
 
-def _shapes(p, rows: int) -> dict:
-    """name: (shape with None for the kept-image count, safetensors dtype) of a chunk file's arrays."""
+def _shapes(p, rows: int, index: int = 0) -> dict:
+    """name: (shape with None for the kept-image count, -1 for any count, safetensors dtype) of a chunk file's
+    arrays. A bucketed plan's chunk holds each kept row's bucket and sizes, and the latents of each bucket its
+    files go to (latents.<bucket index>), in place of the squares' latents."""
     c, side = p.latent["channels"], p.resolution // p.latent["factor"]
     want = {"kept": ((rows,), "U8"), "labels": ((None,), "I64"), "latents": ((None, 2 * c, side, side), "F32")}
-    if p.xflip:
-        want["latents_xflip"] = want["latents"]
+    if p.buckets:
+        del want["latents"]
+        want |= {"bucket": ((None,), "I64"), "sizes": ((None, 4), "I64")}
+        for b in sorted({p.bucket_of[i] for i in chunk_span(p, index)} - {-1}):
+            w, h = p.buckets[b]
+            want[f"latents.{b}"] = ((-1, 2 * c, h // p.latent["factor"], w // p.latent["factor"]), "F32")
+    for name in [k for k in want if k.startswith("latents")] if p.xflip else []:
+        want[name.replace("latents", "latents_xflip")] = want[name]
     if p.keep_images:
         want["images"] = ((None, p.resolution, p.resolution, 3), "U8")
     return want
@@ -115,7 +124,7 @@ def check_chunk(work: Path, p, index: int, verify: bool = False) -> np.ndarray |
     path, rows = chunk_path(work, index), len(chunk_span(p, index))
     if not path.is_file():
         return None
-    want, problem = _shapes(p, rows), "its arrays are not the ones this plan makes"
+    want, problem = _shapes(p, rows, index), "its arrays are not the ones this plan makes"
     try:
         with safe_open(path, framework="np") as f:
             if set(f.keys()) != set(want):
@@ -124,7 +133,8 @@ def check_chunk(work: Path, p, index: int, verify: bool = False) -> np.ndarray |
             n = int(kept.sum()) if kept.shape == (rows,) else -1
             for name, (shape, dtype) in want.items():
                 s = f.get_slice(name)
-                if s.get_dtype() != dtype or tuple(s.get_shape()) != tuple(n if d is None else d for d in shape):
+                got = tuple(s.get_shape())
+                if s.get_dtype() != dtype or got != tuple(n if d is None else got[0] if d == -1 else d for d in shape):
                     raise ValueError(problem)
         if verify and digest != chunk_digest(p, index, load_file(path)):
             problem = ("it has no sha256 of its data (an older diffrelay wrote it)" if digest is None else
@@ -149,7 +159,6 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
     total, rows = p.total, chunk_rows(p.resolution)
-    want = _shapes(p, rows)  # (only the trailing dimensions are read from it)
     mine = range(rank, math.ceil(total / rows), world)
     todo = [c for c in mine if check_chunk(work, p, c, verify=True) is None]
     if len(todo) < len(mine):
@@ -162,20 +171,33 @@ def encode_chunks(p, work: Path, workers: int, enc, device, rank: int, world: in
     rows_of = datasets.source_rows(p, workers, list(itertools.chain.from_iterable(spans)), start="spawn")
     with contextlib.closing(rows_of) as results:
         for c, span in zip(todo, spans):
+            want = _shapes(p, rows, c)  # (only the trailing dimensions are read from it)
             got = [(img, label) for img, label, _ in itertools.islice(results, len(span))]
-            images = [img for img, _ in got if img is not None]
             arrays = {"kept": np.array([img is not None for img, _ in got], dtype=np.uint8),  # the chunk's rows
                       "labels": np.array([label for img, label in got if img is not None], dtype=np.int64)}
+            kept = [(i, img) for i, (img, _) in zip(span, got) if img is not None]
+            if p.buckets:  # each image is (square, its bucket's cut, its sizes): the cuts are encoded, by bucket
+                arrays["bucket"] = np.array([p.bucket_of[i] for i, _ in kept], dtype=np.int64)
+                arrays["sizes"] = np.array([img[2] for _, img in kept], dtype=np.int64).reshape(-1, 4)
+                groups = {int(k[8:]): [(i, img[1]) for i, img in kept if p.bucket_of[i] == int(k[8:])]
+                          for k in want if k.startswith("latents.")}
+                kept = [(i, img[0]) for i, img in kept]
+            else:
+                groups = {None: kept}
             if p.keep_images:
-                arrays["images"] = np.stack(images) if images else np.zeros((0, *want["images"][0][1:]), np.uint8)
-            for name in ("latents", "latents_xflip") if p.xflip else ("latents",):
-                arrays[name] = np.zeros((0, *want[name][0][1:]), np.float32)  # a chunk of skipped files
-            if images:
-                x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).to(device)
-                names = [image_name(p, i) for i, (img, _) in zip(span, got) if img is not None]
+                arrays["images"] = np.stack([img for _, img in kept]) if kept else \
+                    np.zeros((0, *want["images"][0][1:]), np.uint8)
+            for b, members in groups.items():
+                suffix = "" if b is None else f".{b}"
+                for name in ("latents", "latents_xflip") if p.xflip else ("latents",):
+                    arrays[name + suffix] = np.zeros((0, *want[name + suffix][0][1:]), np.float32)  # none kept
+                if not members:
+                    continue
+                x = torch.from_numpy(np.stack([img for _, img in members])).permute(0, 3, 1, 2).to(device)
+                names = [image_name(p, i) for i, _ in members]
                 for name, view in zip(("latents", "latents_xflip"), (x, x.flip(3)) if p.xflip else (x,)):
                     mean, std = encoders.encode(enc, view.contiguous(), p.latent["encoder"], names)
-                    arrays[name] = torch.cat([mean, std], 1).cpu().numpy()
+                    arrays[name + suffix] = torch.cat([mean, std], 1).cpu().numpy()
             # C order: the encoder's output keeps the channels-last strides of the permuted images, and safetensors
             # writes an array's memory as it lies.
             arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
@@ -211,6 +233,7 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
     outs = {name: np.lib.format.open_memmap(out / file, mode="w+", shape=(count, *want[name][0][1:]),
                                             dtype={"U8": np.uint8, "F32": np.float32}[want[name][1]])
             for name, file in names.items() if name in want}
+    cuts = _bucket_outputs(p, out, paths, kept) if p.buckets else None
     labels, done = [], 0
     for c, path in enumerate(paths):
         arrays = load_file(path)
@@ -222,10 +245,14 @@ def join(p, work: Path, out: Path) -> tuple[list, list, list]:
         n = len(arrays["labels"])
         for name, array in outs.items():
             array[done:done + n] = arrays[name]
+        if cuts is not None:
+            cuts.add(arrays)
         labels += arrays["labels"].tolist()
         done += n
     for array in outs.values():
         array.flush()
+    if cuts is not None:
+        cuts.close()
     rels = [f[0] for f, k in zip(p.files, kept) if k] if p.kind == "folder" else [None] * count
     skipped = [f[0] for f, k in zip(p.files, kept) if not k] if p.kind == "folder" else []
     return labels, rels, skipped
@@ -237,3 +264,42 @@ def remove_work(work: Path) -> None:
     work = Path(work)
     io.remove_owned(work, [*work.glob("chunk_*.safetensors"), *work.glob(".chunk_*.safetensors.*.tmp"),
                            *work.glob(f".{PLAN}.*.tmp"), work / PLAN])
+
+
+class _BucketOutputs:
+    """A bucketed latent dataset's per-bucket arrays (data/bucketed.py), filled chunk by chunk in row order."""
+
+    def __init__(self, p, out: Path, counts: np.ndarray):
+        self.out, self.rows, self.meta, self.filled = out, [], [], np.zeros(len(p.buckets), dtype=np.int64)
+        c, f = p.latent["channels"], p.latent["factor"]
+        self.arrays = {}
+        for stem in ("latents", "latents_xflip") if p.xflip else ("latents",):
+            for b, ((w, h), n) in enumerate(zip(p.buckets, counts)):
+                self.arrays[f"{stem}.{b}"] = np.lib.format.open_memmap(
+                    out / file_name(stem, (w, h)), mode="w+", dtype=np.float32, shape=(int(n), 2 * c, h // f, w // f))
+
+    def add(self, arrays: dict) -> None:
+        for name, array in self.arrays.items():
+            if name in arrays:
+                b = int(name.rsplit(".", 1)[1])
+                array[self.filled[b]:self.filled[b] + len(arrays[name])] = arrays[name]
+        for b in arrays["bucket"]:
+            self.rows.append((int(b), int(self.filled[b])))
+            self.filled[b] += 1
+        self.meta += arrays["sizes"].tolist()
+
+    def close(self) -> None:
+        for array in self.arrays.values():
+            array.flush()
+        bucketed.write_index(self.out, self.rows, self.meta)
+
+
+def _bucket_outputs(p, out: Path, paths: list, kept: np.ndarray) -> _BucketOutputs:
+    """The outputs sized by each bucket's kept rows (read from the chunks' "bucket" arrays)."""
+    from safetensors import safe_open
+
+    counts = np.zeros(len(p.buckets), dtype=np.int64)
+    for path in paths:
+        with safe_open(path, framework="np") as f:
+            counts += np.bincount(f.get_tensor("bucket"), minlength=len(p.buckets))
+    return _BucketOutputs(p, out, counts)

@@ -61,13 +61,19 @@ def check_intact(array) -> None:
     mapped.check_intact(array, "training ran", "rebuild the dataset (diffrelay prepare) and rerun")
 
 
-def read_rows(data, idx: np.ndarray, pin: bool = False, flip: np.ndarray | None = None) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
+def read_rows(data, idx: np.ndarray, pin: bool = False, flip: np.ndarray | None = None,
+              bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 NHWC images, int64 labels) of dataset rows `idx`, in that order; pinned when asked. A latent
-    dataset gives its float32 (mean, std) rows instead, those in `flip` from the mirrored images' latents."""
+    dataset gives its float32 (mean, std) rows instead, those in `flip` from the mirrored images' latents.
+    `bucket`: the rows are all of that bucket of a bucketed dataset (data/bucketed.py), read from its arrays."""
     arrays = (data.images,) if data.latent is None else (data.latents, data.latents_xflip)
+    labels_of = idx
+    if bucket is not None:
+        b = data.buckets
+        arrays, idx = (b.arrays[bucket], b.flipped[bucket]), np.asarray(b.rows[idx, 1])
     for array in (*arrays, data.labels):
-        check_intact(array)  # one stat call a batch
+        if array is not None:
+            check_intact(array)  # one stat call a batch
     order = np.argsort(idx, kind="stable")  # sorted reads are kinder to a memory-mapped file
     rows = torch.empty((len(idx), *arrays[0].shape[1:]), dtype=getattr(torch, arrays[0].dtype.name),
                        pin_memory=pin)
@@ -76,7 +82,7 @@ def read_rows(data, idx: np.ndarray, pin: bool = False, flip: np.ndarray | None 
     else:
         for array, take in zip(arrays, (~flip[order], flip[order])):
             rows.numpy()[order[take]] = array[idx[order[take]]]
-    labels = torch.from_numpy(np.ascontiguousarray(data.labels[idx]))
+    labels = torch.from_numpy(np.ascontiguousarray(data.labels[labels_of]))
     return rows, labels.pin_memory() if pin else labels
 
 
@@ -108,14 +114,16 @@ class BatchMaker:
             self.scale, self.bias = (torch.tensor(data.latent[k], dtype=torch.float32, device=self.device)
                                      .view(1, -1, 1, 1) for k in ("scale", "bias"))
 
-    def make(self, step: int, global_indices: np.ndarray) -> Batch:
+    def make(self, step: int, global_indices: np.ndarray, bucket: int | None = None) -> Batch:
+        """The batch of `step` from the global batch `global_indices` (all of `bucket`, in a bucketed dataset)."""
         cuda = self.device.type == "cuda"
         mine = global_indices[self.rank::self.world]
+        shape = self.data.shape_of(bucket)
         # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position).
         drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
                                      self.xflip)
         latent = self.data.latent is not None
-        rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None)
+        rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None, bucket=bucket)
         if latent:
             flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
@@ -125,34 +133,44 @@ class BatchMaker:
             ids = self.data.captions.pick(mine, u)
             ids[drop] = 0  # texts[0] is the empty caption, the unconditional branch of guidance
             labels = self.text.take(ids, self.device, labels if self.data.num_classes else None)
+            if bucket is not None:  # SDXL's size conditioning of each row: its original size, crop and bucket
+                labels = dataclasses.replace(labels, sizes=self._sizes(mine, bucket))
         # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
         # is the same for any process count. That is O(global batch) per rank; on a GPU it is one kernel
         # at memory speed (4096 x 3 x 64 x 64 floats is 200 MB, a fraction of a millisecond), and on a
         # CPU the global batch is the local one at the process counts that make sense there. Chunked
         # draws that skip other ranks' rows would tie the draws to how positions are dealt out.
         self.generator.manual_seed(noise_seed(self.seed, step))
-        rnd, noise = edm.draw_noise(self.generator, self.global_batch, self.shape, self.device)
+        rnd, noise = edm.draw_noise(self.generator, self.global_batch, shape, self.device)
         rnd, noise = rnd[self.rank::self.world], noise[self.rank::self.world].contiguous()
         if latent:  # this step's sample of each latent, drawn for the whole global batch after the noise
-            eps = torch.randn((self.global_batch, *self.shape), generator=self.generator, device=self.device)
+            eps = torch.randn((self.global_batch, *shape), generator=self.generator, device=self.device)
             mean, std = images.chunk(2, dim=1)
             images = ((mean + std * eps[self.rank::self.world]) * self.scale + self.bias).contiguous()
         if self.noise_offset:  # diffusers' offset noise: noise + offset * randn(b, c, 1, 1), drawn last (0: no draw)
-            off = torch.randn((self.global_batch, self.shape[0], 1, 1), generator=self.generator, device=self.device)
+            off = torch.randn((self.global_batch, shape[0], 1, 1), generator=self.generator, device=self.device)
             noise = ddpm.offset_noise(noise, off[self.rank::self.world], self.noise_offset)
         parts = (x.tensor_split(self.grad_accum) for x in (images, labels, rnd, noise))
         # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
                  for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
-        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda), self.pipe)
+        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe)
 
-    def _augments(self, step: int, cuda: bool) -> list:
+    def _sizes(self, rows: np.ndarray, bucket: int) -> torch.Tensor:
+        """(B, 6) float32: original height, width, crop top, left, target height, width of each row, in pixels
+        (StableDiffusionXLPipeline's add_time_ids order)."""
+        w, h = self.data.buckets.sizes[bucket]
+        meta = np.asarray(self.data.buckets.meta[rows], dtype=np.float32)
+        full = np.concatenate([meta, np.tile(np.float32([h, w]), (len(rows), 1))], axis=1)
+        return torch.from_numpy(full).to(self.device, non_blocking=True)
+
+    def _augments(self, step: int, cuda: bool, shape: tuple) -> list:
         """This rank's rows of the step's augmentation draws, split like the images, each round's on the device;
         the padding comes from the whole global batch (edm_augment.draw), so it is the same for any split."""
         if self.pipe is None:
             return []
         draws = edm_augment.draw(self.seed, step, self.global_batch, self.rank, self.world, self.pipe,
-                                 *self.shape[1:])
+                                 *shape[1:])
         rows = torch.from_numpy(draws.rows)
         return [edm_augment.Draws((r.pin_memory() if cuda else r).to(self.device, non_blocking=True), draws.pad)
                 for r in rows.tensor_split(self.grad_accum)]
@@ -173,7 +191,7 @@ class Prefetcher:
 
     def __init__(self, maker: BatchMaker, order: DataOrder, step: int, until: int):
         self.maker, self.order, self.step, self.until = maker, order, step, until
-        self._ahead = DataOrder(order.seed, order.n, order.global_batch, order.consumed)
+        self._ahead = order.copy()
         self._queue = queue.Queue(maxsize=DEPTH)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="diffrelay-batches", daemon=True)
@@ -192,7 +210,9 @@ class Prefetcher:
             for step in range(self.step, self.until):
                 if self._stop.is_set():
                     return
-                self._put(self.maker.make(step, self._ahead.next_batch()[0]))
+                batch = self._ahead.next_batch()[0]
+                bucket = () if self._ahead.bucket is None else (self._ahead.bucket,)
+                self._put(self.maker.make(step, batch, *bucket))
         except BaseException as e:  # noqa: BLE001 -- handed to the main thread, which raises it
             self._put(_Failed(e))
 

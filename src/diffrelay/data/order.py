@@ -66,6 +66,7 @@ class DataOrder:
     def __init__(self, seed: int, n: int, global_batch: int, consumed: int = 0):
         self.seed, self.n, self.global_batch, self.consumed = seed, n, global_batch, consumed
         self._epoch, self._perm = None, None
+        self.bucket = None  # BucketOrder: the bucket of the last batch made
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -79,6 +80,10 @@ class DataOrder:
         self.consumed += self.global_batch
         return batch, positions
 
+    def copy(self) -> "DataOrder":
+        """A copy at the same position (the prefetcher reads ahead with one)."""
+        return DataOrder(self.seed, self.n, self.global_batch, self.consumed)
+
     def advance(self) -> None:
         """Count one global batch as consumed without computing it (a read-ahead copy computed it)."""
         self.consumed += self.global_batch
@@ -89,3 +94,45 @@ class DataOrder:
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.consumed = int(state["seed"]), int(state["consumed"])
         self._epoch, self._perm = None, None
+
+
+class BucketOrder(DataOrder):
+    """DataOrder for a bucketed dataset (data.buckets): each global batch holds the rows of one bucket.
+
+    Epoch e: each bucket's rows in a permutation drawn from (seed, e, bucket), cut into whole global batches
+    (a bucket's last partial batch waits for the next epoch's permutation, so no image is left out for good),
+    and the epoch's batches of every bucket in a permutation drawn from (seed, e). The batch at a stream position
+    is then a function of the seed and the position alone, as DataOrder's: the same for any process count, and
+    `consumed` is the whole state. Building an epoch is O(dataset), once per epoch; a step is O(batch).
+    """
+
+    def __init__(self, seed: int, groups: list, global_batch: int, consumed: int = 0):
+        self.groups = [np.asarray(g, dtype=np.int64) for g in groups]
+        self.per_epoch = sum(len(g) // global_batch for g in self.groups)
+        if not self.per_epoch:
+            raise ValueError("no bucket fills one global batch")  # bucketed.check_batches says it first
+        super().__init__(seed, self.per_epoch * global_batch, global_batch, consumed)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            g, batches, owner = self.global_batch, [], []
+            for b, rows in enumerate(self.groups):
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0xB0C7, epoch, b])))
+                whole = rows[rng.permutation(len(rows))][: len(rows) // g * g]
+                batches += np.split(whole, len(whole) // g) if len(whole) else []
+                owner += [b] * (len(whole) // g)
+            pick = epoch_permutation(self.seed, epoch, len(batches))
+            self._epoch, self._perm = epoch, np.concatenate([batches[i] for i in pick])
+            self._owner = np.asarray(owner, dtype=np.int64)[pick]
+        return self._perm
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.consumed % self.global_batch:
+            raise ValueError(f"a bucketed order resumes at whole batches (consumed {self.consumed})")
+        epoch, offset = divmod(self.consumed, self.n)
+        self._permutation(epoch)
+        self.bucket = int(self._owner[offset // self.global_batch])
+        return super().next_batch()
+
+    def copy(self) -> "BucketOrder":
+        return BucketOrder(self.seed, self.groups, self.global_batch, self.consumed)

@@ -89,6 +89,7 @@ def relaunch(args) -> None:
 def checks(args, cfg, out: Path) -> None:
     """Before any work: a wrong --out must fail at once, not after an hour of decoding, and delete nothing."""
     preflight.check_run_folder(cfg, ", ".join(args.config))
+    preflight.check_buckets(cfg, ", ".join(args.config))  # bucket sizes the network cannot take: before decoding
     io.check_replaceable(out, datasets.is_dataset_folder, f"a dataset folder (no {datasets.FORMAT} dataset.json)",
                          "give --out a new or empty folder, or a dataset folder made by `diffrelay prepare`")
 
@@ -97,7 +98,7 @@ def prepare_pixels(args, cfg, out: Path) -> int:
     log, t0 = logs.get(), time.time()
     checks(args, cfg, out)
     # Fingerprint first (cheap checks, then hashing a folder's files): an unchanged source means no work.
-    plan = datasets.plan(cfg.data)
+    plan = datasets.plan(cfg.data, batch=cfg.train.batch_size)
     unchanged(args, cfg, out, plan)
     if datasets.is_current(out, plan):
         log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")
@@ -123,7 +124,7 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
             if latent:
                 preflight.net_geometry(cfg, ", ".join(args.config))  # the factor must divide the resolution
             plan = with_text(datasets.plan(cfg.data, encoders.resolve(cfg.data, cfg.run.resources) if latent
-                                           else None), cfg.data)
+                                           else None, cfg.train.batch_size), cfg.data)
             unchanged(args, cfg, out, plan)
             if is_current(out, plan):
                 log.info(f"prepare: {out} is up to date (fingerprint {plan.fingerprint[:12]})")

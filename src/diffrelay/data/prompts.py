@@ -3,18 +3,22 @@
 Formats, by extension:
   .txt          one prompt a line; blank lines and lines starting with '#' are skipped. A line may carry
                 kohya-ss/sd-scripts' sample options after the prompt (library/train_util.py, line_to_prompt_dict:
-                the line is split at " --"): --n negative prompt, --d seed, --l guidance scale, --s steps.
+                the line is split at " --"): --n negative prompt, --d seed, --l guidance scale, --s steps,
+                --w width, --h height.
   .yaml / .yml  a list whose entries are strings or mappings, or a mapping holding such a list as `prompts:`
   .jsonl        one JSON object or string a line (blank lines skipped)
   .json         a list of objects or strings (as OneTrainer's samples.json), or {"prompts": [...]}
 A mapping's keys are exactly prompt, negative_prompt, seed, guidance, steps, num_images, label (the class the
 prompt asks for, by a name of fid.classifier's labels: class_accuracy's, evaluation/class_accuracy.py; it changes
-no pixel); a string entry is a
+no pixel), width and height (the entry's image size in pixels, diffusers' pipeline argument names: both or
+neither; an entry without them takes its folder's size, sample.sizes or the data.resolution square); a string
+entry is a
 prompt line as in .txt (kohya treats the strings of its .json prompt lists the same way).
 
 Bounds: seed an integer in [0, 2^63 - 1] (seed + num_images - 1 too: image j of the entry uses seed + j);
 guidance a number in [0, 100] (as sample.guidance: 1 = off); steps an integer in [1, 10000] (as sample.steps);
-num_images an integer in [1, 10000]. A missing value is None: sampling then uses the sample section's.
+num_images an integer in [1, 10000]; width and height integers in [8, 16384] (whether the network takes them is
+checked with the config: config/preflight.py). A missing value is None: sampling then uses the sample section's.
 
 `expand` gives every image its prompt and seed, deterministically, so every checkpoint samples the same
 images with the same seeds and their grids and CLIP scores compare across training.
@@ -36,22 +40,23 @@ from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 
 MAX_GUIDANCE = 100.0  # one limit for sample.guidance, --guidance and prompt files (sampling/checks.py: why)
-KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "num_images", "label")
+KEYS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "num_images", "label", "width", "height")
 MAX_BYTES = 64 << 20  # 64 MiB: hundreds of thousands of prompts; anything bigger is a wrong path
 MAX_STEPS = 10_000  # as sample.steps
 MAX_IMAGES = 10_000  # per entry
 MAX_TOTAL = 10_000_000  # images of a whole file, as sample.num_images
+SIDES = (8, 16384)  # width and height in pixels, as sample.sizes
 FORMATS = {".txt": "txt", ".yaml": "yaml", ".yml": "yaml", ".jsonl": "jsonl", ".json": "json"}
 # Other tools' names for our keys (kohya's JSON, OneTrainer's samples.json, diffusers' pipelines): named in the
 # unknown-key line, since difflib cannot guess that scale means guidance.
 ALIASES = {"scale": "guidance", "cfg_scale": "guidance", "guidance_scale": "guidance", "cfg": "guidance",
            "sample_steps": "steps", "diffusion_steps": "steps", "num_inference_steps": "steps",
            "negative": "negative_prompt", "num_images_per_prompt": "num_images", "text": "prompt",
-           "caption": "prompt"}
-# kohya's option letters (case-insensitive there too) and the key each sets; --w, --h, --ss, --cn are not ours:
-# a run samples at its training resolution with its configured sampler.
-OPTIONS = {"n": "negative_prompt", "d": "seed", "l": "guidance", "s": "steps"}
-OPTION_HELP = "--n negative prompt, --d seed, --l guidance, --s steps"
+           "caption": "prompt", "image_width": "width", "image_height": "height"}
+# kohya's option letters (case-insensitive there too) and the key each sets; --ss, --cn are not ours: a run samples
+# with its configured sampler.
+OPTIONS = {"n": "negative_prompt", "d": "seed", "l": "guidance", "s": "steps", "w": "width", "h": "height"}
+OPTION_HELP = "--n negative prompt, --d seed, --l guidance, --s steps, --w width, --h height"
 OPTION = re.compile(r"([A-Za-z]+)(?:\s+(.*))?\Z", re.DOTALL)
 
 
@@ -64,6 +69,8 @@ class Prompt:
     steps: int | None
     num_images: int = 1
     label: str | None = None  # class_accuracy's intended label; not sampled with
+    width: int | None = None  # the entry's own image size in pixels (both or neither); None: its folder's
+    height: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,8 @@ class Item:
     seed: int
     guidance: float | None
     steps: int | None
+    width: int | None = None  # the entry's own size in pixels; None: the folder's (sample.sizes or the square)
+    height: int | None = None
 
 
 def read(path) -> list[Prompt]:
@@ -125,14 +134,15 @@ def expand(prompts: list[Prompt], first_seed: int) -> list[Item]:
             seed = p.seed + j if p.seed is not None else first_seed + i
             if seed > MAX_SEED:
                 raise UserError(f"image {i} (prompt {k + 1}): seed {seed} is above {MAX_SEED}; lower sample.first_seed")
-            items.append(Item(i, k, p.prompt, p.negative_prompt, seed, p.guidance, p.steps))
+            items.append(Item(i, k, p.prompt, p.negative_prompt, seed, p.guidance, p.steps, p.width, p.height))
     return items
 
 
 def fingerprint(prompts: list[Prompt]) -> str:
     """sha256 of the normalised entries: equal for files that sample the same images, whatever their format."""
-    # label only where given: files without one keep the fingerprint they had
-    rows = [{k: v for k, v in dataclasses.asdict(p).items() if k != "label" or v is not None} for p in prompts]
+    # label, width and height only where given: files without them keep the fingerprint they had
+    rows = [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("label", "width", "height") or v is not None}
+            for p in prompts]
     return hashlib.sha256(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
                           .encode("utf-8")).hexdigest()
 
@@ -274,7 +284,7 @@ def _from_line(line: str, where: str) -> Prompt:
             raise UserError(f"{where}: option --{letter} given twice; keep one")
         if not raw:
             raise UserError(f"{where}: option --{letter} has no value; write e.g. --{letter} "
-                            f"{ {'n': 'blurry', 'd': '42', 'l': '7.5', 's': '30'}[letter] }")
+                            f"{ {'n': 'blurry', 'd': '42', 'l': '7.5', 's': '30', 'w': '1216', 'h': '832'}[letter] }")
         values[key] = raw if key == "negative_prompt" else _number(raw, key, where)
     return _checked(values, where)
 
@@ -290,7 +300,9 @@ def _number(raw: str, key: str, where: str):
 _BOUNDS = {"seed": f"give an integer from 0 to {MAX_SEED}",
            "guidance": f"give a number from 0 to {MAX_GUIDANCE:g} (1 = no guidance)",
            "steps": f"give an integer from 1 to {MAX_STEPS}",
-           "num_images": f"give an integer from 1 to {MAX_IMAGES}"}
+           "num_images": f"give an integer from 1 to {MAX_IMAGES}",
+           "width": f"give the width in pixels, an integer from {SIDES[0]} to {SIDES[1]}",
+           "height": f"give the height in pixels, an integer from {SIDES[0]} to {SIDES[1]}"}
 
 
 def _type(v) -> str:
@@ -327,9 +339,14 @@ def _checked(v: dict, where: str) -> Prompt:
         guidance = float(guidance)
     if seed is not None and seed + num - 1 > MAX_SEED:
         raise UserError(f"{where}: seed {seed} + num_images {num} passes {MAX_SEED}; give a smaller seed")
+    width, height = integer("width", *SIDES), integer("height", *SIDES)
+    if (width is None) != (height is None):
+        given, missing = ("width", "height") if height is None else ("height", "width")
+        raise UserError(f"{where}: {given} without {missing}; give both (the image size in pixels), or neither (the "
+                        "folder's size)")
     label = v.get("label")
     if label is not None and (not isinstance(label, str) or not label.strip()):
         raise UserError(f"{where}: label {label!r} is not a name; write one of fid.classifier's label names, or "
                         "leave it out")
     return Prompt(prompt.strip(), None if neg is None else neg.strip(), seed, guidance, steps, num,
-                  None if label is None else label.strip())
+                  None if label is None else label.strip(), width, height)

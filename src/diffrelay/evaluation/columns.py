@@ -24,7 +24,8 @@ TRACKED = SCORES + PER_FILE + PER_STEP
 # metrics.csv's other columns, and why none of them is an eval/ value of the trackers. A new column must be
 # added to TRACKED or here (tests/test_tracking.py checks that every column is one or the other).
 NOT_SCORES = {
-    **dict.fromkeys(("step", "guidance", "phema", "ema_decay", "prompts", "seed_sets", "metric", "num_images"),
+    **dict.fromkeys(("step", "guidance", "phema", "ema_decay", "prompts", "size", "seed_sets", "metric",
+                     "num_images"),
                     "which evaluation a row is: the trackers' eval/step and <series>, and the metric a row holds"),
     **dict.fromkeys(("fid_std", "fid_min"), "over the seed sets: the trackers get each seed set as its own series"),
     **dict.fromkeys(("train_loss_mean", "train_skipped_steps", "train_images_per_s"),

@@ -2,12 +2,16 @@
 
 An extractor wants either clean-fid's view of an image (its resize for the mode, 299x299 in clean mode,
 then its tensor conversion: what clean-fid's own ResizeDataset makes) or the image at its native size
-(DINOv2, whose module resizes on the device, as edm2 does). Images come from numbered files of a folder
+(DINOv2, whose module resizes on the device, as edm2 does). Images of any size and aspect ratio: clean-fid's
+resize makes every one 299 x 299 (no crop: a 1216 x 832 image is squeezed), DINOv2's module 224 x 224 alike; a
+batch of native views of several sizes (a prompt entry's own size) goes through the extractor in runs of one
+size. Images come from numbered files of a folder
 or from the rows of a prepared images.npy; a row is the uint8 array its PNG decodes to, so both give the
 same numbers as clean-fid's folder pipeline.
 """
 
 import contextlib
+import itertools
 import re
 from pathlib import Path
 
@@ -121,13 +125,13 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
 
     def run():
         for out, ext, view in zip(feats, exts, views):
-            x = torch.stack([item[view] for item in batch])
-            if ext.heads is None:
-                with torch.no_grad():  # clean-fid's get_batch_features
-                    out.append(ext.fn(x.to(device)).detach().cpu().numpy())
-            else:
-                with torch.no_grad():
-                    out.append({k: v.cpu().numpy() for k, v in ext.heads(x.to(device)).items()})
+            for x in _same_shape(item[view] for item in batch):
+                if ext.heads is None:
+                    with torch.no_grad():  # clean-fid's get_batch_features
+                        out.append(ext.fn(x.to(device)).detach().cpu().numpy())
+                else:
+                    with torch.no_grad():
+                        out.append({k: v.cpu().numpy() for k, v in ext.heads(x.to(device)).items()})
 
     window = 2 * max(workers, -(-batch_size // 8))  # chunks of 8: about two batches in flight
     with contextlib.closing(parallel.ordered_map(items.__getitem__, range(len(items)), workers, chunk=8,
@@ -141,6 +145,15 @@ def features(items: Images, exts, mode: str, batch_size: int, device, workers: i
         run()
     return [{k: np.concatenate([d[k] for d in f]) for k in f[0]} if isinstance(f[0], dict) else np.concatenate(f)
             for f in feats]
+
+
+def _same_shape(tensors):
+    """The batch as stacked runs of consecutive tensors of one shape: one run when all have one (every resized view,
+    and the native views of a folder of one size)."""
+    import torch
+
+    for _, run in itertools.groupby(tensors, key=lambda x: tuple(x.shape)):
+        yield torch.stack(list(run))
 
 
 def of_files(files, exts, mode: str, batch_size: int, device, workers: int = 1) -> list[np.ndarray]:

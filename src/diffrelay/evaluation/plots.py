@@ -41,14 +41,16 @@ def plot_fid(table: pd.DataFrame, best: pd.Series, run_name: str, path: Path, by
     fig = Figure(figsize=(6.4, 2.2 + 1.8 * (len(families) + own)), layout="constrained")
     axes = fig.subplots(len(families) + own, 1, sharex=True, squeeze=False)[:, 0]
     several_scales = table.guidance.nunique() > 1
+    several_sizes = bool("square" in table and (~table.square).any())  # sample.sizes: each curve says its size
     if own:
         _plot_best_by(axes[-1], table, best, by, several_scales)
     for ax, fam in zip(axes, families):
         part = table[table.metric.map(family) == fam]
-        for (m, g, ema, decay, k), curve in part.groupby(["metric", "guidance", "phema", "ema_decay", "prompts"],
-                                                         sort=True, dropna=False):
+        keys = ["metric", "guidance", "phema", "ema_decay", "prompts"] + (["size"] if several_sizes else [])
+        for (m, g, ema, decay, k, *size), curve in part.groupby(keys, sort=True, dropna=False):
             label = m + (f", guidance {g:g}" if several_scales else "") + (
                 ", held-out captions" if k == protocol.HELD_OUT else f", prompt file {k + 1}" if k else "")
+            label += "".join(f", {z}" for z in size)  # sample.sizes: width x height
             label += "" if math.isnan(ema) else f", post-hoc EMA {ema:g}"
             label += "" if math.isnan(decay) else f", EMA decay {decay:g}"
             if curve.seed_sets.max() > 1:
@@ -88,10 +90,12 @@ def _plot_best_by(ax, table: pd.DataFrame, best: pd.Series, by: str, several_sca
     rows = table[table[by].notna()]
     if by in columns.PER_STEP:  # one value a snapshot, whatever was sampled from it
         rows = rows.assign(guidance=rows.guidance.min(), prompts=0)
-    for (g, k), curve in rows.groupby(["guidance", "prompts"], sort=True):
+    sizes = ["size"] if by not in columns.PER_STEP and "square" in rows and (~rows.square).any() else []
+    for (g, k, *size), curve in rows.groupby(["guidance", "prompts", *sizes], sort=True):
         curve = curve[curve.phema.isna()].drop_duplicates("step")
         label = by + (f", guidance {g:g}" if several_scales else "") + (
             ", held-out captions" if k == protocol.HELD_OUT else f", prompt file {k + 1}" if k else "")
+        label += "".join(f", {z}" for z in size)  # sample.sizes: a curve a size
         line = ax.plot(curve.step, curve[by], marker="o", label=label, linestyle="-" if len(curve) > 1 else "none")
         _baseline(ax, curve, by, line[0].get_color())
     ax.plot([best.step], [best[by]], marker="*", markersize=16, color="tab:red", linestyle="none",

@@ -11,13 +11,14 @@ Names of one evaluation (a sample folder and its score file): `step_0000400` plu
   _s2      seed set 2 of sample.seed_sets (none: set 0), seeds first_seed + 2 x images + i
   _p1      a text run's prompt file 1 of sample.prompts (none: the first); _ph its held-out captions
            (sample.held_out_captions: the held-out FID's images beside the prompt files')
-in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1.
+  _1216x832  the image size, width x height in pixels, of sample.sizes (none: the data.resolution square)
+in that order, e.g. step_0000400_n50000_g1.5_s2 or step_0001200_ema0.08_s1_1216x832.
 """
 
 import re
 from pathlib import Path
 
-VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?(_p\d+|_ph)?"
+VARIANT = r"(_ema[0-9.e-]+)?(_decay[0-9.e-]+)?(_n\d+)?(_g[0-9.e+-]+)?(_s\d+)?(_p\d+|_ph)?(_\d+x\d+)?"
 HELD_OUT = -1  # variant_prompts of _ph: one image per held-out caption, not a prompt file
 _VARIANT = re.compile(rf"^{VARIANT}\Z")
 STEP_STEM = re.compile(rf"^step_(\d{{7}})({VARIANT})\Z")
@@ -36,13 +37,15 @@ BUILTIN = {"inception": "inception-2015-12-05", "random": "random-seed{seed}", "
 
 
 def variant(count: int | None = None, guidance: float = 1.0, seed_set: int = 0, ema: float | None = None,
-            decay: float | None = None, prompts: int = 0) -> str:
-    """The suffix of one evaluation's names; "" for the training's first EMA, first pass, guidance 1, seed set 0 and
-    a text run's first prompt file (sample.prompts k > 0 adds _p<k>)."""
+            decay: float | None = None, prompts: int = 0, size: tuple[int, int] | None = None) -> str:
+    """The suffix of one evaluation's names; "" for the training's first EMA, first pass, guidance 1, seed set 0,
+    a text run's first prompt file (sample.prompts k > 0 adds _p<k>) and the data.resolution square (a size of
+    sample.sizes, (width, height), adds _<width>x<height>)."""
     return ((f"_ema{float(ema):g}" if ema is not None else "") + (f"_decay{float(decay):g}" if decay is not None else "")
             + (f"_n{count}" if count else "")
             + ("" if float(guidance) == 1 else f"_g{float(guidance):g}") + (f"_s{seed_set}" if seed_set else "")
-            + ("_ph" if prompts == HELD_OUT else f"_p{prompts}" if prompts else ""))
+            + ("_ph" if prompts == HELD_OUT else f"_p{prompts}" if prompts else "")
+            + (f"_{int(size[0])}x{int(size[1])}" if size is not None else ""))
 
 
 def _groups(suffix: str):
@@ -54,7 +57,7 @@ def _groups(suffix: str):
 
 def parse_variant(suffix: str) -> tuple[int | None, float, int]:
     """(count or None, guidance, seed set) of a variant suffix; ValueError if it is not one."""
-    _, _, count, guidance, seed_set, _ = _groups(suffix)
+    _, _, count, guidance, seed_set, _, _ = _groups(suffix)
     return (int(count[2:]) if count else None, float(guidance[2:]) if guidance else 1.0,
             int(seed_set[2:]) if seed_set else 0)
 
@@ -70,6 +73,27 @@ def variant_prompts(suffix: str) -> int:
     held-out captions (_ph)."""
     k = _groups(suffix)[5]
     return HELD_OUT if k == "_ph" else int(k[2:]) if k else 0
+
+
+def variant_size(suffix: str) -> tuple[int, int] | None:
+    """(width, height) of a variant of sample.sizes (_1216x832), None for the data.resolution square."""
+    size = _groups(suffix)[6]
+    return None if not size else tuple(int(x) for x in size[1:].split("x"))
+
+
+def sizes(d: dict) -> list[tuple[int, int] | None]:
+    """The image sizes each evaluation samples (sample.sizes), each as its variant names it: None for the
+    data.resolution square (so runs without sample.sizes, and the square's folders, keep their names), else
+    (width, height) in pixels."""
+    want, side = d["sample"].get("sizes"), d["data"]["resolution"]
+    if not want:
+        return [None]
+    return [None if (int(w), int(h)) == (side, side) else (int(w), int(h)) for w, h in want]
+
+
+def size_name(size) -> str:
+    """'1216x832' of (width, height); '' of None (the square)."""
+    return "" if size is None else f"{int(size[0])}x{int(size[1])}"
 
 
 def prompt_files(sample: dict) -> list[str]:
@@ -161,6 +185,9 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if final["best"] and len(prompt_files(s)) > 1:
         bad.append(("fid.final.best", "the second pass scores one prompt file; with several in sample.prompts, set "
                     "it to 0 or give one file"))
+    if final["best"] and len(sizes(d)) > 1:
+        bad.append(("fid.final.best", "the second pass scores one image size; with several in sample.sizes, set it "
+                    "to 0 or give one size"))
     if final["best"] and final["num_images"] <= s["num_images"]:
         bad.append((f"fid.final.num_images={final['num_images']}", f"not more than sample.num_images="
                     f"{s['num_images']}; the second pass exists to score the best checkpoints with more images"))

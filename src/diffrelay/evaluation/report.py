@@ -10,7 +10,8 @@ sampled (sample.ema_decay), empty for the first of train.ema_decays. Each extrac
 metric, and so is each image count ("FID-2k" of the first pass, "FID-50k" of the second): values of
 different metrics are never averaged, compared or drawn on one curve. Result files are named by step and
 variant (protocol.py: _n<images> of the second pass, _g<scale> of a guidance sweep, _s<set> of a seed
-set); fid, kid, precision, recall, sfid and is are means over the seed sets, fid_std and fid_min their standard
+set, _<width>x<height> of sample.sizes: a `size` column, width x height in pixels, where a run has one); fid,
+kid, precision, recall, sfid and is are means over the seed sets, fid_std and fid_min their standard
 deviation and minimum. train_loss_mean and train_images_per_s average the
 training records logged after the previous evaluated step, up to and including this one (a resumed
 segment's repeated steps count once, the last record wins). The *_s columns are wall-clock seconds
@@ -73,6 +74,7 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
         ema = protocol.variant_ema(m.group(2))
         decay = protocol.variant_decay(m.group(2))
         prompts = protocol.variant_prompts(m.group(2))  # a text run's prompt file (sample.prompts k)
+        size = protocol.variant_size(m.group(2))  # sample.sizes (None: the data.resolution square)
         try:  # files from before several extractors hold one score at the top
             scores = columns.entries(rec)
         except ValueError as e:
@@ -96,8 +98,8 @@ def read_fid(run_dir: Path) -> pd.DataFrame:
                          "reference": score.get("reference"), "protocol": score.get("protocol", "clean-fid"),
                          "mode": rec.get("mode"),
                          "fid_s": _seconds(rec, path), "samples": f"step_{m.group(1)}{m.group(2)}",
-                         "prompts": prompts,
-                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay, prompts)}"})
+                         "prompts": prompts, "size": protocol.size_name(size),
+                         "grid": f"step_{m.group(1)}{protocol.variant(count, guidance, 0, ema, decay, prompts, size)}"})
     return pd.DataFrame(rows).sort_values(["step", "guidance", "seed_set"], ignore_index=True)
 
 
@@ -122,10 +124,11 @@ def reference_notes(fid: pd.DataFrame) -> dict:
 
 
 def over_seed_sets(fid: pd.DataFrame) -> pd.DataFrame:
-    """One row per (step, post-hoc EMA width, EMA decay, guidance, metric): mean, standard deviation and minimum
-    over the seed sets. Rows of the training's own (first) EMA have no width or decay (NaN), which must stay a
-    group of its own."""
-    groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "prompts", "metric"], sort=True, dropna=False)
+    """One row per (step, post-hoc EMA width, EMA decay, guidance, prompt file, size, metric): mean, standard
+    deviation and minimum over the seed sets. Rows of the training's own (first) EMA have no width or decay (NaN),
+    which must stay a group of its own; the square's size is "" (it sorts first)."""
+    groups = fid.groupby(["step", "phema", "ema_decay", "guidance", "prompts", "size", "metric"], sort=True,
+                         dropna=False)
     means = {f"{k}_" if k == "is" else k: (k, "mean") for k in columns.TRACKED}
     out = groups.agg(num_images=("num_images", "first"), seed_sets=("seed_set", "nunique"), **means,
                      fid_std=("fid", "std"), fid_min=("fid", "min"), reference=("reference", "first"),
@@ -179,8 +182,10 @@ def read_sample_manifest(run_dir: Path, name: str) -> dict:
     if not isinstance(rec, dict):
         raise UserError(f"{path}: expected a JSON object; sample that snapshot again")
     phema = rec.get("phema") if isinstance(rec.get("phema"), dict) else {}
+    shape = rec.get("image_shape")  # [C, H, W] of the folder's images
+    size = f"{shape[2]}x{shape[1]}" if isinstance(shape, list) and len(shape) == 3 else ""
     return {"sample_s": _seconds(rec, path), "num_images": _number(rec, "num_images", path, required=False),
-            "phema_error": float(phema.get("error", math.nan))}
+            "phema_error": float(phema.get("error", math.nan)), "size": size}
 
 
 # ---- Putting it together ------------------------------------------------------------------------
@@ -209,23 +214,28 @@ def build_table(fid: pd.DataFrame, train: pd.DataFrame, segments: pd.DataFrame, 
             "train_segment_s": seg.seconds.iloc[-1] if len(seg) else math.nan,
             "sample_s": sample_s, "sample_images_per_s": made / sample_s if sample_s > 0 else math.nan,
             "fid_s": r.fid_s, "primary": r.primary, "grid": r.grid, "prompts": r.prompts,
+            # width x height: the variant's (sample.sizes), else the square's from its folder's manifest
+            "size": r.size or samples[0]["size"], "square": not r.size,
         })
     return pd.DataFrame(rows, columns=[*COLUMNS, "primary", "grid", "reference", "protocol", "mode",
-                                       *columns.PER_FILE, *columns.PER_STEP, "prompts"])
+                                       *columns.PER_FILE, *columns.PER_STEP, "prompts", "size", "square"])
 
 
 def csv_columns(table: pd.DataFrame) -> list:
-    """metrics.csv's columns: COLUMNS, and the per-file scores (clip_score) and prompts (sample.prompts's file k)
-    where a text run has them (other runs keep their file)."""
+    """metrics.csv's columns: COLUMNS, and the per-file scores (clip_score), prompts (sample.prompts's file k) and
+    size (sample.sizes: width x height) where a run has them (other runs keep their file)."""
     return COLUMNS + [k for k in columns.PER_FILE + columns.PER_STEP if table[k].notna().any()] + (
-        ["prompts"] if (table.prompts != 0).any() else [])
+        ["prompts"] if (table.prompts != 0).any() else []) + (["size"] if (~table.square).any() else [])
 
 
-def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
+def best_row(table: pd.DataFrame, by: str = "fid", size: tuple[int, int] | None = None) -> pd.Series:
     """Lowest mean of the primary metric (the first extractor's), in the pass with the most images (the
     second pass when it ran), among results of the newest step's metric: scores of other extractors or
     image counts are never compared. By another metric (fid.best_by): its lowest or highest value
-    (columns.BETTER) among the same results; fd_dinov2: the DINOv2 extractor's distance at the same count."""
+    (columns.BETTER) among the same results; fd_dinov2: the DINOv2 extractor's distance at the same count.
+    Among one image size's results (sample.sizes): `size`'s (the first of sample.sizes: --best-size), else the
+    data.resolution square's, else the first size's."""
+    table = _of_size(table, size)
     # A text run's held-out captions pick where sampled (the FID's own images), else its first prompt file.
     picks = protocol.HELD_OUT if (table.prompts == protocol.HELD_OUT).any() else 0
     primary = table[table.primary & (table.prompts == picks)]
@@ -247,6 +257,20 @@ def best_row(table: pd.DataFrame, by: str = "fid") -> pd.Series:
         raise UserError(f"fid.best_by={by}: no result holds {by}; add it to fid.metrics (clip_score, pick_score, "
                         "class_accuracy: set fid.clip_model, fid.pick_model, fid.classifier), or pick another best_by")
     return rows.loc[rows[column].idxmin() if columns.BETTER[by] == "lower" else rows[column].idxmax()]
+
+
+def _of_size(table: pd.DataFrame, size) -> pd.DataFrame:
+    """The rows of one image size that pick the best (best_row says which)."""
+    if "square" not in table:  # a table of one size (made without build_table's columns)
+        return table
+    if size is not None:
+        name = protocol.size_name(size)
+        rows = table[table["size"] == name]
+        if rows.empty:
+            raise UserError(f"--best-size {name}: no result of that size in metrics/fid (sizes: "
+                            f"{', '.join(dict.fromkeys(table['size']))}); sample and score it, or name another")
+        return rows
+    return table[table.square] if table.square.any() else table[table["size"] == table["size"].iloc[0]]
 
 
 def objective_of(run_dir: Path) -> str | None:
@@ -302,7 +326,7 @@ def main(args) -> int:
         train, segments = read_train(run_dir)
     table = build_table(fid, train, segments, run_dir)
     by = getattr(args, "best_by", None) or "fid"
-    best = best_row(table, by)
+    best = best_row(table, by, getattr(args, "best_size", None))
     grid = run_dir / "samples" / best.grid / "grid.png"
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
@@ -325,6 +349,6 @@ def main(args) -> int:
         "clip_score": None if math.isnan(best.clip_score) else float(best.clip_score),
         "best_by": by, "best_value": float(best.fid if by in ("fid", "fd_dinov2") else best[by]),
         "grid": str(out / "best_grid.png"),
-    })
+    } | ({"size": best["size"]} if (~table.square).any() else {}))  # sample.sizes: which size picked it
     log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")
     return 0

@@ -30,11 +30,12 @@ def _cell(v) -> str:
     return f"{v:.{digits}f}"
 
 
-def _snapshot(r: dict) -> str:
+def _snapshot(r: dict, sized: bool = False) -> str:
     out = f"step {int(r['step'])}"
     out += "" if math.isnan(r["phema"]) else f", post-hoc EMA {r['phema']:g}"
     k = int(r.get("prompts") or 0)
     out += ", held-out captions" if k < 0 else f", prompt file {k + 1}" if k else ""
+    out += f", {r['size']}" if sized else ""  # sample.sizes: width x height, the square's too
     return out + ("" if math.isnan(r["ema_decay"]) else f", EMA decay {r['ema_decay']:g}")
 
 
@@ -43,6 +44,8 @@ def _same(part: pd.DataFrame, r: dict) -> pd.Series:
     same = (part.step == r["step"]) & (part.guidance == r["guidance"])
     if "prompts" in part:
         same &= part.prompts == r.get("prompts", 0)
+    if "size" in part:
+        same &= part["size"] == r.get("size")
     for col in ("phema", "ema_decay"):
         same &= part[col].fillna(-1) == (-1 if math.isnan(r[col]) else r[col])
     return same
@@ -55,7 +58,8 @@ def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) 
     for count, part in table.groupby(table.num_images.fillna(0), sort=True):
         label = metrics.count_label(int(count)) if count else "?"
         # NaN first: a step's training-EMA row (no post-hoc width) before its post-hoc reconstructions
-        keys = ["step", "phema", "ema_decay", "guidance"] + (["prompts"] if "prompts" in part else [])
+        keys = ["step", "phema", "ema_decay", "guidance"] + (["prompts"] if "prompts" in part else []) + (
+            ["size"] if "size" in part else [])
         primary = part[part.primary].sort_values(keys, kind="stable", na_position="first")
         others = list(dict.fromkeys(part[~part.primary].metric))
         # sFID and IS belong to the Inception row, which need not be the primary (an edm2-style [dinov2, inception])
@@ -69,9 +73,10 @@ def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) 
         header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *([f"KID-{label} ×10³ ↓"] * kid),
                   *(f"{m} ↓" for m in others), *(name for k, name in ADHERENCE if k in adherence)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
+        sized = bool("square" in part and (~part.square).any())  # sample.sizes: every row says its size
         for r in primary.to_dict("records"):
             same = part[_same(part, r)]
-            cells = [_snapshot(r), f"{r['guidance']:g}",
+            cells = [_snapshot(r, sized), f"{r['guidance']:g}",
                      *(_cell(same[col].dropna().iloc[0] if col in anywhere and same[col].notna().any() else r[col])
                        for col, _, _ in heads), *([_cell(None if r["kid"] is None else r["kid"] * 1e3)] if kid else [])]
             for m in others:

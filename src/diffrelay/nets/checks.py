@@ -83,3 +83,56 @@ def _text_geometry(m: dict, res: int) -> list[tuple[str, str]]:
         if not isinstance(patch, int) or patch < 1 or res % patch:
             return [(f"model.kwargs.patch_size={patch}", f"does not divide data.resolution={res}; use a divisor of it")]
     return []
+
+
+def downsampling(m: dict) -> int | None:
+    """How much the network shrinks its input's sides (each side must be a multiple); None for a network with
+    position tables of one size (DiT, SiT), which takes no other; 1 for your own network (its own check decides)."""
+    arch, kw = m["arch"], m["kwargs"]
+    if arch in ("dit", "sit"):
+        return None
+    if arch == "diffusers-unet":
+        blocks = kw.get("block_out_channels", [320, 640, 1280, 1280])
+        return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
+    if arch == "flux":
+        return 2  # 2 x 2 latent pixels a token
+    if arch in nets.TEXT_ARCHS:
+        return int(kw.get("patch_size", 2))
+    if arch == "unet":
+        return 2 ** (len(nets.unet_settings(m)["channel_mult"]) - 1)
+    if arch in nets.DEFAULT_LEVELS:
+        mult = kw.get("channel_mult")
+        return 2 ** ((len(mult) if isinstance(mult, list) and mult else nets.DEFAULT_LEVELS[arch]) - 1)
+    return 1
+
+
+def check_sizes(m: dict, sizes, vae: int, res: int) -> list[tuple[str, str]]:
+    """(key, message) for sample.sizes ([width, height] in pixels) that the network cannot sample: a size other than
+    the data.resolution square for a network with position tables of one size (downsampling None: DiT's, SiT's;
+    the diffusers transformers make theirs for any grid: PixArt's and HunyuanDiT's anew, SD3's cropped from its
+    pos_embed_max_size table, FLUX's rotary ids from the grid), a side that the encoder's factor `vae` (1 for
+    pixels) times the network's down-sampling does not divide, SD3's table too small, a UNet's deepest level under
+    4 pixels."""
+    arch, down = m["arch"], downsampling(m)
+    for w, h in sizes or []:
+        key = f"sample.sizes=[{w}, {h}]"
+        if (w, h) == (res, res):
+            continue
+        if down is None:
+            return [(key, f"model.arch={arch} has position tables for data.resolution={res}, so it samples "
+                     f"{res}x{res} images only; drop the size, or use a network without them (a UNet, or a "
+                     "pipeline's transformer)")]
+        whole = vae * down
+        if w % whole or h % whole:
+            near = [-(-x // whole) * whole for x in (w, h)]
+            why = f"the encoder's factor {vae} x the network's down-sampling {down}" if vae > 1 else \
+                "the network's down-sampling"
+            return [(key, f"each side must be a multiple of {whole} ({why}); use e.g. {near}")]
+        if arch == "unet" and min(w, h) // whole < 4:
+            return [(key, f"the UNet's deepest level needs 4 pixels a side, so each side must be at least "
+                     f"{4 * whole}")]
+        table = m["kwargs"].get("pos_embed_max_size", 96)
+        if arch == "sd3" and table and max(w, h) // whole > table:
+            return [(key, f"SD3's position table covers pos_embed_max_size={table} patches a side "
+                     f"({table * whole} pixels); use sides of at most {table * whole}")]
+    return []

@@ -199,17 +199,29 @@ class TextNet(nn.Module):
         if self.arch == "sd3":
             return self.model(x, states, pooled_projections=text.pooled.to(x.dtype), timestep=t, return_dict=False)[0]
         if self.arch == "pixart":
-            size = self.pixels.to(x.dtype)
-            extra = {"resolution": size.expand(b, 2), "aspect_ratio": torch.ones_like(size).expand(b, 1)} \
-                if self.extra_conditions else {"resolution": None, "aspect_ratio": None}
+            h, w = self.size_ids(x)[4:]
+            extra = {"resolution": torch.stack([h, w]).view(1, 2).expand(b, 2), "aspect_ratio": (h / w).view(1, 1)
+                     .expand(b, 1)} if self.extra_conditions else {"resolution": None, "aspect_ratio": None}
             return self.model(x, states, timestep=t, added_cond_kwargs=extra, encoder_attention_mask=mask,
                               return_dict=False)[0]
         kw = {"class_labels": labels} if self.num_classes else {}
         if self.sdxl:
-            size = self.pixels.to(x.dtype)
-            ids = torch.cat([size, size, torch.zeros_like(size), torch.zeros_like(size), size, size])
-            kw["added_cond_kwargs"] = {"text_embeds": text.pooled.to(x.dtype), "time_ids": ids.expand(b, 6)}
+            ids = text.sizes.to(x.dtype) if text.sizes is not None else self.size_ids(x).expand(b, 6)
+            kw["added_cond_kwargs"] = {"text_embeds": text.pooled.to(x.dtype), "time_ids": ids}
         return self.model(x, t, states, encoder_attention_mask=mask, return_dict=False, **kw)[0]
+
+    def size_ids(self, x) -> torch.Tensor:
+        """(6,) in x's dtype: original height, width, crop top, left, target height, width in pixels, as the
+        pipelines' _get_add_time_ids make them at their defaults (original = target = the image's size, crop (0,
+        0)): x's sides times pixel_size / the network's side (sample_size). Square x: pixel_size itself."""
+        size = self.pixels.to(x.dtype)
+        side = self.model.config.sample_size
+        side = side if isinstance(side, int) else side[0]
+        h, w = x.shape[-2:]
+        if h == w == side:
+            return torch.cat([size, size, torch.zeros_like(size), torch.zeros_like(size), size, size])
+        ph, pw = (size * n / side for n in (h, w))  # exact: pixel_size is a multiple of side in every family
+        return torch.cat([ph, pw, torch.zeros_like(size), torch.zeros_like(size), ph, pw])
 
     def rotary(self, h: int, w: int, device):
         """HunyuanDiT's image_rotary_emb for an h x w latent, as pipeline_hunyuandit's __call__ makes it."""
@@ -229,8 +241,9 @@ class TextNet(nn.Module):
         b, cfg = x.shape[0], self.model.config
         n = cfg.text_len
         t = t.to(x.dtype).reshape(-1).expand(b)  # a float timestep: an integer one fails in the time embedding
-        size = self.pixels.to(x.dtype)
-        meta = torch.cat([size, size, size, size, torch.zeros_like(size), torch.zeros_like(size)]).repeat(b, 1)
+        # image_meta_size: original H, W, target H, W, crop top, left (the add_time_ids of pipeline_hunyuandit)
+        ids = text.sizes.to(x.dtype) if text.sizes is not None else self.size_ids(x).repeat(b, 1)
+        meta = ids[:, [0, 1, 4, 5, 2, 3]]
         style = torch.zeros(b, dtype=torch.int64, device=x.device)
         # Contiguous parts: diffusers views the T5's as (B x L, D).
         first, second = states[:, :n, :cfg.cross_attention_dim].contiguous(), states[:, n:].contiguous()

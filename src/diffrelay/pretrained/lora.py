@@ -47,8 +47,11 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     """Fill train.lora's defaults in place; (key, message) pairs of what cannot work."""
     t = d["train"]
     spec = t.get("lora")
+    sampled = (d.get("sample") or {}).get("quantize_base")
     if spec is None:
-        return []
+        return [] if sampled is None else [
+            (f"sample.quantize_base={sampled}", "quantizes a LoRA run's frozen base, and this run has no train.lora; "
+             "set it to null")]
     if d["model"].get("pretrained") is None:
         return [("train.lora", "needs model.pretrained (the diffusers pipeline folder whose network the adapter "
                  "trains); set model.pretrained, or drop train.lora")]
@@ -59,15 +62,16 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if t["phema"]["every"]:
         return [(f"train.phema.every={t['phema']['every']}", "post-hoc EMA is not kept for train.lora runs; "
                  "set train.phema.every: 0 (train.ema_decays averages the adapter)")]
-    return quantize_problems(spec, t)
+    return quantize_problems(spec, t) + quantize_problems({"quantize_base": sampled}, {}, "sample.quantize_base")
 
 
-def quantize_problems(spec: dict, train: dict) -> list[tuple[str, str]]:
-    """train.lora.quantize_base against what can run (torch-free: the config's checks)."""
+def quantize_problems(spec: dict, train: dict, name: str = "train.lora.quantize_base") -> list[tuple[str, str]]:
+    """train.lora.quantize_base (or sample.quantize_base, `name`) against what can run (torch-free: the config's
+    checks)."""
     kind = spec.get("quantize_base")
     if kind is None:
         return []
-    key = f"train.lora.quantize_base={kind}"
+    key = f"{name}={kind}"
     if train.get("sharding") == "fsdp2":
         return [(key, "a quantized frozen base is not sharded here (train.sharding: fsdp2); use train.sharding: "
                  "ddp (a LoRA run's state is its adapter) or quantize_base: null")]

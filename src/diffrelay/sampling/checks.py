@@ -36,6 +36,9 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     elif guided and not t["label_dropout"]:
         bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
                     "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
+    if s.get("true_cfg_scale", 1) != 1 and m.get("arch") != "flux":
+        bad.append((f"sample.true_cfg_scale={s['true_cfg_scale']}", "FluxPipeline's true classifier-free guidance, "
+                    "for FLUX.1 networks; use sample.guidance here, and set it to 1"))
     e, kind = s["edm"], m["objective"]
     flow, ddpm = kind == "flow", kind == "ddpm"
     if kind != "edm" and e != edm_defaults:

@@ -27,9 +27,8 @@ def check(scale: float, meta: dict, source) -> None:
 
 def distilled(model_cfg: dict) -> bool | None:
     """None for every network but FLUX.1's; for FLUX.1, whether it takes a guidance input (guidance_embeds: dev).
-    FluxPipeline gives guidance_scale to a guidance-distilled transformer as an input, one forward a step, and no
-    classifier-free guidance (its true_cfg_scale, with a negative prompt, is not built here: negative prompts are
-    unused, as the pipeline leaves them at true_cfg_scale 1, its default)."""
+    FluxPipeline gives guidance_scale to a guidance-distilled transformer as an input, one forward a step; its
+    classifier-free guidance is true_cfg_scale with a negative prompt (sample.true_cfg_scale, true_cfg)."""
     if model_cfg.get("arch") != "flux":
         return None
     return bool((model_cfg.get("kwargs") or {}).get("guidance_embeds", False))
@@ -43,6 +42,30 @@ def classifier_free(model_cfg: dict, scale: float) -> tuple[float, bool | None]:
         raise UserError(f"guidance {scale:g}: a FLUX.1 network without guidance_embeds (schnell) takes no guidance, "
                         "and FluxPipeline ignores guidance_scale there; use 1")
     return (scale if flux is None else 1.0), flux
+
+
+def true_cfg_scale(model_cfg: dict, scale: float) -> float:
+    """sample.true_cfg_scale (--true-cfg-scale) of a snapshot: FLUX.1's only (the config's check, for a hand-run)."""
+    if scale != 1 and distilled(model_cfg) is None:
+        raise UserError(f"--true-cfg-scale={scale:g}: FluxPipeline's true classifier-free guidance, for FLUX.1 "
+                        "networks; use --guidance here")
+    return scale
+
+
+def true_cfg(denoise, scale: float, items: list):
+    """FluxPipeline's true CFG (true_cfg_scale above 1, a negative prompt given): two forwards a step, the prompts'
+    then the negative prompts' (labels.null, with the same guidance input), and neg + scale (pos - neg), as
+    FluxPipeline.__call__ writes it. The rows of `items` (prompted items, one a row) without a negative prompt keep
+    their prompt's forward, as the pipeline called without one (their row of the second forward is discarded)."""
+    negative = [it.negative_prompt is not None for it in items]
+
+    def fn(x, sigma, labels):
+        pos = denoise(x, sigma, labels)
+        neg = denoise(x, sigma, dataclasses.replace(labels.null, guidance=labels.guidance))
+        rows = torch.tensor(negative, device=pos.device).view(-1, *[1] * (pos.dim() - 1))
+        return torch.where(rows, neg + scale * (pos - neg), pos)
+
+    return fn
 
 
 def _first(channels, guided, plain):

@@ -36,7 +36,8 @@ def is_valid_png(path: Path, shape) -> bool:
 
 
 def grid_title(meta: dict, s) -> str:
-    """What made these pixels, for the grid's title: step, guidance and which weights (EMA, post-hoc EMA, raw)."""
+    """What made these pixels, for the grid's title: step, guidance, which weights (EMA, post-hoc EMA, raw) and the
+    size of sample.sizes (none for the snapshot's square)."""
     if s.weights == "raw":
         weights = "raw weights"
     elif "phema" in meta:
@@ -44,14 +45,17 @@ def grid_title(meta: dict, s) -> str:
     else:
         decay = s.ema_decay if s.ema_decay is not None else (checkpoint.ema_decays(meta) or [None])[0]
         weights = "EMA" if decay is None else f"EMA {decay:g}"
-    return f"step {meta['step']} | guidance {s.guidance:g} | {weights}"
+    size = getattr(s, "size", None)
+    return f"step {meta['step']} | guidance {s.guidance:g} | {weights}" + (f" | {size[0]}x{size[1]}" if size else "")
 
 
 def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | None = None,
               tile_px: int = GRID_TILE_PX) -> Image.Image:
     """Up to GRID_COLUMNS tiles a row, small images enlarged (NEAREST) to about GRID_TILE_PX, names underneath,
-    and a title line above (a grid copied into a report or a paper draft still says what it shows)."""
-    h, w = images[0].shape[:2]
+    and a title line above (a grid copied into a report or a paper draft still says what it shows). Images of
+    several sizes (a prompt file's entries may have their own) share one scale, each at the top left of a cell of
+    the largest height and width."""
+    h, w = max(im.shape[0] for im in images), max(im.shape[1] for im in images)
     scale = max(1, math.ceil(tile_px / max(h, w)))
     th, tw = h * scale, w * scale
     label_h = LABEL_PX if names else 0
@@ -68,7 +72,7 @@ def make_grid(images: list[np.ndarray], names: list[str] | None, title: str | No
     for k, pixels in enumerate(images):
         x, y = (k % cols) * tw, title_h + (k // cols) * (th + label_h)
         tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert("RGB")
-        grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
+        grid.paste(tile.resize((tile.width * scale, tile.height * scale), Image.NEAREST), (x, y))
         if names:
             text = names[k]
             while text and draw.textlength(text, font=font) > tw - 2:

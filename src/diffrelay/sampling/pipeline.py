@@ -60,9 +60,32 @@ def open_any(snapshot, s, device, model_cfg, data_cfg, resources):
     from diffrelay import io
     from diffrelay.training import checkpoint
 
+    if s.quantize_base is not None:  # sample.quantize_base: a LoRA snapshot's base, as training held it
+        _check_quantize(snapshot, s.quantize_base, device)
     if is_pipeline(snapshot):
         net, meta, digest = load(snapshot, {"model": model_cfg, "data": data_cfg, "run": {"resources": resources}},
                                  device)
         return net, meta, digest, dataclasses.replace(s, weights="raw")
-    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay)
+    net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay,
+                                         quantize=(s.quantize_base, s.precision))
     return net, meta, io.sha256_file(snapshot), s
+
+
+def _check_quantize(snapshot, kind: str, device) -> None:
+    """sample.quantize_base (or --quantize-base) needs a LoRA run's snapshot, its library and, for nf4, CUDA; one
+    line before any weight is read. nf4 in eval mode on a CPU takes bitsandbytes' packed CPU kernel, which fails
+    on a layer narrower than its 64-value block (training's CPU runs take the other path)."""
+    from diffrelay.pretrained import lora
+    from diffrelay.training import checkpoint
+
+    meta = None if is_pipeline(snapshot) else checkpoint.read_signed_meta(snapshot, checkpoint.SNAPSHOT_FORMAT,
+                                                                          "snapshot")
+    if meta is None or not lora.enabled(meta.get("config")):
+        raise UserError(f"{snapshot}: sample.quantize_base={kind} quantizes a LoRA run's frozen base, and this is "
+                        f"{'a pipeline folder' if meta is None else 'no LoRA snapshot'}; set it to null (drop "
+                        "--quantize-base)")
+    for key, message in lora.quantize_problems({"quantize_base": kind}, {}, "sample.quantize_base"):
+        raise UserError(f"{key}: {message}")
+    if kind == "nf4" and str(device).split(":")[0] != "cuda":
+        raise UserError(f"sample.quantize_base=nf4: bitsandbytes' 4-bit inference is sampled on CUDA here, and this "
+                        f"process samples on {device}; use int8 or fp8 (torchao, the CPU too), or a GPU")

@@ -1,9 +1,9 @@
 """Sampling a text-conditional snapshot: which prompt and seed each image gets, its Text, and what it is checked for.
 
 Image i of a prompt file is prompts.expand's item i: its prompt, negative prompt, seed (the entry's, else
-sample.first_seed + i), guidance and steps. Every checkpoint samples the same items, so grids compare across steps,
-and each image's pixels depend on its own item alone: the PNGs are byte-identical for any process count and batch
-size, as class-conditional samples are. The unconditional branch of guidance is the negative prompt's embedding, or
+sample.first_seed + i), guidance, steps and size (the entry's width and height, else the folder's). Every checkpoint
+samples the same items, so grids compare across steps, and each image's pixels depend on its own item alone: the
+PNGs are byte-identical for any process count and batch size, as class-conditional samples are. The unconditional branch of guidance is the negative prompt's embedding, or
 the empty caption's, the one caption dropout trained (diffusers' pipelines use "" the same way).
 """
 
@@ -44,19 +44,23 @@ def held_out(dataset: Path, first_seed: int, limit: int = 0) -> list:
 
 def fingerprint(chosen: list) -> str:
     """The items' identity for the sample folder's key: an edited prompt file resamples, an unchanged one does not."""
-    rows = [[it.prompt, it.negative_prompt, it.seed, it.guidance, it.steps] for it in chosen]
+    # an entry's own size only where given: folders of files without sizes keep their key
+    rows = [[it.prompt, it.negative_prompt, it.seed, it.guidance, it.steps]
+            + ([it.width, it.height] if it.width is not None else []) for it in chosen]
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def groups(chosen: list, indices, guidance: float, steps: int):
-    """(guidance, steps, indices) runs of consecutive indices that share an item's guidance and steps (an item
-    without them takes sample.guidance and sample.steps): one sampler call each."""
+def groups(chosen: list, indices, guidance: float, steps: int, size=None):
+    """(guidance, steps, size, indices) runs of indices that share an item's guidance, steps and size (an item
+    without them takes sample.guidance, sample.steps and `size`, the folder's (width, height); None: the square):
+    one sampler call each, every forward batch of one shape."""
     def knobs(i):
         it = chosen[i]
-        return (guidance if it.guidance is None else float(it.guidance), steps if it.steps is None else int(it.steps))
-    ordered = sorted(indices, key=lambda i: (knobs(i), i))
-    for (g, n), run in itertools.groupby(ordered, key=knobs):
-        yield g, n, list(run)
+        return (guidance if it.guidance is None else float(it.guidance), steps if it.steps is None else int(it.steps),
+                size if it.width is None else (int(it.width), int(it.height)))
+    ordered = sorted(indices, key=lambda i: (knobs(i)[:2], knobs(i)[2] or (0, 0), i))
+    for (g, n, z), run in itertools.groupby(ordered, key=knobs):
+        yield g, n, z, list(run)
 
 
 def check(meta: dict, chosen: list, guidance: float, source) -> None:

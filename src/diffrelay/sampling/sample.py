@@ -5,8 +5,9 @@
       --snapshot results/demo/snapshots/step_0000400.safetensors --out results/demo/samples/step_0000400
 
 Image i uses seed first_seed + i, and process r of W makes images r, r + W, r + 2W, ... (round robin), so the
-files do not depend on the process count. Work happens in `<parent>/.<out>.partial/`; images already there are
-kept, so a killed job continues. The process that finishes last (it sees every rank's done marker) writes
+files do not depend on the process count. --size WxH (sample.sizes) samples another size than the snapshot's
+square: the noise is (C, H / f, W / f), f the encoder's factor (1 for pixels); a prompt file's entry may give its
+own size. Work happens in `<parent>/.<out>.partial/`; images already there are kept, so a killed job continues. The process that finishes last (it sees every rank's done marker) writes
 grid.png and manifest.json and renames the folder to `out`.
 """
 
@@ -26,7 +27,7 @@ from diffrelay.data import latents as latent_data
 from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import export, guidance, pipeline, prompted, schedulers
+from diffrelay.sampling import export, guidance, pipeline, prompted, schedulers, shapes
 from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
@@ -106,6 +107,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
             return net(x, sigma, labels)
 
     scale, flux = guidance.classifier_free(meta["model"], s.guidance)  # FLUX.1's is an input of its network
+    true_cfg = guidance.true_cfg_scale(meta["model"], s.true_cfg_scale) > 1  # FLUX.1's, with negative prompts
     # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
     kind = objectives.objective(meta["model"])
     channels = (s.ddpm.guided_channels or shape[0]) if kind == "ddpm" else s.flow.guided_channels if kind == "flow" \
@@ -140,13 +142,14 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         labels = class_labels(padded, meta, s.class_labels)
         labels = None if labels is None else torch.tensor(labels, device=device)
         if text is not None:
-            labels = prompted.condition(text, [items[i] for i in padded], device, labels, scale != 1,
+            labels = prompted.condition(text, [items[i] for i in padded], device, labels, scale != 1 or true_cfg,
                                         meta.get("num_classes", 0), rules, s.guidance if flux else None)
+        step = guidance.true_cfg(denoise, s.true_cfg_scale, [items[i] for i in padded]) if true_cfg else denoise
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
-                images = schedulers.sample(denoise, x, labels, s.steps, scheduler, gens, s.ddpm.eta, flux is not None)
+                images = schedulers.sample(step, x, labels, s.steps, scheduler, gens, s.ddpm.eta, flux is not None)
             else:
-                images = objectives.sample(meta["model"], denoise, x, labels, s.steps, s.solver, s.edm, s.flow,
+                images = objectives.sample(meta["model"], step, x, labels, s.steps, s.solver, s.edm, s.flow,
                                            noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)
             # NaN would become black pixels (the uint8 cast maps it to 0) and be scored as an image; the flag
             # travels to the host with the pixels, so the check costs no extra synchronisation.
@@ -166,36 +169,12 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         yield from zip(batch, pixels)
 
 
-def _check_ddpm(kind: str, s: Settings, snapshot, shape) -> None:
-    """The sampler and its settings against a snapshot's objective (the config's checks, for a hand-run)."""
-    ours = s.solver in ("ddpm", "ddim")
-    if (kind == "ddpm") != ours and s.scheduler is None:  # a scheduler replaces the solver (schedulers.check)
-        fix = "ddpm (or ddim)" if kind == "ddpm" else "heun or euler"
-        raise UserError(f"--solver {s.solver}: {snapshot} is a model.objective {kind} network; use {fix}")
-    if kind == "ddpm" and s.steps > 1000:
-        raise UserError(f"--steps {s.steps}: {snapshot} is a model.objective ddpm network with 1000 timesteps; use "
-                        "at most 1000 (DiT samples with 250)")
-    wide = {"ddpm": s.ddpm.guided_channels, "flow": s.flow.guided_channels}.get(kind) or 0
-    if wide > shape[0]:
-        raise UserError(f"sample.{kind}.guided_channels={wide}: {snapshot} has {shape[0]} image "
-                        f"channels; use at most {shape[0]} (or null for all)")
-    if kind == "ddpm" and (s.edm.changed() or s.flow.changed()):
-        raise UserError(f"sample.edm/sample.flow {s.edm.changed() | s.flow.changed()}: {snapshot} is a model.objective "
-                        "ddpm network; these are the other objectives' sampler settings; remove them")
-    if kind == "ddpm" and s.solver == "ddpm" and s.ddpm.eta and s.scheduler is None:
-        raise UserError(f"sample.ddpm.eta={s.ddpm.eta}: eta is DDIM's; use --solver ddim or remove it")
-    if kind != "ddpm" and s.ddpm.changed():
-        raise UserError(f"sample.ddpm {s.ddpm.changed()}: {snapshot} is a model.objective {kind} network; these "
-                        "are the ddpm samplers' settings; remove them")
-
-
 def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, world: int) -> dict | None:
     """Write grid.png and manifest.json and rename the folder to `out`; None if another process does it."""
     fd = lock(work)
     if fd is None:
         return None
     try:
-        shape = latent_data.output_shape(meta)
         missing = [i for i in range(s.num_images) if not (work / png_name(i)).is_file()]
         if missing:
             raise RuntimeError(f"{work}: all done markers present but image {missing[0]} is missing")
@@ -207,7 +186,8 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
         if text:  # a text run's grid is labelled with each image's prompt, on wider tiles
             names = [p.read_text(encoding="utf-8") for p in prompts]
         first, what = grid_picks(names or [None] * s.num_images)
-        tiles = [read_png(work / png_name(i)).reshape(shape[1], shape[2], shape[0]) for i in first]
+        tiles = [pixels.reshape(pixels.shape[0], pixels.shape[1], -1)  # H x W x C: an entry may have its own size
+                 for pixels in (read_png(work / png_name(i)) for i in first)]
         title = grid_title(meta, s) + (f" | {what} {'prompts' if text else 'classes'}" if what else "")
         buf = bytes_io.BytesIO()
         make_grid(tiles, names and [names[i] for i in first], title,
@@ -238,13 +218,13 @@ def finalize(work: Path, out: Path, meta: dict, s: Settings, manifest: dict, wor
 
 
 def _generate(model, meta, todo, s, device, guide, decoder, text, items, rules=None):
-    """generate(), in one call per (guidance, steps) of a text run's items (a prompt entry may set its own)."""
+    """generate(), in one call per (guidance, steps, size) of a text run's items (a prompt entry may set its own)."""
     if items is None:
         yield from generate(model, meta, todo, s, device, guide, decoder)
         return
-    for g, steps, part in prompted.groups(items, todo, s.guidance, s.steps):
-        yield from generate(model, meta, part, dataclasses.replace(s, guidance=g, steps=steps), device, guide,
-                            decoder, text, items, rules)
+    for g, steps, size, part in prompted.groups(items, todo, s.guidance, s.steps):
+        yield from generate(model, shapes.sized(meta, size), part, dataclasses.replace(s, guidance=g, steps=steps), device,
+                            guide, decoder, text, items, rules)
 
 
 def _write_image(path: Path, pixels, prompt: str | None) -> None:
@@ -271,6 +251,13 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
 
     # Snapshot (verified by its own sha256) or a pipeline folder, and the cheap checks that need its metadata.
     net, meta, identity, s = pipeline.open_any(snapshot, s, device, model_cfg, data_cfg, resources)
+    side = latent_data.output_shape(meta)[1]  # the snapshot's square, in pixels
+    if s.size is not None and tuple(s.size) == (side, side):
+        s = dataclasses.replace(s, size=None)  # the square: the folder it always was
+    base = meta  # the square's shapes, which the sizes are checked against
+    if s.size is not None:  # sample.sizes: the network's shapes of this size (its folder's key has them)
+        shapes.check_size(base, tuple(s.size), f"--size {s.size[0]}x{s.size[1]} (sample.sizes) for {snapshot}")
+        meta = shapes.sized(meta, tuple(s.size))
     shape = tuple(meta["image_shape"])
     decoder = latent_data.load_decoder(meta, snapshot, data_cfg, resources, device)  # latent snapshots
     class_labels([0], meta, s.class_labels)
@@ -281,10 +268,12 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     rules = pretrained.prompt_rules(model_cfg or meta["model"]) if text is not None else None
     if items is not None:
         s = dataclasses.replace(s, num_images=len(items))
-        prompted.check(meta, items, s.guidance if guidance.distilled(meta["model"]) is None else 1.0, snapshot)
+        prompted.check(meta, items, s.guidance if guidance.distilled(meta["model"]) is None else
+                       guidance.true_cfg_scale(meta["model"], s.true_cfg_scale), snapshot)
+        shapes.check_entry_sizes(base, meta, items, s)
     guide = None
     if s.guide is not None and s.guidance != 1:  # autoguidance: checked against the sampled network's record
-        guide = guidance.load_guide(s.guide, meta, s.weights, device)
+        guide = guidance.load_guide(s.guide, base, s.weights, device)  # the square's record against the guide's
     elif text is None:
         guidance.check(s.guidance, meta, snapshot)
     s = dataclasses.replace(s, weights=checkpoint.weights_of(meta, s.weights))  # raw where the run kept no EMA
@@ -295,7 +284,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     if kind == "flow" and s.edm.changed():
         raise UserError(f"sample.edm {s.edm.changed()}: {snapshot} is a model.objective flow network and these are "
                         "EDM's sampler settings; use sample.flow (--flow-shift, --flow-last-step)")
-    _check_ddpm(kind, s, snapshot, shape)
+    shapes.check_ddpm(kind, s, snapshot, shape)
     # sample.scheduler: pipeline reads the folder the config names (it may have moved), else the recorded one;
     # the sampler (generate) builds its scheduler from meta["model"] too.
     if (model_cfg or {}).get("pretrained") is not None:
@@ -319,6 +308,9 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
         key["guide_sha256"] = io.sha256_file(s.guide)
     if s.tf32 and device.type == "cuda":  # only then: it changes no pixel elsewhere, and older folders stay valid
         key["tf32"] = True
+    for name, off in (("quantize_base", None), ("true_cfg_scale", 1)):  # only when set: other folders keep their key
+        if getattr(s, name) != off:
+            key[name] = getattr(s, name)
     if items is not None:  # prompts, not classes: no class_labels (folders written with it still match)
         key["prompts"] = prompted.fingerprint(items)
         del key["class_labels"]
@@ -343,7 +335,7 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
     mine = rank_share(s.num_images, rank, world)
     if damaged or changed:
         reuse_intact(out, work, mine, set(damaged))
-    todo = [i for i in mine if not is_valid_png(work / png_name(i), latent_data.output_shape(meta))
+    todo = [i for i in mine if not is_valid_png(work / png_name(i), shapes.image_shape(meta, items, i))
             or (items is not None and not prompted.sidecar(work / png_name(i)).is_file())]
     if not work.is_dir():  # finalized and renamed by another process since open_work
         return up_to_date(out, key)

@@ -37,22 +37,26 @@ class Settings:
     precision: str  # fp32 | bf16
     threads: int
     tf32: bool = False  # CUDA: fp32 matmuls/convolutions on TF32 tensor cores (speed.set_backends)
+    quantize_base: str | None = None  # a LoRA run's frozen base quantized (int8, fp8, nf4); None = as loaded
     compile: bool = False  # torch.compile the network (one shape: forward_rows)
     edm: SamplerSettings = SamplerSettings()  # sample.edm: schedule and churn
     flow: FlowSamplerSettings = FlowSamplerSettings()  # sample.flow: grid shift and the sde's last step
     ddpm: DdpmSamplerSettings = DdpmSamplerSettings()  # sample.ddpm: DDIM's eta, guided channels, clipping
     guidance_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies; None = every step
     guidance: float = 1.0  # classifier-free guidance scale; 1 = off (one network pass, as without guidance)
+    true_cfg_scale: float = 1.0  # FLUX.1: FluxPipeline's true_cfg_scale with negative prompts; 1 = off
     guide: str | None = None  # autoguidance: the guiding snapshot's path; None = the null class (CFG)
     ema_decay: float | None = None  # which of train.ema_decays's EMAs; None = the first
     npz: bool = False  # also samples.npz (export.py); not a pixel setting
     prompts: str | None = None  # text runs: the prompt file (sampling/prompted.py); None = the held-out captions
     scheduler: str | None = None  # a diffusers scheduler's class (sampling/schedulers.py); None = `solver`
     scheduler_kwargs: dict = dataclasses.field(default_factory=dict)  # its other config keys
+    # (width, height) in pixels, one of sample.sizes; None = the snapshot's square (a size equal to it counts as None)
+    size: tuple | None = None
 
     @classmethod
     def from_section(cls, section: dict) -> "Settings":
-        values = {f.name: section[f.name] for f in dataclasses.fields(cls)}
+        values = {f.name: section[f.name] for f in dataclasses.fields(cls) if f.name != "size"}
         values["edm"] = SamplerSettings(**values["edm"])
         values["flow"] = FlowSamplerSettings(**values["flow"])
         values["ddpm"] = DdpmSamplerSettings(**values["ddpm"])
@@ -68,6 +72,9 @@ class Settings:
             if len(values["prompts"]) > 1:
                 raise UserError(f"sample.prompts={values['prompts']}: a list; pass one file with --prompts")
             values["prompts"] = values["prompts"][0]
+        # sample.sizes lists the workflow's evaluations; each job of a size other than the square says so with
+        # --size (the square's job, and a hand-run without the flag, sample the data.resolution square).
+        values["size"] = None
         # sample.ema_decay lists the workflow's evaluations; each job that samples another EMA than the first
         # says so with --ema-decay (a post-hoc EMA reconstruction, or the first EMA, has no flag to pass).
         values["ema_decay"] = None
@@ -79,11 +86,11 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     validate: config.validate, to check the flags like the config file's values."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
                                           "weights", "precision", "guidance", "guide", "ema_decay", "tf32",
-                                          "prompts", "scheduler")
+                                          "prompts", "scheduler", "quantize_base", "true_cfg_scale")
             if getattr(args, k, None) is not None}
     for name, v in over.items():
         low = 0 if name == "first_seed" else 1
-        if name in ("guide", "ema_decay", "tf32", "prompts", "scheduler"):
+        if name in ("guide", "ema_decay", "tf32", "prompts", "scheduler", "quantize_base", "true_cfg_scale"):
             continue
         if isinstance(v, int) and v < low:
             raise UserError(f"--{name.replace('_', '-')}={v}: must be at least {low}")
@@ -92,6 +99,9 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         # overflow to NaN after the work folder is made.
         raise UserError(f"--guidance={over['guidance']}: must be a finite number from 0 to {MAX_GUIDANCE:g} (1 = off; "
                         "larger scales overflow float32 in the sampler)")
+    if not 1 <= over.get("true_cfg_scale", 1) <= MAX_GUIDANCE:
+        raise UserError(f"--true-cfg-scale={over['true_cfg_scale']}: must be a number from 1 (off) to "
+                        f"{MAX_GUIDANCE:g}")
     if not 0 < over.get("ema_decay", 0.5) < 1:
         raise UserError(f"--ema-decay={over['ema_decay']}: a decay lies between 0 and 1; give one of train.ema_decays")
     if getattr(args, "scheduler_kwargs", None) is not None:  # a JSON object of the scheduler's config keys
@@ -117,6 +127,8 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
     for key in ("guidance", "prompts"):  # the workflow's one value of a sweep
         if key in over:
             cfg["sample"][key] = over[key]
+    if getattr(args, "size", None) is not None:  # one size of sample.sizes (or any other: checked when sampled)
+        over["size"] = tuple(args.size)
     flags = {k: getattr(args, EDM_FLAGS[k]) for k in EDM_FLAGS if getattr(args, EDM_FLAGS[k], None) is not None}
     flow_flags = {k: getattr(args, f"flow_{k}") for k in ("shift", "last_step", "guided_channels")
                   if getattr(args, f"flow_{k}", None) is not None}

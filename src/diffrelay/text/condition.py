@@ -12,7 +12,9 @@ the pooled embedding of the encoders that give one (None when none does). `label
 carried along, None for a text-only dataset. `null` is the unconditional branch of classifier-free guidance
 for the same rows: the empty caption's embedding, or the negative prompt's; it is set only when sampling.
 `guidance` (B,) float32 is a guidance-distilled network's guidance input (FLUX.1-dev's), set only when sampling;
-None in training, where the network feeds its own (nets/text_nets.py).
+None in training, where the network feeds its own (nets/text_nets.py). `sizes` (B, 6) float32 is each row's
+original height and width, crop top and left and target height and width in pixels (SDXL's add_time_ids), set by
+a bucketed dataset's loader (data.buckets); None: the network takes them from x's size, as the pipelines do.
 """
 
 from dataclasses import dataclass, replace
@@ -28,11 +30,12 @@ class Text:
     labels: torch.Tensor | None = None
     null: "Text | None" = None
     guidance: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
 
     def _map(self, fn) -> "Text":
         return Text(fn(self.states), fn(self.mask), None if self.pooled is None else fn(self.pooled),
                     None if self.labels is None else fn(self.labels), None if self.null is None else self.null._map(fn),
-                    None if self.guidance is None else fn(self.guidance))
+                    None if self.guidance is None else fn(self.guidance), None if self.sizes is None else fn(self.sizes))
 
     def to(self, device, non_blocking: bool = False) -> "Text":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -49,7 +52,9 @@ class Text:
         labels = self.labels.tensor_split(n) if self.labels is not None else [None] * n
         nulls = self.null.tensor_split(n) if self.null is not None else [None] * n
         guides = self.guidance.tensor_split(n) if self.guidance is not None else [None] * n
-        return tuple(Text(s, m, p, c, u, g) for s, m, p, c, u, g in zip(*parts, pooled, labels, nulls, guides))
+        sizes = self.sizes.tensor_split(n) if self.sizes is not None else [None] * n
+        return tuple(Text(s, m, p, c, u, g, z) for s, m, p, c, u, g, z in zip(*parts, pooled, labels, nulls, guides,
+                                                                               sizes))
 
     def where(self, rows: torch.Tensor, other: "Text") -> "Text":
         """`other`'s rows where the boolean `rows` is set (caption dropout: the empty caption's embedding)."""
@@ -57,7 +62,7 @@ class Text:
             return torch.where(rows.view(-1, *[1] * (a.dim() - 1)), b.to(a.dtype), a)
         return Text(pick(self.states, other.states), pick(self.mask, other.mask),
                     None if self.pooled is None else pick(self.pooled, other.pooled), self.labels, self.null,
-                    self.guidance)
+                    self.guidance, self.sizes)
 
     def with_null(self) -> "Text":
         """The rows followed by their unconditional rows, one batch (classifier-free guidance's two branches);
@@ -68,7 +73,8 @@ class Text:
         return Text(torch.cat([self.states, u.states]), torch.cat([self.mask, u.mask]),
                     None if self.pooled is None else torch.cat([self.pooled, u.pooled]),
                     None if self.labels is None else torch.cat([self.labels, u.labels]),
-                    None if self.guidance is None else torch.cat([self.guidance, self.guidance]))
+                    guidance=None if self.guidance is None else torch.cat([self.guidance, self.guidance]),
+                    sizes=None if self.sizes is None else torch.cat([self.sizes, self.sizes]))
 
     def without_null(self) -> "Text":
         return replace(self, null=None)

@@ -223,9 +223,12 @@ def read_snapshot(path) -> tuple[dict, dict]:
     return read_signed(path, SNAPSHOT_FORMAT, "snapshot", "re-create it from its checkpoint or rerun training")
 
 
-def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None, decay: float | None = None):
+def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | None = None, decay: float | None = None,
+                  quantize: tuple = (None,)):
     """(net, meta): the EDM denoiser with the chosen weights, in eval mode, gradients off. `decay` picks which of
     train.ema_decays's EMAs (None: the first) when weights is ema; a run that kept no EMA gives its raw weights.
+    `quantize`: a LoRA run's frozen base quantized before its adapter is attached, as training holds it
+    (sample.quantize_base: lora.quantize's kind and precision); (None,) = the pipeline's weights as they are.
 
     The network is the one `model_cfg` (the run config's `model` section) names; a snapshot recording
     another is refused. Without a config only a built-in arch is built from the snapshot's record, so
@@ -266,6 +269,7 @@ def load_snapshot(path, weights: str = "ema", device="cpu", model_cfg: dict | No
                            text=(meta.get("text") or {}).get("dims"))
     if spec:  # the pipeline's base, then the adapter
         base_weights.load_initial(net, base)
+        lora.quantize(net, *quantize)
         lora.attach(net, spec, 0)
         lora.load(net, state, path)
     else:

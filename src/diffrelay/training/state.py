@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrelay.data import loader
-from diffrelay.data.order import DataOrder
+from diffrelay.data.order import BucketOrder, DataOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
 from diffrelay.pretrained import folder, lora, weights
@@ -65,7 +65,7 @@ class TrainState:
         return cls(net=net, ema=ema, pema=pema, opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=DataOrder(cfg.run.seed, data.count, t.batch_size), lora=spec is not None, sharded=sharded)
+                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec is not None, sharded=sharded)
 
     def load(self, state: dict, meta: dict, path) -> None:
         made = (state.get("sharding") or {}).get("kind", "ddp")
@@ -178,3 +178,11 @@ def _first_scale(t, shape) -> float:
     start lower by the nearest power of two, where the mean's first steps start."""
     elements = math.prod(shape)
     return 2.0**16 / 2 ** math.ceil(math.log2(elements)) if t.loss_reduction == "sum" else 2.0**16
+
+
+def _order(seed: int, data, global_batch: int) -> DataOrder:
+    """The data order: each global batch from one bucket in a bucketed dataset (data.buckets), else the shuffled
+    stream of every row."""
+    if data.buckets is None:
+        return DataOrder(seed, data.count, global_batch)
+    return BucketOrder(seed, data.buckets.members(), global_batch)

@@ -243,7 +243,6 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
 # ---------------------------------------------------------------------------------------------
 # The segment's pieces, in the order it calls them
 
-
 # torch 2.14 renames broadcast_buffers (now deprecated, with a warning) to forward_sync_buffers.
 _NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                    else {"broadcast_buffers": False})
@@ -274,6 +273,7 @@ def _set_up(cfg, dataset_dir):
     latents.check_kind(data, cfg.data, cfg.run.resources)  # latents of this encoder for a latent run, else pixels
     if data.latent is not None:  # a hand-run train meets the workflow's check of the network against the latents
         preflight.latent_model(cfg, data.shape[1], "config")
+    preflight.dataset_buckets(cfg, data, "config")  # each bucket fills a global batch; the network takes its size
     if cfg.model.class_conditional and not data.num_classes:
         raise UserError(f"model.class_conditional=true but the dataset {data.path} has no classes; set it to false")
     return device, log, dataclasses.replace(data, text=text_source.for_training(cfg.data, data, device))
