@@ -50,28 +50,19 @@ def model_cfg(channels):
             "dropout": 0.0, "class_conditional": True, "sigma_data": 0.5}
 
 
-def bare_loop(data_dir, args) -> float:
-    """Steady steps/s of the plainest loop that does the same work."""
-    import numpy as np
-
-    from diffrelay.data import datasets
+def timed_steps(data, args, draw) -> float:
+    """Steady steps/s of the plainest loop: `draw()` gives a step's (images, labels, rnd, noise); the network,
+    loss, optimizer, clipping and EMA are the same in every case."""
     from diffrelay.objectives import edm
     from diffrelay.training import optim
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    data = datasets.open_prepared(data_dir)
-    images = torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1
-    labels = torch.from_numpy(np.asarray(data.labels))
     net = edm.build(model_cfg(args.channels), data.resolution, data.num_classes)
     ema = optim.EMA(net, [0.999])
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), foreach=False)
     times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        idx = torch.randint(0, len(images), (args.batch,))
-        rnd, noise = torch.randn(args.batch), torch.randn(args.batch, *images.shape[1:])
-        loss = edm.loss(net, images[idx], labels[idx], rnd, noise, -1.2, 1.2, 0.5)
+        loss = edm.loss(net, *draw(), -1.2, 1.2, 0.5)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -82,14 +73,31 @@ def bare_loop(data_dir, args) -> float:
     return len(steady) / sum(steady)
 
 
-def bare_bucket_loop(data_dir, args) -> float:
-    """Steady steps/s of the plainest loop over a bucketed dataset: each step a bucket drawn by its share of the
-    images, rows of it at random; the same network, loss, optimizer, clipping and EMA as bare_loop."""
+def bare_loop(data_dir, args) -> float:
+    """Steady steps/s of the plainest loop that does the same work."""
     import numpy as np
 
     from diffrelay.data import datasets
-    from diffrelay.objectives import edm
-    from diffrelay.training import optim
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    data = datasets.open_prepared(data_dir)
+    images = torch.from_numpy(np.asarray(data.images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+    labels = torch.from_numpy(np.asarray(data.labels))
+
+    def draw():
+        idx = torch.randint(0, len(images), (args.batch,))
+        return images[idx], labels[idx], torch.randn(args.batch), torch.randn(args.batch, *images.shape[1:])
+
+    return timed_steps(data, args, draw)
+
+
+def bare_bucket_loop(data_dir, args) -> float:
+    """bare_loop over a bucketed dataset: each step a bucket drawn by its share of the images, rows of it at
+    random."""
+    import numpy as np
+
+    from diffrelay.data import datasets
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -98,24 +106,13 @@ def bare_bucket_loop(data_dir, args) -> float:
     images = [torch.from_numpy(np.array(a)).permute(0, 3, 1, 2).float() / 127.5 - 1 for a in b.arrays]
     labels = [torch.from_numpy(np.asarray(data.labels)[rows]) for rows in b.members()]  # rows ascending: arrays' order
     share = torch.tensor([len(x) for x in images], dtype=torch.float64)
-    net = edm.build(model_cfg(args.channels), data.resolution, data.num_classes)
-    ema = optim.EMA(net, [0.999])
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), foreach=False)
-    times = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
+
+    def draw():
         k = int(torch.multinomial(share, 1))
         idx = torch.randint(0, len(images[k]), (args.batch,))
-        rnd, noise = torch.randn(args.batch), torch.randn(args.batch, *images[k].shape[1:])
-        loss = edm.loss(net, images[k][idx], labels[k][idx], rnd, noise, -1.2, 1.2, 0.5)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        ema.update(net, step)
-        times.append(time.perf_counter() - t0)
-    steady = times[args.steps // 4:]  # leave out warm-up
-    return len(steady) / sum(steady)
+        return images[k][idx], labels[k][idx], torch.randn(args.batch), torch.randn(args.batch, *images[k].shape[1:])
+
+    return timed_steps(data, args, draw)
 
 
 # (width, height) of the buckets case's images, cycled: landscape, square, portrait, as a photo folder has them

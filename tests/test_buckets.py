@@ -4,6 +4,7 @@ refusals."""
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -84,10 +85,11 @@ def bucketed_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("buckets")
     make_folder(tmp / "imgs")
     out = {}
-    for name in ("one", "two", "segments"):
-        cfg = bucket_config(tmp, name)
-        run_cli("prepare", "--config", cfg)
-        out[name] = (cfg, tmp / name / "b")
+    for name in ("one", "two", "segments"):  # one prepare; the others train on a copy of its dataset
+        out[name] = (bucket_config(tmp, name), tmp / name / "b")
+    run_cli("prepare", "--config", out["one"][0])
+    for name in ("two", "segments"):
+        shutil.copytree(out["one"][1] / "dataset", out[name][1] / "dataset")
     torchrun(1, "--config", out["one"][0], "--until-step", 4, "--trace", tmp / "one.trace")
     torchrun(2, "--config", out["two"][0], "--until-step", 4, "--trace", tmp / "two.trace")
     cfg, rd = out["segments"]
