@@ -205,15 +205,15 @@ def torchrun_fails(cfg, *args):
 
 
 def test_a_latent_sdxl_lora_run_encodes_each_bucket_and_trains_on_it(tmp_path):
-    """prepare encodes each image's cut to its bucket with the pipeline's VAE (per-bucket latents, the squares kept
-    for the FID reference); a LoRA step trains on them."""
+    """prepare encodes each image's cut to its bucket with the pipeline's VAE, and its mirror (per-bucket latents,
+    the squares kept for the FID reference); a LoRA step trains on them, mirrored rows included."""
     import pipelines
     from diffusers import AutoencoderKL
 
     pipelines.sdxl(tmp_path / "sdxl")
     make_folder(tmp_path / "imgs", count=24, captions=True)
     (tmp_path / "prompts.yaml").write_text("- {prompt: a red circle, num_images: 1}\n")
-    cfg = bucket_config(tmp_path, "x", data={"captions": "auto", "text_cache": True},
+    cfg = bucket_config(tmp_path, "x", data={"captions": "auto", "text_cache": True, "xflip": 0.5},
                         model={"pretrained": str(tmp_path / "sdxl")},
                         train={"total_steps": 1, "segment_steps": 1, "lora": {"rank": 4}},
                         sample={"prompts": str(tmp_path / "prompts.yaml")})
@@ -222,6 +222,7 @@ def test_a_latent_sdxl_lora_run_encodes_each_bucket_and_trains_on_it(tmp_path):
     b = data.buckets
     assert data.latents is None and data.images.shape == (24, 32, 32, 3)
     assert [a.shape for a in b.arrays] == [(8, 8, 20, 12), (4, 8, 16, 16), (12, 8, 12, 20)]  # mean and std, /2
+    assert [a.shape for a in b.flipped] == [a.shape for a in b.arrays]  # data.xflip: the mirrored cuts' latents
     vae = AutoencoderKL.from_pretrained(tmp_path / "sdxl" / "vae")
     for i in (0, 2):
         bucket, row = b.rows[i]
@@ -232,5 +233,8 @@ def test_a_latent_sdxl_lora_run_encodes_each_bucket_and_trains_on_it(tmp_path):
         with torch.no_grad():
             d = vae.encode(torch.from_numpy(cut.copy()).permute(2, 0, 1)[None].float() / 127.5 - 1).latent_dist
         assert torch.allclose(torch.from_numpy(np.array(b.arrays[bucket][row][:4])), d.mean[0], atol=1e-5)
+        with torch.no_grad():
+            d = vae.encode(torch.from_numpy(cut[:, ::-1].copy()).permute(2, 0, 1)[None].float() / 127.5 - 1).latent_dist
+        assert torch.allclose(torch.from_numpy(np.array(b.flipped[bucket][row][:4])), d.mean[0], atol=1e-5)
     torchrun(1, "--config", cfg, "--until-step", 1)
     assert (tmp_path / "x" / "b" / "checkpoints" / "step_0000001").is_dir()

@@ -333,7 +333,7 @@ def bucket_sizes(cfg, sizes, source: str, key: str = "data.buckets.step") -> Non
         raise UserError(f"{source}: data.buckets: model.arch={cfg.model.arch} has position tables of one size "
                         "(data.resolution's square), so it cannot train other shapes; set data.buckets null")
     kw = cfg.to_dict()["model"]["kwargs"]
-    table = kw.get("pos_embed_max_size") if cfg.model.arch == "sd3" else None  # SD3 crops its table: at most this
+    table = kw.get("pos_embed_max_size", 96) if cfg.model.arch == "sd3" else None  # SD3 crops its table (96: diffusers')
     for w, h in sizes:
         if table and max(w, h) // (factor * down) > table:
             raise UserError(f"{source}: data.buckets: bucket {w}x{h} is {max(w, h) // (factor * down)} patches long, "
@@ -347,6 +347,10 @@ def bucket_sizes(cfg, sizes, source: str, key: str = "data.buckets.step") -> Non
 
 def dataset_buckets(cfg, data, source: str) -> None:
     """A bucketed dataset (data.buckets) at training: every bucket fills a global batch, the network takes its size."""
+    if (cfg.data.buckets is None) != (data.buckets is None):
+        made, want = ("with", "without") if data.buckets is not None else ("without", "with")
+        raise UserError(f"{data.path}: prepared {made} data.buckets and {source} trains {want} them; set data.buckets "
+                        "as the dataset was made, or prepare it again into a new folder")
     if data.buckets is not None:
         from diffrelay.data import bucketed
 

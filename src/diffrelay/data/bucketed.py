@@ -137,4 +137,4 @@ def check_batches(data, global_batch: int, source: str) -> None:
             raise UserError(f"{data.path}: bucket {w}x{h} holds {n} image(s), fewer than one global batch "
                             f"(train.batch_size={global_batch}), so they would never be trained; {source}: set "
                             f"data.buckets.min_images null (merges it at prepare) or at least {global_batch}, or "
-                            "lower train.batch_size")
+                            "lower train.batch_size (files skipped while decoding, if any: dataset.json's skipped)")

@@ -106,7 +106,10 @@ def image_size(path) -> tuple[int, int]:
 
     with Image.open(path) as img:
         w, h = img.size
-        turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+        # A PNG's getexif() decodes the whole image when no eXIf chunk comes before the pixels (Pillow): read it only
+        # when the header has one (one after the pixels is then missed: the cut still covers the bucket).
+        exif = img.getexif() if img.format != "PNG" or "exif" in img.info else {}
+        turned = exif.get(0x0112, 1) in (5, 6, 7, 8)
     return (h, w) if turned else (w, h)
 
 

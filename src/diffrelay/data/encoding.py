@@ -134,7 +134,8 @@ def check_chunk(work: Path, p, index: int, verify: bool = False) -> np.ndarray |
             for name, (shape, dtype) in want.items():
                 s = f.get_slice(name)
                 got = tuple(s.get_shape())
-                if s.get_dtype() != dtype or got != tuple(n if d is None else got[0] if d == -1 else d for d in shape):
+                any_count = got[0] if got else -1  # a -1 entry: any number of rows (a bucket's share of the chunk)
+                if s.get_dtype() != dtype or got != tuple(n if d is None else any_count if d == -1 else d for d in shape):
                     raise ValueError(problem)
         if verify and digest != chunk_digest(p, index, load_file(path)):
             problem = ("it has no sha256 of its data (an older diffrelay wrote it)" if digest is None else

@@ -53,7 +53,7 @@ def check_kind(data, cfg_data, resources) -> None:
             raise UserError(f"{data.path}: encoded with data.encoder={data.latent['encoder']}, latent_norm "
                             f"{data.latent.get('norm')}; this run has {cfg_data.encoder}, {norm}; set them as the "
                             f"dataset was made, or {fix}")
-        if cfg_data.xflip > 0 and data.latents_xflip is None:
+        if cfg_data.xflip > 0 and not data.latent.get("xflip"):  # (a bucketed dataset's are per bucket)
             raise UserError(f"{data.path}: has no latents of mirrored images (made with data.xflip 0) and this run "
                             f"has data.xflip={cfg_data.xflip}; {fix}")
         try:
