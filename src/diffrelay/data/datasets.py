@@ -111,10 +111,14 @@ def _digest(obj) -> str:
 def load_image(data: bytes, resolution: int, mode: str = "center") -> np.ndarray:
     """Decode, convert to RGB, then make a resolution x resolution square as data.crop `mode` says: center =
     centre square resized with Lanczos, dhariwal = ADM's box halvings, bicubic and centre crop (data/crop.py)."""
+    return crop.square(decode(data), resolution, mode)
+
+
+def decode(data: bytes) -> Image.Image:
+    """An image file's bytes as an 8-bit RGB image, turned by its EXIF orientation (to_rgb)."""
     with Image.open(bytes_io.BytesIO(data)) as img:
         img.load()
-        img = to_rgb(img)
-    return crop.square(img, resolution, mode)
+        return to_rgb(img)
 
 
 def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tuple):
@@ -132,9 +136,7 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tup
         return None
     try:
         if len(item) > 2:
-            with Image.open(bytes_io.BytesIO(data)) as img:
-                img.load()
-                img = to_rgb(img)
+            img = decode(data)
             return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]))
         return load_image(data, resolution, mode)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
