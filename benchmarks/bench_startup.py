@@ -37,6 +37,16 @@ statistics (fid-ref).
      fid     the timed `fid` runs: the result's `started`/`finished` (the child's score_all), against the
              same scoring called warm in this process (extractor load included).
 Writes benchmarks/results/startup.json and prints markdown tables.
+
+  python benchmarks/bench_startup.py --pipeline [--repeat 3] [--out PATH]
+
+4. A pipeline run instead (issue 65): a LoRA of the tests' tiny FLUX.1 pipeline (tests/pipelines.py, built from
+   configs, nothing downloaded), the run a FLUX.1 newcomer starts with. Timed, median of --repeat: `import torch`;
+   `validate` and `snakemake -n` with an empty `<resources>/validate/` (cold: the network built once, diffusers,
+   transformers and peft imported) and with it filled by the run before (warm: what every later `validate`, every
+   Snakemake parse and so every workflow job pays); `prepare` up to date; and one `train` step from the last
+   checkpoint (a job that builds the pipeline's network and so imports diffusers). Writes
+   benchmarks/results/startup_pipeline.json.
 """
 
 import argparse
@@ -272,8 +282,12 @@ def main():
                     help="skip the training job started through `diffrelay launch` (torchrun)")
     ap.add_argument("--keep", metavar="DIR", help="build in this new or empty folder and keep it "
                     "(default: a temporary one)")
-    ap.add_argument("--out", default=str(HERE / "results" / "startup.json"))
+    ap.add_argument("--pipeline", action="store_true", help="time a tiny FLUX.1 LoRA run's commands instead (4.)")
+    ap.add_argument("--out", default=None, help="[results/startup.json; results/startup_pipeline.json]")
     args = ap.parse_args()
+    if args.pipeline:
+        return pipeline_startup(args)
+    args.out = args.out or str(HERE / "results" / "startup.json")
     if args.keep and Path(args.keep).exists() and any(Path(args.keep).iterdir()):
         ap.error(f"--keep {args.keep}: not empty; give a new or empty folder")
     began = time.perf_counter()
@@ -483,6 +497,69 @@ def main():
         "machine": facts,
         "finished": time.time()})
     print(f"wrote {args.out}")
+
+
+def pipeline_startup(args) -> None:
+    """Section 4 of the docstring: a tiny FLUX.1 LoRA run's commands, cold and warm."""
+    import shutil
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import pipelines  # the tests' tiny pipelines, written by diffusers' own save_pretrained
+
+    began, facts = time.perf_counter(), machine()
+    with tempfile.TemporaryDirectory(prefix="bench_startup_pipeline.") as tmp:
+        tmp = Path(tmp)
+        pipe = pipelines.flux(tmp / "flux")
+        d = {"run": {"name": "flux-lora", "results": str(tmp / "results"), "resources": str(tmp / "resources"),
+                     "device": "cpu"},
+             "data": {"kind": "shapes", "count": 16, "resolution": 16, "captions": "auto", "val_fraction": 0.25},
+             "model": {"pretrained": str(pipe)},
+             "train": {"total_steps": 1000, "segment_steps": 2, "batch_size": 4, "log_every": 1, "warmup_steps": 1,
+                       "lr": 0.01, "lora": {"rank": 2}, "threads": 1},
+             "sample": {"steps": 2, "batch_size": 4}, "fid": {"extractor": "random", "batch_size": 16}}
+        cfg = tmp / "flux-lora.yaml"
+        cfg.write_text(yaml.safe_dump(d, sort_keys=False))
+        run, cache = Runner(tmp), tmp / "resources" / "validate"
+        run(cli("prepare", "--config", cfg))
+        run(cli("train", "--config", cfg, "--until-step", 1))
+        last = [1]
+
+        def train_cmd():
+            last[0] += 1
+            return cli("train", "--config", cfg, "--until-step", last[0])
+
+        snake = [str(BIN / "snakemake"), "-n", "-q", "--cores", "1", "-s", str(HERE.parent / "Snakefile"),
+                 "-d", str(tmp), "--configfile", str(cfg)]
+        commands = {"import torch": ([PY, "-c", "import torch"], False),
+                    "validate, cold": (cli("validate", "--config", cfg), True),
+                    "validate, warm": (cli("validate", "--config", cfg), False),
+                    "snakemake -n, cold": (snake, True), "snakemake -n, warm": (snake, False),
+                    "prepare (up to date)": (cli("prepare", "--config", cfg), False),
+                    "train (1 step)": (None, False)}
+        walls = {k: [] for k in commands}
+        for _ in range(args.repeat):
+            for name, (cmd, cold) in commands.items():
+                if cold:
+                    shutil.rmtree(cache, ignore_errors=True)
+                walls[name].append(run(cmd or train_cmd())["wall"])
+    base = statistics.median(walls["import torch"])
+    rows = [{"command": k, "median_s": round(statistics.median(v), 3),
+             "overhead_s": round(statistics.median(v) - base, 3), "runs_s": [round(w, 3) for w in v]}
+            for k, v in walls.items()]
+    print(f"\n## A tiny FLUX.1 LoRA run's commands (median of {args.repeat}, alternating; wall s)\n")
+    print("| command | median s | overhead vs import torch s | runs s |")
+    print("|---|---:|---:|---|")
+    for row in rows:
+        print(f"| {row['command']} | {row['median_s']:.2f} | {row['overhead_s']:+.2f} | "
+              f"{', '.join(f'{w:.2f}' for w in row['runs_s'])} |")
+    facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out = args.out or str(HERE / "results" / "startup_pipeline.json")
+    from diffrelay import io
+
+    io.write_json(out, {"benchmark": "startup_pipeline", "settings": vars(args), "config": d,
+                        "goal_command_overhead_s": 1.0, "import_torch_s": round(base, 3), "commands": rows,
+                        "machine": facts, "total_s": round(time.perf_counter() - began, 3), "finished": time.time()})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

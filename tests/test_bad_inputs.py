@@ -142,6 +142,8 @@ CASES = [
          ("ghost.png", "cannot open", "dangling symlink", "data.on_corrupt: skip")),
     Case("all-images-skipped", image_folder(with_files(bad=["x.png", "y.jpg"]), on_corrupt="skip"), prepare,
          ("imgs", "none of the 2 images could be read")),
+    Case("image-past-max-pixels", image_folder(with_files("a.png", "b.png"), max_image_pixels=32), prepare,
+         ("a.png", "8x8 = 64 pixels", "data.max_image_pixels=32", "data.on_corrupt: skip")),
 ]
 
 

@@ -52,6 +52,55 @@ def test_each_image_takes_the_nearest_ratio_is_covered_and_centre_cropped():
     assert into[5] == 6 and into[0] == 1 and into[1] == 1 and into[6] == 6
 
 
+def test_upscale_false_never_enlarges_an_image_its_own_size_floored_to_the_step_is_its_bucket():
+    """sd-scripts' bucket_no_upscale: an image its nearest bucket would enlarge gets its own size floored to the
+    step (the long side first cut to max_aspect); an image a bucket fits inside keeps the nearest, as before."""
+    grid, keep = buckets.sizes(32, 8, 2.0), {"step": 8, "max_aspect": 2.0, "upscale": False}
+    assert buckets.assign(24, 16, grid, 32, keep) == (24, 16)  # not 40x24, enlarged 1.5x
+    assert buckets.assign(16, 16, grid, 32, keep) == (16, 16)  # not 32x32
+    assert buckets.assign(20, 12, grid, 32, keep) == (16, 8)  # floored to the step, then cropped
+    assert buckets.assign(60, 20, grid, 32, keep) == (32, 16)  # 3:1: 40x16 passes max_aspect 2
+    assert buckets.assign(64, 32, grid, 32, keep) == (40, 24)  # fits inside: the nearest, unchanged
+    assert buckets.assign(24, 16, grid, 32, keep | {"upscale": True}) == (40, 24)  # upscale true enlarges
+    assert 0 in buckets.assign(6, 30, grid, 32, keep)  # narrower than one step: no bucket (prepare refuses it)
+    for w in range(8, 100, 3):
+        for h in range(8, 100, 5):
+            b = buckets.assign(w, h, grid, 32, keep)
+            (rw, rh), _ = buckets.cover(w, h, b)
+            assert rw <= w and rh <= h and b[0] % 8 == b[1] % 8 == 0 and max(b) / min(b) <= 2, (w, h, b)
+            assert b[0] * b[1] <= 32 * 32
+    # a merge goes only into a bucket that fits inside each of its images: 16x16's one image cannot go to 24x16
+    sizes = [(16, 16), (24, 16)]
+    assert buckets.merge({0: 1, 1: 5}, sizes, 4, least={0: (16, 16), 1: (24, 16)}) == {0: 0, 1: 1}
+    assert buckets.merge({0: 5, 1: 3}, sizes, 4, least={0: (16, 16), 1: (24, 16)}) == {0: 0, 1: 0}
+    assert buckets.merge({0: 1, 1: 5}, sizes, 4) == {0: 1, 1: 1}  # upscale true: as before
+
+
+def test_upscale_false_plans_own_buckets_and_validate_says_each_buckets_crop_and_the_worst(tmp_path):
+    """A folder with images smaller than every bucket and 3:1 panoramas: the small ones get buckets of their own
+    size, nothing is enlarged, and validate's lines give each bucket's crop and name the image that loses most."""
+    from diffrelay import config
+    from diffrelay.config import report
+
+    folder = make_folder(tmp_path / "imgs", count=12)  # 4 to 24x40, 2 to 32x32, 6 to 40x24
+    for i in range(4):
+        Image.new("RGB", (24, 16)).save(folder / f"small{i}.png")
+        Image.new("RGB", (16, 16)).save(folder / f"tiny{i}.png")
+    Image.new("RGB", (96, 32)).save(folder / "pano.png")  # 3:1 into 40x24: loses 44 % of its width
+    cfg = config.load(bucket_config(tmp_path, "own", train={"batch_size": 2}))
+    p = datasets.plan(cfg.data, batch=2)
+    assert p.buckets == ((16, 16), (24, 16), (24, 40), (32, 32), (40, 24))
+    for (rel, _), b in zip(p.files, p.bucket_of):
+        with Image.open(folder / rel) as img:
+            (rw, rh), _ = buckets.cover(*img.size, p.buckets[b])
+            assert rw <= img.size[0] and rh <= img.size[1], rel  # never enlarged
+    lines = report.bucket_lines(cfg)
+    assert "#  16x16: 4 images (their own size: data.buckets.upscale false never enlarges), crop mean 0 %" in lines[1]
+    heavy = [line for line in lines if "lose more than 20 %" in line]
+    assert len(heavy) == 1 and "1 image(s)" in heavy[0] and "the worst: pano.png, 44 %" in heavy[0], lines
+    assert "data.buckets.max_aspect=2" in heavy[0]
+
+
 def make_folder(path, count=36, captions=False):
     rng = np.random.default_rng(0)
     path.mkdir(parents=True, exist_ok=True)
@@ -87,7 +136,7 @@ def bucketed_runs(tmp_path_factory):
     out = {}
     for name in ("one", "two", "segments"):  # one prepare; the others train on a copy of its dataset
         out[name] = (bucket_config(tmp, name), tmp / name / "b")
-    run_cli("prepare", "--config", out["one"][0])
+    out["prepared"] = run_cli("prepare", "--config", out["one"][0]).stderr
     for name in ("two", "segments"):
         shutil.copytree(out["one"][1] / "dataset", out[name][1] / "dataset")
     torchrun(1, "--config", out["one"][0], "--until-step", 4, "--trace", tmp / "one.trace")
@@ -114,6 +163,9 @@ def test_prepare_writes_each_bucket_its_array_and_each_row_its_sizes(bucketed_ru
             want = np.asarray(img.convert("RGB").resize((rw, rh), Image.Resampling.LANCZOS))[top:top + bh, left:left + bw]
         assert np.array_equal(b.arrays[bucket][row], want)
     assert list(b.meta[0]) == [32, 64, 0, 4]
+    # prepare says how much each bucket crops: 70x35 and 64x32 lose 1/6 of their width to 40x24, 48x48 nothing
+    assert "prepare: 32x32: 6 images, crop mean 0 %, max 0 % of the pixels" in out["prepared"]
+    assert "prepare: 40x24: 18 images, crop mean 15 %, max 17 % of the pixels" in out["prepared"]
 
 
 def test_batches_come_from_one_bucket_the_same_for_any_process_count_and_segments_equal_one_run(bucketed_runs):
@@ -173,9 +225,11 @@ def test_sdxl_size_conditioning_equals_the_pipelines_add_time_ids(tmp_path):
 def test_bucket_faults_are_one_line_before_any_work(tmp_path):
     make_folder(tmp_path / "imgs", count=12)
     Image.new("RGB", (20, 12)).save(tmp_path / "imgs" / "tiny.png")  # both sides under every bucket's
+    # upscale false: its own bucket, 16x8, of one image, with no smaller bucket to merge into without enlarging it
     p = run_cli("prepare", "--config", bucket_config(tmp_path, "small"), check=False)
-    assert p.returncode != 0 and "tiny.png: 20x12 pixels, smaller on both sides than every bucket" in p.stderr
-    assert not (tmp_path / "small" / "b" / "dataset").exists()
+    assert p.returncode == 2 and "tiny.png: 20x12 pixels: its bucket 16x8 holds 1 image(s)" in p.stderr
+    assert "data.buckets.min_images=4" in p.stderr and "data.buckets.upscale: true" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "small" / "b" / "dataset").exists()
     (tmp_path / "imgs" / "tiny.png").unlink()
     # a step the network's halving cannot divide (3 levels: multiples of 4)
     p = run_cli("validate", "--config", bucket_config(tmp_path, "step", data={"buckets": {"step": 10}},
@@ -183,11 +237,24 @@ def test_bucket_faults_are_one_line_before_any_work(tmp_path):
     assert p.returncode != 0 and "data.buckets.step=10" in p.stderr and "multiple of 4" in p.stderr
     p = run_cli("validate", "--config", bucket_config(tmp_path, "dit", model={"arch": "dit"}), check=False)
     assert p.returncode != 0 and "position tables of one size" in p.stderr
-    # a bucket smaller than one global batch (min_images set below it): training refuses before any step
+    # a bucket smaller than one global batch (min_images set below it): validate and prepare refuse, where the
+    # counts are known (32x32 holds 2 of the 12 images), before any decoding
     cfg = bucket_config(tmp_path, "few", data={"buckets": {"step": 8, "min_images": 1}}, train={"batch_size": 4})
-    run_cli("prepare", "--config", cfg)
-    p = torchrun_fails(cfg)
-    assert "fewer than one global batch" in p.stderr and not (tmp_path / "few" / "b" / "checkpoints").exists()
+    for command in ("validate", "prepare"):
+        p = run_cli(command, "--config", cfg, check=False)
+        assert p.returncode == 2 and "bucket 32x32 holds 2 image(s)" in p.stderr, p.stderr
+        assert "fewer than one global batch (train.batch_size=4)" in p.stderr and "data.buckets.min_images=1" in p.stderr
+        assert "Traceback" not in p.stderr and not (tmp_path / "few" / "b" / "dataset").exists()
+    # and training still refuses a dataset whose bucket lost files while decoding (data.on_corrupt: skip)
+    from diffrelay.data import bucketed
+    from diffrelay.errors import UserError
+
+    class Held:
+        path, count = tmp_path / "dataset", 6
+        buckets = bucketed.Buckets(((24, 40), (32, 32)), np.array([[0, 0], [0, 1], [1, 0], [1, 1], [1, 2], [1, 3]]),
+                                   None, (), (), {})
+    with pytest.raises(UserError, match="bucket 24x40 holds 2 image.*fewer than one global batch"):
+        bucketed.check_batches(Held, 4, "config")
     # a resume with other bucket settings
     cfg = bucket_config(tmp_path, "resume")
     run_cli("prepare", "--config", cfg)

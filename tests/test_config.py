@@ -1,11 +1,13 @@
 """Config: defaults, one-line errors for bad values, layering of files, `diffrelay validate`."""
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from conftest import deep_merge, run_cli
 from diffrelay import config
-from diffrelay.config import identity
+from diffrelay.config import identity, inputs, preflight
 from diffrelay.errors import UserError
 
 
@@ -261,6 +263,7 @@ def test_the_packages_own_anchored_patterns_end_at_the_very_end():
     ({"fid": {"reference": "-r.npz"}}, "fid.reference"), ({"fid": {"reference": {"random": "-r.npz"}}}, "fid.reference.random"),
     ({"run": {"results": "res\nults"}}, "run.results"), ({"run": {"resources": "a\tb"}}, "run.resources"),
     ({"data": {"kind": "folder", "path": "imgs\r"}}, "data.path"), ({"fid": {"reference": "r\x7f.npz"}}, "fid.reference"),
+    ({"data": {"kind": "folder", "path": "i", "captions": "auto", "val_path": "held\nout"}}, "data.val_path"),
 ])
 def test_a_path_starting_with_a_dash_or_holding_a_control_character_is_one_line(over, key):
     """'-rf' passed validation and failed inside Snakemake as an argparse error; a newline made folder names."""
@@ -270,3 +273,102 @@ def test_a_path_starting_with_a_dash_or_holding_a_control_character_is_one_line(
     assert "\n" not in line and f"config: {key}=" in line, line
     assert ("reads as an option" in line and "./-" in line) or "control character" in line, line
     assert config.validate({"run": {"results": "./-rf", "resources": "out/re-sources"}})
+
+
+# ---- the held-out split and the image counts the later stages need, when the config is read ------------------
+
+def images(folder, n):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(folder / f"{i:03d}.png")
+    return folder
+
+
+def text_run(tmp_path, data=None, fid=None, **over):
+    """A text run's config (the encoder folder is not read by these checks) over a 16-image folder."""
+    d = {"run": {"name": "t", "device": "cpu", "results": str(tmp_path / "results")},
+         "data": {"kind": "folder", "path": str(images(tmp_path / "imgs", 16)), "resolution": 16, "labels": "none",
+                  "captions": "auto", "text_encoders": [{"path": str(tmp_path / "enc")}], **(data or {})},
+         "model": {"arch": "diffusers-unet", "class_conditional": False},
+         "fid": {"extractor": "random", "ref_images": 0, **(fid or {})}, **over}
+    return config.Config(config.validate(d, source="c.yaml"))
+
+
+def refused(cfg) -> str:
+    with pytest.raises(UserError) as e:
+        preflight.check_inputs(cfg, "c.yaml")  # where data.path is checked: validate, prepare and the Snakefile's parse
+    line = str(e.value)
+    assert "\n" not in line and (line.startswith("c.yaml: ") or ".yaml: " in line), line
+    return line
+
+
+@pytest.mark.parametrize("data, fid, expect", [
+    # the hostile pass's case: one held-out image, and fid-ref refused it after segment 1 had trained
+    ({"val_fraction": 0.01}, {"metrics": ["fid", "val_loss"]},
+     ["data.val_fraction=0.01: holds out 1 of the 16 images of data.path", "(fid-ref) need at least 2",
+      "raise data.val_fraction to 0.1 or more", "data.val_path"]),
+    ({"val_fraction": 0.15}, {"metrics": ["fid", "precision"]},
+     ["holds out 2 of the 16", "need at least 4 (precision/recall", "raise data.val_fraction to 0.22"]),
+    ({"val_path": "one"}, {}, ["data.val_path=", "1 image, and the held-out images' reference statistics",
+                               "put at least 2 images in data.val_path"]),
+    ({"val_path": "one"}, {"metrics": ["fid", "recall"]}, ["1 image", "at least 4"]),
+])
+def test_a_held_out_split_too_small_for_its_users_is_refused_when_the_config_is_read(tmp_path, data, fid, expect):
+    images(tmp_path / "one", 1)
+    if data.get("val_path"):
+        data = data | {"val_path": str(tmp_path / data["val_path"])}
+    line = refused(text_run(tmp_path, data, fid))
+    for part in expect:
+        assert part in line, (part, line)
+    if "val_fraction" in data:  # the fix it names is enough
+        least = float(line.split("raise data.val_fraction to ")[1].split(" ")[0])
+        preflight.check_inputs(text_run(tmp_path, {"val_fraction": least}, fid), "c.yaml")
+
+
+def test_every_count_a_later_stage_needs_is_checked_when_the_config_is_read(tmp_path):
+    shapes = {"kind": "shapes", "count": 8, "captions": "auto", "val_fraction": 0.01}
+    del_path = {"path": None}
+    line = refused(text_run(tmp_path, {**shapes, **del_path}))
+    assert "holds out 1 of the 8 images of data.count" in line and "raise data.count" in line, line
+    assert "fid.ref_images=1: FID needs at least 2" in refused(text_run(tmp_path, {"val_fraction": 0.5},
+                                                                         {"ref_images": 1}))
+    line = refused(text_run(tmp_path, {"val_fraction": 0.5}, {"metrics": ["fid", "precision"]},
+                            sample={"num_images": 3}))
+    assert "sample.num_images=3: FID needs at least 4 images (precision/recall" in line, line
+    (tmp_path / "p.yaml").write_text("- {prompt: a red circle}\n")
+    line = refused(text_run(tmp_path, {"val_fraction": 0.5}, sample={"prompts": str(tmp_path / "p.yaml")}))
+    assert line.startswith(f"{tmp_path / 'p.yaml'}: 1 image in all") and "sample.prompts" in line, line
+    # enough everywhere: 4 of 16 held out for precision's 4
+    preflight.check_inputs(text_run(tmp_path, {"val_fraction": 0.25}, {"metrics": ["fid", "precision"]}), "c.yaml")
+
+
+@pytest.mark.parametrize("case, expect", [("missing", "folder not found"), ("file", "is not a folder"),
+                                          ("empty", "no images found")])
+def test_a_mistyped_or_empty_val_path_is_refused_when_the_config_is_read(tmp_path, case, expect):
+    """It passed validate and snakemake -n (validate warned of a 0-image reference); only prepare refused."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    line = refused(text_run(tmp_path, {"val_path": str(tmp_path / case)}))
+    assert f"data.val_path={tmp_path / case}: {expect}" in line, line
+
+
+def test_validate_counts_only_the_images_data_on_corrupt_skip_will_write(tmp_path):
+    """It said 31 images where prepare wrote 24: the note counts what prepare decodes and says what it skips."""
+    from diffrelay.evaluation import refsize
+
+    root = images(tmp_path / "imgs", 5)
+    (root / "garbage.png").write_bytes(b"not an image")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "n.png")
+    (root / "half.png").write_bytes((tmp_path / "n.png").read_bytes()[:400])  # its header whole, its pixels cut
+    d = {"run": {"name": "t", "device": "cpu", "results": str(tmp_path / "results")},
+         "data": {"kind": "folder", "path": str(root), "resolution": 16, "labels": "none", "on_corrupt": "skip"},
+         "model": {"class_conditional": False}, "fid": {"extractor": "random"}}
+    cfg = config.Config(config.validate(d))
+    count, said = inputs.reference_counter(cfg)
+    notes = refsize.config_notes(cfg.to_dict(), count, tmp_path / "results" / "t" / "dataset")
+    assert len(notes) == 1 and "has 5 images for its 128 features" in notes[0], notes
+    [line] = said(notes)
+    assert f"{root}: 2 of its 7 image files will be skipped" in line and "garbage.png" in line, line
+    assert "the counts above are of the 5 prepare can decode" in line
+    plain = config.Config(config.validate(deep_merge(d, {"data": {"on_corrupt": "error"}})))
+    assert inputs.reference_counter(plain)[0] is inputs.count_images  # error: prepare refuses them anyway

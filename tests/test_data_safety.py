@@ -481,6 +481,75 @@ def test_fid_names_an_undecodable_image_instead_of_a_traceback(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height (greyscale), with no pixels: a decompression bomb's shape, 57 bytes."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("side", [12000, 20000])  # past Pillow's warning (89.5 M pixels), past its error (179 M)
+def test_an_image_past_max_image_pixels_is_refused_from_its_header_naming_file_size_and_key(tmp_path, side):
+    """A 12000 x 12000 PNG got Pillow's DecompressionBombWarning, naming no file, and was decoded (1.74 GB)."""
+    import warnings
+
+    from diffrelay.data import datasets
+
+    (tmp_path / "big.png").write_bytes(png_header(side, side))
+    row = lambda on_corrupt, bound, name: datasets._file_row(tmp_path, 16, on_corrupt, "center", bound,  # noqa: E731
+                                                             (name, "sha"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError) as e:
+            row("error", datasets.MAX_IMAGE_PIXELS, "big.png")
+        assert row("skip", datasets.MAX_IMAGE_PIXELS, "big.png") is None
+    assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)], seen
+    line = str(e.value)
+    assert line.startswith(f"{tmp_path / 'big.png'}: ") and f"{side * side:,} pixels, more than " \
+        "data.max_image_pixels=89,478,485" in line and "data.on_corrupt: skip" in line, line
+    # The bound is the config's, either way; Pillow's own gives way to a higher one.
+    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    with pytest.raises(UserError, match=r"ok\.png: 64x64 = 4,096 pixels, more than data\.max_image_pixels=4,000"):
+        row("error", 4000, "ok.png")
+    assert row("error", 4096, "ok.png").shape == (16, 16, 3)
+    with pytest.raises(UserError, match="big.png: corrupt or unsupported image"):  # read past the header: no pixels
+        row("error", 500_000_000, "big.png")
+    assert datasets.Image.MAX_IMAGE_PIXELS == datasets.MAX_IMAGE_PIXELS  # Pillow's bound is back as it was
+
+
+def test_a_file_name_with_a_newline_stays_on_the_messages_one_line(tmp_path):
+    """A newline in an image's name split the "image changed" refusal (and others) over two lines: names are quoted
+    (Python's repr) where they hold such a character, and left as they are otherwise."""
+    from types import SimpleNamespace
+
+    from diffrelay.data import datasets, sources
+
+    odd = "a\nb.png"
+    assert sources.changes({"files": {odd: "1", "c.png": "2"}}, {"files": {odd: "3"}}) == \
+        "image 'a\\nb.png' changed, image c.png removed"
+    assert sources.changes({}, {"files": {"x\t.png": "1", "y\u2028.png": "2"}}) == \
+        "2 images added ('x\\t.png', 'y\\u2028.png')"
+    run = tmp_path / "run"
+    for fp, sha in (("old", "1"), ("new", "2")):
+        io.write_json(run / sources.RECORDS / f"{fp}.json", {"files": {odd: sha}})
+    with pytest.raises(UserError) as e:
+        sources.check_trained_on(run / "step", "old", SimpleNamespace(path=tmp_path / "imgs", fingerprint="new"), run)
+    assert "image 'a\\nb.png' changed" in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+    (tmp_path / odd).write_bytes(b"not an image")
+    os.mkfifo(tmp_path / "f\n.png")
+    for call in (lambda: datasets._file_row(tmp_path, 16, "error", "center", datasets.MAX_IMAGE_PIXELS, (odd, "s")),
+                 lambda: io.check_regular_file(tmp_path / "f\n.png", 1 << 20, "image file")):
+        with pytest.raises(UserError) as e:
+            call()
+        assert len(str(e.value).splitlines()) == 1 and str(e.value).startswith(f"'{tmp_path}/"), str(e.value)
+    assert io.shown(tmp_path / "plain name.png") == str(tmp_path / "plain name.png")
+
+
 # ---- No command overwrites a file it did not make -------------------------------------------------
 
 def out_commands(tmp_path):

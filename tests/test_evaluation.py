@@ -102,14 +102,17 @@ def test_select_best_reads_first_pass_scores_from_the_segment_lists(tmp_path):
     folder = tmp_path / "metrics" / "fid"
     folder.mkdir(parents=True)
     values = {"step_0000002": 9.0, "step_0000002_s1": 7.0, "step_0000004": 3.0, "step_0000004_s1": 6.0,
-              "step_0000004_n64": 0.1}  # a second-pass score is not ranked
+              "step_0000004_n64": 0.1, "step_0000006": float("nan")}  # a second-pass score is not ranked
     for stem, v in values.items():
         (folder / f"{stem}.json").write_text(json.dumps({"metric": "FID-8", "fid": v}))
     seg = tmp_path / "seg.json"
     seg.write_text(json.dumps({"scores": [str(p) for p in sorted(folder.iterdir())]}))
-    run_cli("select-best", "--best", "1", "--out", tmp_path / "selected.json", seg)
+    p = run_cli("select-best", "--best", "1", "--out", tmp_path / "selected.json", seg)
     got = json.loads((tmp_path / "selected.json").read_text())
     assert got["selected"] == [{"step": 4, "guidance": 1.0, "score": 4.5}] and got["metric"] == ["FID-8"]
+    # a NaN score never wins, and is named in one line
+    said = [line for line in p.stderr.splitlines() if "NaN" in line]
+    assert len(said) == 1 and "step 6" in said[0], p.stderr
 
 
 # ---------------------------------------------------------------------------------------------- one pass, two extractors

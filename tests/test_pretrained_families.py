@@ -10,6 +10,7 @@ gives the same PNGs. `diffrelay export` replaces only a folder it wrote. Nothing
 import dataclasses
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -230,7 +231,12 @@ def test_the_family_trains_under_fsdp2_as_under_ddp_full_and_lora(family):
         d = json.loads(json.dumps(family[kind]))
         d["run"]["name"] = f"{kind}-fsdp2"
         d["train"]["sharding"] = "fsdp2"
-        assert train.run(config.Config(config.validate(d)), until_step=1, dataset_dir=family["work"] / "dataset") == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert train.run(config.Config(config.validate(d)), until_step=1,
+                             dataset_dir=family["work"] / "dataset") == 0
+        # FSDP2's "returned a view tensor" of FLUX.1's single-stream blocks, harmless there (sharding.VIEWS_OK): unsaid
+        assert not [w for w in caught if "returned a view tensor" in str(w.message)], family["name"]
         results = family["work"] / "results"
         a = load_file(results / f"{kind}-fsdp2/snapshots/step_0000001.safetensors")
         b = load_file(results / f"{kind}/snapshots/step_0000001.safetensors")

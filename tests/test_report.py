@@ -309,8 +309,43 @@ def test_step_0_and_val_loss_are_rows_lines_and_a_best_by_of_their_own(run_dir, 
     assert float(rows[0]["val_loss_low"]) == 2.0 and rows[0]["train_loss_mean"] == ""  # step 0: nothing trained yet
     best = json.loads((out / "best.json").read_text())
     assert (best["step"], best["best_by"], best["best_value"]) == (6, "val_loss", 0.7)
+    # best.json names the metric that picked, and the FD's own; scores.md holds the metric that picked
+    assert (best["metric"], best["fid_metric"]) == ("val_loss", "FD (random features)")
+    table = (out / "scores.md").read_text().splitlines()
+    header = next(line for line in table if line.startswith("| Snapshot"))
+    assert header.endswith("| val_loss ↓ |")
+    assert next(line for line in table if line.startswith("| step 6 |")).endswith("| 0.700 |")
     fd, own = figures[0].axes  # the distances' panel, then best_by's
     for ax, at in ((fd, 90.0), (own, 1.0)):
         lines = [ln for ln in ax.get_lines() if ln.get_label().startswith("step 0 (before training)")]
         assert len(lines) == 1 and set(lines[0].get_ydata()) == {at}, [ln.get_label() for ln in ax.get_lines()]
     assert "val_loss (lower is better)" == own.get_title()
+
+
+def test_best_by_names_the_rows_it_skips_and_says_when_every_value_is_nan_or_missing(caplog):
+    """fid.best_by's NaN or missing values are skipped in one line naming the steps; with none left, the one line
+    says that every step's value is NaN or missing (which steps), not that the metric is missing from fid.metrics."""
+    import pandas as pd
+
+    from diffrelay import logs
+    from diffrelay.errors import UserError
+    from diffrelay.evaluation.report import best_row
+
+    def table(rows):
+        return pd.DataFrame([{"step": s, "guidance": 1.0, "prompts": 0, "num_images": 8, "primary": True,
+                              "metric": "FID-8", "fid": f, "val_loss": v} for s, f, v in rows])
+
+    logs.get().addHandler(caplog.handler)
+    try:
+        best = best_row(table([(2, 3.0, 0.5), (4, 2.0, np.nan), (6, 1.0, 0.9), (8, np.nan, 0.1)]), "val_loss")
+    finally:
+        logs.get().removeHandler(caplog.handler)
+    assert int(best.step) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "fid.best_by=val_loss" in said[0], said
+    assert "step(s) 4 (val_loss NaN or missing)" in said[0] and "8 (FID-8 NaN)" in said[0], said
+    with pytest.raises(UserError) as e:
+        best_row(table([(2, 3.0, np.nan), (4, 2.0, np.nan)]), "val_loss")
+    line = str(e.value)
+    assert "\n" not in line and "fid.metrics" not in line and "NaN or missing at every evaluated step (2, 4)" in line
+    assert "metrics/val_loss" in line

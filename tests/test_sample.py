@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFont
 
 from conftest import BIN, run_cli
 from diffrelay import cli, config, io, logs
@@ -414,3 +414,26 @@ def test_a_grid_shows_every_prompt_or_class_once_where_its_cells_allow():
     assert images.grid_picks([i % 3 for i in range(20)]) == (list(range(20)), None)
     assert images.grid_picks([i % 100 for i in range(300)]) == (list(range(64)),
                                                                 "64 of 300 images: the first 64 of the 100")
+
+
+def test_a_10000_character_label_and_title_fit_in_a_few_measurements(monkeypatch):
+    """make_grid cut a label one character per measurement: a 10,000-character prompt took minutes in grid.png.
+    The cut is a binary search on the prefix: the longest prefix that fits, in O(log n) measurements."""
+    from PIL import ImageDraw
+
+    measure, calls, drawn = ImageDraw.ImageDraw.textlength, [], []
+    monkeypatch.setattr(ImageDraw.ImageDraw, "textlength",
+                        lambda self, text, *a, **k: calls.append(len(text)) or measure(self, text, *a, **k))
+    write = ImageDraw.ImageDraw.text
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text",
+                        lambda self, xy, text, *a, **k: drawn.append(text) or write(self, xy, text, *a, **k))
+    name, title = "a watercolour fox " * 556, "step 1 | " + "x" * 10_000  # 10,008 and 10,009 characters
+    tiles = [np.zeros((64, 64, 3), np.uint8)] * 2
+    images.make_grid(tiles, [name, "a cat\non a mat"], title, tile_px=128)
+    assert len(calls) <= 2 * 3 * 16, len(calls)  # three texts, each at most ~2 log2(10,000) measurements
+    font, draw = ImageFont.load_default(), ImageDraw.Draw(Image.new("RGB", (8, 8)))
+    label_title, label, short = drawn
+    for text, width, full in ((label_title, 2 * 128 - 2, title), (label, 128 - 2, name)):
+        assert 0 < len(text) < len(full) and full.startswith(text)
+        assert measure(draw, text, font=font) <= width < measure(draw, full[:len(text) + 1], font=font)
+    assert short == "a cat on a mat"  # a line break in a prompt is a space on its one line

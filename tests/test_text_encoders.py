@@ -248,7 +248,8 @@ def test_tokenizers_that_do_not_belong_are_refused(folders, tmp_path):
                   merges_file=str(folders["clip"] / "merges.txt")).save_pretrained(broken)
     with pytest.raises(UserError) as info:
         encoders.load(entry(broken), "cpu")
-    assert str(broken) in one_line(info) and "'a photo'" in one_line(info) and "vocab_file" in one_line(info)
+    assert str(broken) in one_line(info) and "only its special tokens" in one_line(info) and "vocab_file" in one_line(
+        info)
     # A T5 tokenizer without a pad token.
     nopad = shutil.copytree(folders["t5"], tmp_path / "nopad")
     tok = tm.t5_tokenizer()
@@ -301,3 +302,99 @@ def test_a_diffusers_pipeline_layout_and_a_tokenizer_without_tokenizer_json(fold
     want = encoders.encode([encoders.load(entry(folders["clip"]), "cpu")], CAPTIONS[:4], "cpu")
     got = encoders.encode([encoders.load(entry(encoder), "cpu")], CAPTIONS[:4], "cpu")
     assert torch.equal(got.states, want.states)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer against the run's own text, at validate (text/tokens.py, data/texts.py)
+
+
+def tokenizer_config(tmp_path, folder, **data):
+    """A shapes text run (its captions "a red circle top left", ...) whose one text encoder is `folder`."""
+    from diffrelay import config
+
+    d = {"run": {"name": "tok", "device": "cpu", "results": str(tmp_path / "results"),
+                 "resources": str(tmp_path / "resources")},
+         "data": {"kind": "shapes", "resolution": 16, "count": 16, "captions": "auto", "labels": "none",
+                  "val_fraction": 0.25, "text_encoders": [{"path": str(folder)}]} | data,
+         "model": {"arch": "pixart", "class_conditional": False},
+         "train": {"total_steps": 2, "segment_steps": 2, "batch_size": 4}, "fid": {"extractor": "random"}}
+    return config.Config(config.validate(d, "tok.yaml"))
+
+
+def preflight_refusal(cfg) -> str:
+    from diffrelay.config import preflight
+
+    with pytest.raises(UserError) as info:
+        preflight.check(cfg, "tok.yaml", credentials=False)
+    return one_line(info)
+
+
+def test_a_word_level_t5_tokenizer_that_spells_the_runs_words_is_accepted(tmp_path):
+    """FluxPipeline renders with a word-level T5 whose vocabulary knows the run's words and not "photo": it was
+    refused at prepare, because 'a photo' came back as 'a' (issue 65)."""
+    from diffrelay.config import preflight
+
+    folder = tm.t5(tmp_path / "t5", words=[w for w in tm.WORDS if w != "photo"])
+    assert tm.t5_tokenizer([w for w in tm.WORDS if w != "photo"])("a photo")["input_ids"] == [3, 2, 1]  # the case
+    enc = encoders.load(entry(folder), "cpu")
+    assert enc.tokenizer("a red circle")["input_ids"][-1] == 1
+    preflight.check(tokenizer_config(tmp_path, folder), "tok.yaml", credentials=False)
+
+
+def test_a_tokenizer_of_special_tokens_only_is_refused_at_validate_in_one_line(folders, tmp_path):
+    from transformers import CLIPTokenizer
+
+    t5 = shutil.copytree(folders["t5"], tmp_path / "t5")
+    tm.t5_tokenizer(words=[]).save_pretrained(t5)  # <pad>, </s> and <unk>
+    text = preflight_refusal(tokenizer_config(tmp_path, t5))
+    assert text.startswith(f"{t5}: data.text_encoders: ") and "only its special tokens (<pad>, </s>, <unk>)" in text
+    assert "CLIP" not in text and "vocab_file" not in text, text  # the CLIP cause is named for a CLIP only
+    # transformers 5 ignores v4's vocab_file=/merges_file= and makes a CLIP tokenizer of its special tokens.
+    clip = shutil.copytree(folders["clip"], tmp_path / "clip")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (clip / name).unlink()
+    CLIPTokenizer(vocab_file=str(folders["clip"] / "vocab.json"),
+                  merges_file=str(folders["clip"] / "merges.txt")).save_pretrained(clip)
+    text = preflight_refusal(tokenizer_config(tmp_path, clip))
+    assert text.startswith(f"{clip}: data.text_encoders: ") and "only its special tokens" in text
+    assert "vocab_file" in text, text
+
+
+def test_a_tokenizer_that_spells_none_of_the_runs_text_is_refused_and_one_that_spells_some_is_not(tmp_path):
+    """Captions and prompt files (a sample of them) are shown to each tokenizer: refused only when all of them come
+    out as unknown and special tokens."""
+    folder = tm.t5(tmp_path / "t5", words=["zebra", "giraffe"])
+    text = preflight_refusal(tokenizer_config(tmp_path, folder))
+    assert text.startswith(f"{folder}: data.text_encoders: the T5EncoderModel's tokenizer spells none of this run's ") \
+        and "'<unk>'" in text
+    assert "CLIP" not in text, text
+    from diffrelay.data import texts
+
+    (tmp_path / "prompts.txt").write_text("a zebra\n")  # one prompt it spells: the run's text is not all unknown
+    d = tokenizer_config(tmp_path, folder).to_dict()
+    d["sample"]["prompts"] = str(tmp_path / "prompts.txt")
+    from diffrelay.data import shapes
+
+    assert texts.sample(d)[:3] == ["a zebra", *shapes.captions(d["data"]["seed"], 0, 16)]
+    texts.check_tokenizers(d)
+
+
+def test_the_runs_text_sample_reads_sidecars_and_tables_and_skips_what_it_cannot_read(tmp_path):
+    from diffrelay.data import texts
+
+    root = tmp_path / "imgs"
+    (root / "sub").mkdir(parents=True)
+    for rel, caption in (("b.png", "second"), ("a.png", "first\nfirst again"), ("sub/c.jpg", None)):
+        (root / rel).write_bytes(b"")
+        if caption:
+            (root / rel).with_suffix(".txt").write_text(caption)
+    (root / "bad.png").write_bytes(b"")
+    (root / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    d = {"data": {"kind": "folder", "path": str(root), "captions": "auto", "val_path": None,
+                  "caption_column": "text", "file_column": "file_name"}, "sample": {"prompts": None}}
+    assert sorted(texts.sample(d)) == ["first", "first again", "second"]
+    (root / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "from the table"}\nnot json\n'
+                                         '{"file_name": "b.png", "text": ["one", "two"]}\n')
+    assert texts.sample(d) == ["from the table", "one", "two"]
+    (tmp_path / "t.csv").write_text("file_name,text\na.png,a csv caption\n")
+    assert texts.sample(d | {"data": d["data"] | {"captions": str(tmp_path / "t.csv")}}) == ["a csv caption"]

@@ -52,6 +52,49 @@ def test_snakemake_lint_reports_nothing(tmp_path, write_config):
     assert p.returncode == 0 and "Congratulations, your workflow is in a good condition" in out, out
 
 
+DERIVING = {"input", "output", "threads", "resources"}  # a params function taking one is no rerun trigger (Snakemake)
+CONFIG_LIST = {"CONFIG_ARGS", "CONFIG_FILES"}
+
+
+def workflow_sources() -> dict:
+    """{file name: text} of the Snakefile and every rule file."""
+    return {p.name: p.read_text() for p in [SNAKEFILE, *sorted((REPO / "workflow" / "rules").glob("*.smk"))]}
+
+
+def test_no_rule_param_holds_the_config_file_list():
+    """Snakemake reruns a job whose non-derived params changed: the list of config files there (compute_val_loss had
+    `config=CONFIG_ARGS`) reran every finished job after an empty `{}` file was added or a file renamed. Each
+    params function that uses the list must take `threads` (derived, as get_config_args does)."""
+    import ast
+    import textwrap
+
+    funcs, blocks = {}, []
+    for name, text in workflow_sources().items():
+        for m in re.finditer(r"^def \w+\(.*?(?=^\S)", text + "\nEND", re.M | re.S):
+            node = ast.parse(m.group(0)).body[0]
+            funcs[node.name] = node
+        blocks += [(name, b) for b in re.findall(r"^    params:\n((?:(?:        .*|\s*)\n)+)", text, re.M)]
+    assert len(blocks) >= 10 and "get_config_args" in funcs
+
+    def used(node, seen=()) -> set:
+        """Names `node` reads, through the workflow functions it calls."""
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        for f in names & set(funcs) - set(seen):
+            names |= used(funcs[f], (*seen, f))
+        return names
+
+    def derived(node) -> bool:
+        if isinstance(node, ast.Name) and node.id in funcs:
+            node = funcs[node.id]
+        return isinstance(node, (ast.Lambda, ast.FunctionDef)) and bool(DERIVING & {a.arg for a in node.args.args})
+
+    bad = []
+    for name, block in blocks:
+        call = ast.parse("f(\n" + textwrap.dedent(block) + "\n)").body[0].value
+        bad += [f"{name}: params.{k.arg}" for k in call.keywords if not derived(k.value) and used(k.value) & CONFIG_LIST]
+    assert not bad, bad
+
+
 # --- fast: the planned DAG ----------------------------------------------------------------------
 def test_dry_run_plans_one_training_job_per_segment(tmp_path, write_config):
     cfg = write_config({"train": {"total_steps": 9, "segment_steps": 3}})

@@ -18,6 +18,13 @@ Cases:
              its predefined resolutions picks a bucket and a resized size; ours must pick the same, exactly.
   crop       our crop's top-left (torchvision's round((H - h) / 2), diffusers' SDXL script) against sd-scripts'
              trim ((H - h) // 2): at most 1 pixel apart.
+  no_upscale 3000 image sizes (short side 16-4096 px, ratio 1/3-3) and 7000 just above 1024² pixels with a side just
+             short of a bucket's, at 1024 px, step 64, max_aspect 2, with data.buckets.upscale false, against
+             BucketManager(no_upscale=True): no image of ours is enlarged (0 of 10000); where the nearest of our
+             buckets would enlarge an image (ours then takes a bucket of its own) and both the image's and sd-scripts'
+             bucket ratios are within max_aspect, our bucket is sd-scripts' exactly (0 differ); and our cut loses no
+             more of such an image than sd-scripts' (which crops at the image's own scale; at most 0.005 more: the resize's rounding). Also
+             recorded: how many took their own bucket, and how many sd-scripts could not bucket (a zero side).
 Exit status 1 with one line per figure outside its bound. Writes benchmarks/results/kohya_buckets_check.json.
 """
 
@@ -51,6 +58,50 @@ def reference(root: Path) -> dict:
         scope["make_bucket_resolutions"])})
     exec(cut_out(root / "library" / "train_util.py", "BucketManager"), scope)
     return scope
+
+
+def check_no_upscale(ref: dict, gate: Gate, rng) -> dict:
+    """data.buckets.upscale false against sd-scripts' bucket_no_upscale (the docstring's no_upscale case)."""
+    res, step, aspect = 1024, 64, 2.0
+    settings = {"step": step, "max_aspect": aspect, "upscale": False}
+    grid = buckets.sizes(res, step, aspect)
+    manager = ref["BucketManager"](True, (res, res), None, None, step)
+    enlarged = own = compared = differ = unbucketed = over_area = 0
+    more_lost = 0.0
+    for i in range(10000):
+        if i < 3000:
+            side, ratio = np.exp(rng.uniform(np.log(16), np.log(4096))), np.exp(rng.uniform(-np.log(3), np.log(3)))
+            w, h = max(1, int(side * ratio)), int(side)
+        else:  # above the area, a side just short of a bucket's: the nearest would enlarge it (sd-scripts shrinks it)
+            bw, bh = grid[rng.integers(len(grid))]
+            w = bw - int(rng.integers(1, step))
+            h = res * res // w + int(rng.integers(1, 4 * step))
+        ours = buckets.assign(w, h, grid, res, settings)
+        if 0 in ours:
+            continue  # refused by prepare, in one line (narrower than one step)
+        (rw, rh), _ = buckets.cover(w, h, ours)
+        enlarged += rw > w or rh > h
+        if ours == grid[buckets.nearest(w, h, grid)]:
+            continue  # the nearest bucket fits inside the image: the same as upscale true (the assignment case)
+        own += 1
+        try:
+            reso, size, _ = manager.select_bucket(w, h)
+        except ZeroDivisionError:  # its rounding gave a side of 0 (a very long image)
+            unbucketed += 1
+            continue
+        if max(w, h) / min(w, h) > aspect or 0 in reso or max(reso) / min(reso) > aspect:
+            continue  # ours cuts the long side to max_aspect first; sd-scripts has no ratio bound
+        compared += 1
+        over_area += w * h > res * res
+        differ += tuple(reso) != ours
+        theirs_lost = 1 - reso[0] * reso[1] / (size[0] * size[1])
+        more_lost = max(more_lost, buckets.cropped(w, h, ours) - theirs_lost)
+    gate.equal("no_upscale/enlarged images of 10000", enlarged, 0)
+    gate.equal("no_upscale/own-bucket mismatches", differ, 0)
+    gate.at_least("no_upscale/own buckets compared", compared, 500)
+    gate.at_least("no_upscale/of them above 1024² pixels (sd-scripts' shrink)", over_area, 100)
+    gate.at_most("no_upscale/fraction lost beyond sd-scripts'", more_lost, 0.005)  # the resize's rounding
+    return {"own_buckets": own, "compared": compared, "above_area": over_area, "sd_scripts_zero_side": unbucketed}
 
 
 def main() -> int:
@@ -94,9 +145,10 @@ def main() -> int:
     gate.equal("assignment/resized-size mismatches of 3000", resized, 0)
     gate.at_most("crop/top-left gap (pixels)", crop_gap, 1)
     gate.at_least("sizes/settings compared", compared, 30)
+    no_upscale = check_no_upscale(ref, gate, rng)
 
     write_results(args.out, "kohya sd-scripts buckets", rows=gate.rows, sd_scripts_defaults_vs_ours=
-                  {k: [list(r) for r in v] for k, v in defaults.items()})
+                  {k: [list(r) for r in v] for k, v in defaults.items()}, no_upscale=no_upscale)
     for row in gate.rows:
         if not str(row["case"]).startswith("sizes/"):
             print(f"{row['case']}: {row['value']}")

@@ -80,6 +80,14 @@ def advice(e: OSError) -> str:
     return "check the path and the file system"
 
 
+def shown(path) -> str:
+    """A path as a message writes it: as it is, or quoted as Python's repr quotes it (escapes, not the characters)
+    when it holds one that would break the message's one line or hide in it: a newline, a tab, another control or
+    invisible character, an undecodable byte, a space at either end."""
+    s = str(path)
+    return s if s.isprintable() and s == s.strip() else repr(s)
+
+
 def check_regular_file(path, max_bytes: int, what: str = "file", missing: str = "check the path") -> int:
     """Size of `path` if it is a regular file (symlinks followed) of at most max_bytes; else UserError.
 
@@ -90,15 +98,15 @@ def check_regular_file(path, max_bytes: int, what: str = "file", missing: str = 
         st = os.stat(path)
     except FileNotFoundError as e:
         if path.is_symlink():
-            raise UserError(f"{path}: cannot open {what} (dangling symlink); {missing}") from e
-        raise UserError(f"{path}: {what} not found; {missing}") from e
+            raise UserError(f"{shown(path)}: cannot open {what} (dangling symlink); {missing}") from e
+        raise UserError(f"{shown(path)}: {what} not found; {missing}") from e
     except OSError as e:
-        raise UserError(f"{path}: cannot read {what} ({e.strerror}); {advice(e)}") from e
+        raise UserError(f"{shown(path)}: cannot read {what} ({e.strerror}); {advice(e)}") from e
     if not stat.S_ISREG(st.st_mode):
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
-        raise UserError(f"{path}: {what} is {kind}; {missing}")
+        raise UserError(f"{shown(path)}: {what} is {kind}; {missing}")
     if st.st_size > max_bytes:
-        raise UserError(f"{path}: {what} is {st.st_size} bytes, more than the {max_bytes} allowed; "
+        raise UserError(f"{shown(path)}: {what} is {st.st_size} bytes, more than the {max_bytes} allowed; "
                         f"check the path")
     return st.st_size
 

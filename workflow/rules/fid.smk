@@ -52,7 +52,9 @@ rule compute_val_loss:
     resources:
         **gpu_resources("eval", 1),
     params:
-        config=CONFIG_ARGS,
+        # Derived (takes threads), so no rerun trigger: adding, renaming or reordering config files changes
+        # no held-out loss (train_segment and sample_snapshot pass them the same way).
+        config=get_config_args,
         launcher=get_eval_launcher,
     message:
         "Held-out loss of the step {wildcards.step} snapshot of {wildcards.run}"

@@ -26,6 +26,10 @@ def data_hash(cfg: Config) -> str:
     data = trajectory(cfg)["data"]
     # Latent: the files differ (pixels kept or not) and may come from other weights; text: a cache or not.
     extra = ("encoder_path", "keep_images") * _latent(data) + ("text_cache", "text_encoders") * ("captions" in data)
+    # data.on_corrupt skip leaves out images past data.max_image_pixels: another bound, another dataset (its
+    # fingerprint too); the default hashes as before the key existed.
+    default = _default_config()["data"]["max_image_pixels"]
+    extra += ("max_image_pixels",) * (cfg.data.on_corrupt == "skip" and cfg.data.max_image_pixels != default)
     data = data | {k: cfg.to_dict()["data"][k] for k in extra}
     if data.get("buckets") and data["buckets"]["min_images"] is None:  # the global batch is the merge's minimum
         data["buckets"] = data["buckets"] | {"min_images": cfg.train.batch_size}
@@ -45,14 +49,20 @@ _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "t
                    "activation_checkpointing",  # memory, not arithmetic: bitwise the same (nets/memory.py)
                    "sharding"}  # where the state lives: a resume with the other is refused in one line (state.py)
 
-# data keys that change how the dataset is made, not its bytes.
-_NOT_PIXELS = {"workers"}
+# data keys that change how the dataset is made, not its bytes (a bound past which an image is refused: the
+# dataset's fingerprint holds it where it leaves images out).
+_NOT_PIXELS = {"workers", "max_image_pixels"}
 
 
 # Keys that apply only to one kind of dataset or network. Elsewhere they are read as their schema default, so
 # a value a layered base config sets for, say, the UNet is no part of a DiT run's identity (issue 20.7).
 # Reset to the default rather than dropped: a run that never set them keeps the hash it always had.
 _DATA_ONLY_FOR = {"shapes": ("path", "on_corrupt"), "folder": ("count", "seed")}
+
+
+@functools.cache
+def _default_config() -> dict:
+    return validate({})
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""Config rules for the keys that name files and folders (run.results, run.resources, data.path, sample.guide,
-fid.reference, ...): values the schema's `string` lets through but a folder name or a command line cannot take.
+"""Config rules for the keys that name files and folders (run.results, run.resources, data.path, data.val_path,
+sample.guide, fid.reference, ...): values the schema's `string` lets through but a folder name or a command line cannot take.
 Each problem is a (key, message) pair; config.validate reports the first. Also where a run's folder is (run_dir).
 
 Imports nothing of diffrelay: the Snakefile reads it at parse time.
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 # Keys whose string value is a path (sample.guide may be a step, fid.reference a mapping: only strings count).
-PATH_KEYS = (("run", "results"), ("run", "resources"), ("data", "path"), ("data", "encoder_path"),
-             ("sample", "snapshot"), ("sample", "guide"), ("fid", "extractor"))
+PATH_KEYS = (("run", "results"), ("run", "resources"), ("data", "path"), ("data", "val_path"),
+             ("data", "encoder_path"), ("sample", "snapshot"), ("sample", "guide"), ("fid", "extractor"))
 
 
 def _paths(d: dict):

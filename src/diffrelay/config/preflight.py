@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from diffrelay import config, io, nets
+from diffrelay.config import inputs
+from diffrelay.config.inputs import count_images  # noqa: F401 (preflight.count_images, as before)
 from diffrelay.evaluation import protocol
 from diffrelay.errors import UserError
 
@@ -21,19 +23,6 @@ RUN_FILE = "run.json"
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
-
-
-def count_images(root: Path, enough: int) -> int:
-    """Images under `root` (the extensions prepare reads), counted up to `enough`: stays cheap on 1 M files."""
-    from diffrelay.data.datasets import EXTENSIONS
-
-    n = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        n += sum(1 for f in filenames if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
-        if n >= enough:
-            break
-    return n
 
 
 def num_classes(cfg) -> int:
@@ -60,23 +49,8 @@ def num_classes(cfg) -> int:
 
 
 def check_inputs(cfg, source: str) -> None:
-    d, s, f = cfg.data, cfg.sample, cfg.fid
-    if d.kind == "folder":
-        root = Path(d.path).expanduser()
-        if not root.is_dir():
-            what = "is not a folder" if root.exists() else "folder not found"
-            raise UserError(f"{source}: data.path={d.path}: {what}; set data.path to an existing image folder")
-        held_out = d.captions != "none" and (d.val_fraction > 0 or d.val_path)
-        # A text run's reference is its held-out split, which fid-ref takes whole when fid.ref_images (the base
-        # config's 1000) asks for more: a 60-image fine-tune set is no reason to refuse.
-        need = 2 if held_out else max(2, f.ref_images)
-        have = count_images(root, need)
-        if have < need:
-            raise UserError(f"{source}: data.path={d.path}: {have} images, but FID needs "
-                            f"{'at least 2' if need == 2 else f'fid.ref_images={need}'}; add images or lower fid.ref_images")
-    elif f.ref_images > d.count:
-        raise UserError(f"{source}: fid.ref_images={f.ref_images}: the dataset has data.count={d.count} images; "
-                        "use at most that, or 0 for all")
+    s = cfg.sample
+    inputs.check(cfg, source)  # data.path, data.val_path and the image counts the later stages need
     if isinstance(s.guide, str):  # a step (int) is this run's snapshot, which the workflow waits for
         try:
             io.check_regular_file(Path(s.guide).expanduser(), 1 << 40, "file", "give the path of a snapshot "
@@ -90,8 +64,6 @@ def check_inputs(cfg, source: str) -> None:
                             f"{steps[:8]} (segment ends and train.snapshot_every), or a snapshot file")
     if s.snapshot is not None:
         check_evaluated_snapshot(cfg, source)
-    if s.num_images < 2:
-        raise UserError(f"{source}: sample.num_images={s.num_images}: FID needs at least 2 images; use 2 or more")
     fid = cfg.to_dict()["fid"]
     key = "fid.extractors" if fid.get("extractors") else "fid.extractor"
     for name in protocol.extractor_names(fid):
@@ -262,9 +234,12 @@ def check_run_folder(cfg, source: str) -> None:
     config.check_same_files(recorded, ours, source, f"{run_dir} ({where.name})")  # names the file: its key has dots
     key = config.first_difference(recorded, ours)
     if key:
-        was, now = config.lookup(recorded, key), config.lookup(ours, key)
+        from diffrelay.training import settings  # a key left out at its default shows its default, not None
+
+        was, now = (settings.recorded(key, config.lookup(t, key)) for t in (recorded, ours))
         raise UserError(f"{source}: {key}={now!r}, but {run_dir} was made with {key}={was!r} ({where.name}); "
-                        f"to start a different run use a new run.name (nothing is deleted), or set {key} back")
+                        f"to start a different run use a new run.name (nothing is deleted), or set {key} back to "
+                        f"{was!r}")
 
 
 def _with_defaults(recorded: dict, defaults: dict) -> dict:
@@ -416,4 +391,6 @@ def check(cfg, source: str, credentials: bool = True) -> None:
     check_sizes(cfg, source)
     check_buckets(cfg, source)
     check_inputs(cfg, source)
+    from diffrelay.data import texts  # the tokenizers against the run's own prompts and captions (text/tokens.py)
+    texts.check_tokenizers(cfg.to_dict())
     check_run_folder(cfg, source)

@@ -3,12 +3,13 @@ network's size and cost (parameters, FLOPs of a forward pass) as a YAML comment.
 
 import contextlib
 import json
+import os
 import sys
 
 import yaml
 
 from diffrelay import config
-from diffrelay.config import preflight
+from diffrelay.config import netcache, preflight
 from diffrelay.training import settings
 from diffrelay.errors import UserError
 
@@ -16,10 +17,13 @@ from diffrelay.errors import UserError
 def check_network(cfg: config.Config) -> tuple[int, int]:
     """(parameters, classes) of the configured network, built on the meta device and run once on a tiny
     batch; UserError with one line when it cannot be imported, built or run. The Snakefile calls this too."""
-    from diffrelay.nets import registry
-
     d = cfg.to_dict()
     classes = preflight.num_classes(cfg) if d["model"]["class_conditional"] else 0
+    k = netcache.key(cfg, "check", classes)  # a network checked before: its answer, without building it again
+    if (hit := netcache.read(cfg, k)) is not None:
+        return hit, classes
+    from diffrelay.nets import registry
+
     channels, side = preflight.net_geometry(cfg)
     params = registry.check(d["model"], side, channels, classes, d["train"]["activation_checkpointing"],
                             augment=d["train"]["augment"] > 0, text=text_dims(cfg))
@@ -30,6 +34,7 @@ def check_network(cfg: config.Config) -> tuple[int, int]:
         with registry.on_device("meta"):
             net = objectives.build(d["model"], side, classes, channels, text=text_dims(cfg))
         lora.check_targets(net, d["train"]["lora"]["target_modules"])
+    netcache.write(cfg, k, params)
     return params, classes
 
 
@@ -167,17 +172,33 @@ def main(args) -> int:
         raise UserError(f"{', '.join(map(str, args.config))}: {e}") from e
     print(f"# merged from {', '.join(args.config)} (later files win; schema defaults fill the rest)")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    print(network_line(cfg, params, classes))  # a YAML comment, so stdout stays a valid config
+    gpu = getattr(args, "gpu_memory_gib", None)
+    # The memory lines compare with this machine's GPUs (footprint.gpu_memory): another machine is another answer.
+    here = None if gpu is not None or cfg.run.device == "cpu" else [os.uname().nodename,
+                                                                    os.environ.get("CUDA_VISIBLE_DEVICES")]
+    k = netcache.key(cfg, "report", [params, classes, gpu, classes_assumed(cfg), here])
+    if (hit := netcache.read(cfg, k)) is None:  # the forward's cost and the memory lines: measured once a network
+        from diffrelay.config import memory
+
+        hit = [network_line(cfg, params, classes), *memory.lines(cfg, params, classes, text_dims(cfg), gpu)]
+        netcache.write(cfg, k, hit)
+    net_line, mem_lines, mem_warning = hit
+    print(net_line)  # a YAML comment, so stdout stays a valid config
     for line in (text_line(cfg), sample_line(cfg), *bucket_lines(cfg)):
         if line:
             print(line)
-    from diffrelay.config import memory  # `# memory:` lines, and a warning when the GPUs are too small
-
-    memory.show(cfg, params, classes, text_dims(cfg), getattr(args, "gpu_memory_gib", None))
+    for line in mem_lines:  # `# memory:` lines, and a warning when the GPUs are too small
+        print(line)
+    if mem_warning:
+        print(f"diffrelay: warning: {mem_warning}", file=sys.stderr, flush=True)
     for note in settings.paper_notes(cfg.to_dict()):  # YAML comments, so stdout stays a valid config
         print(f"# note: {note}")
     from diffrelay.evaluation import refsize  # a reference of no more images than features (scores.md says it too)
 
-    for warning in refsize.config_notes(cfg.to_dict(), preflight.count_images, config.run_dir(cfg) / "dataset"):
+    from diffrelay.config import inputs  # with data.on_corrupt skip, the images prepare will decode, and those not
+
+    count, skipped = inputs.reference_counter(cfg)
+    notes = refsize.config_notes(cfg.to_dict(), count, config.run_dir(cfg) / "dataset")
+    for warning in notes + skipped(notes):
         print(f"diffrelay: warning: {warning}", file=sys.stderr, flush=True)
     return 0

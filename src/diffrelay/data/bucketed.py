@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from diffrelay import io
+from diffrelay.data import buckets
 from diffrelay.data.buckets import file_name
 from diffrelay.errors import UserError
 
@@ -120,12 +121,8 @@ def open_arrays(path, info: dict, count: int) -> Buckets:
 
 
 def describe(rec: dict) -> list[str]:
-    """`validate`'s lines: each bucket and its count, then what was merged."""
-    lines = [f"  {w}x{h}: {n} images" for (w, h), n in zip(rec["sizes"], rec["counts"])]
-    for name, (n, into) in rec["settings"].get("merged", {}).items():
-        lines.append(f"  {name}: its {n} image(s) merged into {into} (fewer than min_images="
-                     f"{rec['settings']['min_images']})")
-    return lines
+    """`validate`'s lines: each bucket, its count and its crop, then what was merged (buckets.lines)."""
+    return buckets.lines(rec["settings"], rec["sizes"], rec["counts"])
 
 
 def check_batches(data, global_batch: int, source: str) -> None:

@@ -17,8 +17,8 @@ from PIL import Image, UnidentifiedImageError
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
 from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents
-from diffrelay.data.files import (EXTENSIONS, MAX_IMAGE_BYTES, folder_labels, hash_files, list_images,  # noqa: F401
-                                  to_rgb, unopenable)
+from diffrelay.data.files import (EXTENSIONS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageTooLarge,  # noqa: F401
+                                  folder_labels, hash_files, list_images, open_image, to_rgb, unopenable)
 from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
@@ -55,6 +55,7 @@ class Plan:
     buckets: tuple = ()  # data.buckets: (width, height) of each bucket (data/buckets.py); () = squares
     bucket_of: tuple = ()  # each file's bucket index; -1: unreadable, skipped
     bucket_settings: dict | None = None
+    max_pixels: int = MAX_IMAGE_PIXELS  # data.max_image_pixels: a larger image is refused (or skipped) unread
 
     def __post_init__(self):  # a plan read back from JSON (encoding.read_plan) holds lists
         for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text",
@@ -108,20 +109,21 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def load_image(data: bytes, resolution: int, mode: str = "center") -> np.ndarray:
+def load_image(data: bytes, resolution: int, mode: str = "center", path="image", max_pixels=MAX_IMAGE_PIXELS):
     """Decode, convert to RGB, then make a resolution x resolution square as data.crop `mode` says: center =
     centre square resized with Lanczos, dhariwal = ADM's box halvings, bicubic and centre crop (data/crop.py)."""
-    return crop.square(decode(data), resolution, mode)
+    return crop.square(decode(data, path, max_pixels), resolution, mode)
 
 
-def decode(data: bytes) -> Image.Image:
-    """An image file's bytes as an 8-bit RGB image, turned by its EXIF orientation (to_rgb)."""
-    with Image.open(bytes_io.BytesIO(data)) as img:
+def decode(data: bytes, path="image", max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """An image file's bytes (the file at `path`) as an 8-bit RGB image, turned by its EXIF orientation (to_rgb);
+    ImageTooLarge, before any pixel is decoded, past `max_pixels` (files.open_image)."""
+    with open_image(bytes_io.BytesIO(data), path, max_pixels) as img:
         img.load()
         return to_rgb(img)
 
 
-def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tuple):
+def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, max_pixels: int, item: tuple):
     """The image of one (rel, sha) entry of a plan; None when it cannot be read and on_corrupt is skip. An entry
     (rel, sha, width, height) of a bucketed plan gives (square, bucket's image, its sizes: buckets.cut)."""
     rel, sha = item[:2]
@@ -136,14 +138,18 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, item: tup
         return None
     try:
         if len(item) > 2:
-            img = decode(data)
+            img = decode(data, path, max_pixels)
             return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]))
-        return load_image(data, resolution, mode)
+        return load_image(data, resolution, mode, path, max_pixels)
+    except ImageTooLarge:
+        if on_corrupt != "skip":
+            raise
+        return None
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         # PIL reports broken files with several exception types (UnidentifiedImageError is an OSError).
         if on_corrupt != "skip":
             why = "not an image format PIL recognises" if isinstance(e, UnidentifiedImageError) else str(e)
-            raise UserError(f"{path}: corrupt or unsupported image ({why}); fix or remove the file, "
+            raise UserError(f"{io.shown(path)}: corrupt or unsupported image ({why}); fix or remove the file, "
                             f"or set data.on_corrupt: skip") from e
         return None
 
@@ -161,7 +167,7 @@ def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
         fn = functools.partial(shape_row, p.seed, p.resolution, p.labels)
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
-        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop), p.files
+        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop, p.max_pixels), p.files
         if p.buckets:  # the bucket's size travels with each file; a file found unreadable by its header is skipped
             items = [(rel, sha if b >= 0 else None, *p.buckets[b]) for (rel, sha), b in zip(items, p.bucket_of)]
     if indices is not None:
@@ -226,11 +232,13 @@ def _pixel_plan(data) -> Plan:
     files = hash_files(root, data.on_corrupt)
     # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
     # The crop joins only when it is not center, so datasets made before data.crop existed keep theirs.
-    mode = getattr(data, "crop", "center")
+    # So does data.max_image_pixels off its default where data.on_corrupt skip leaves out the images past it.
+    mode, bound = getattr(data, "crop", "center"), getattr(data, "max_image_pixels", MAX_IMAGE_PIXELS)
     fp = _digest({"format": f"folder/{FOLDER_VERSION}", "resolution": data.resolution, "labels": data.labels,
-                  "files": [list(f) for f in files]} | ({} if mode == "center" else {"crop": mode}))
+                  "files": [list(f) for f in files]} | ({} if mode == "center" else {"crop": mode})
+                 | ({"max_pixels": bound} if data.on_corrupt == "skip" and bound != MAX_IMAGE_PIXELS else {}))
     return Plan("folder", data.resolution, data.labels, fp, str(root.resolve()), root=root, files=files,
-                on_corrupt=data.on_corrupt, crop=mode)
+                on_corrupt=data.on_corrupt, crop=mode, max_pixels=bound)
 
 
 def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None) -> dict:
@@ -277,13 +285,14 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
     class_names = list(SHAPE_NAMES) if p.kind == "shapes" and p.labels == "auto" else list(fixed or [])
     if p.kind == "folder":
         if not count:
-            raise UserError(f"{p.root}: data.path: none of the {len(p.files)} images could be read "
+            raise UserError(f"{io.shown(p.root)}: data.path: none of the {len(p.files)} images could be read "
                             f"(all skipped); fix the files or point data.path at another folder")
         if p.labels == "auto":
             labels, class_names = folder_labels(rels) if fixed is None else captions.label_of(rels, fixed, p.root)
     if skipped:
-        logs.get().warning(f"prepare: skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}; "
-                           f"listed in dataset.json 'skipped'")
+        logs.get().warning(f"prepare: skipped {len(skipped)} unreadable image(s) (or of more than "
+                           f"data.max_image_pixels={p.max_pixels:,} pixels), e.g. {io.shown(skipped[0])}; listed in "
+                           "dataset.json 'skipped'")
     np.save(out / "labels.npy", np.asarray(labels, dtype=np.int64))
     info = {"format": FORMAT, "kind": p.kind, "count": count, "resolution": p.resolution,
             "num_classes": len(class_names), "class_names": class_names, "labels": p.labels,

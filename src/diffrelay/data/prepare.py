@@ -20,7 +20,7 @@ from pathlib import Path
 
 from diffrelay import config, io, logs
 from diffrelay.config import preflight
-from diffrelay.data import datasets, encoders, encoding, sources
+from diffrelay.data import buckets, datasets, encoders, encoding, sources
 from diffrelay.errors import UserError
 from diffrelay.runtime import claims, distributed, parallel
 from diffrelay.text import cache
@@ -153,6 +153,10 @@ def prepare_encoded(args, cfg, out: Path, device, log) -> int:
     try:
         # The text encoders load first: a bad one is said before any image is decoded or VAE-encoded.
         loaded = cache.load_encoders(text[1], device) if text is not None else None
+        if loaded and rank == 0:  # captions the encoders cut: one line for the run (data.prompts.say_cut)
+            from diffrelay.data import prompts
+
+            prompts.say_cut(loaded, text[0], "captions")
         with contextlib.ExitStack() as stack:
             # atomic_dir: a killed prepare leaves only a hidden temp folder; made when rank 0 first writes into it.
             tmp = stack.enter_context(io.atomic_dir(out, owned=datasets.is_dataset_folder)) \
@@ -249,6 +253,8 @@ def done(cfg, out: Path, plan, info: dict, t0: float) -> None:
         sources.write(config.run_dir(cfg), plan)
     logs.get().info(f"prepare: wrote {info['count']} images from {plan.source}, {info['num_classes']} classes, "
                     f"{len(info['skipped'])} skipped, in {logs.fmt_duration(time.time() - t0)} -> {out}")
+    for line in buckets.report(plan) if plan.buckets else []:  # each bucket's images and crop (data.buckets)
+        logs.get().info(f"prepare: {line.strip()}")
 
 
 def workers(args, cfg) -> int:

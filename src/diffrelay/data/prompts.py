@@ -35,7 +35,7 @@ import math
 import re
 from pathlib import Path
 
-from diffrelay import io
+from diffrelay import io, logs
 from diffrelay.data.order import MAX_SEED
 from diffrelay.errors import UserError
 
@@ -120,6 +120,34 @@ def unguided_negatives(prompts) -> list[tuple[str, str]]:
                      "unguided, a negative prompt changes nothing; set sample.guidance above 1 (or a list such as "
                      "[1, 4.5]), give the entry its own guidance, or drop the negative prompt")]
     return []
+
+
+def say_cut(encoders, texts, what: str = "prompts") -> int:
+    """One warning line for a run (sampling's prompts, prepare's captions) whose texts are longer than a text encoder
+    takes: how many of them, and each encoder's limit. The encoders cut such a text as the pipelines do (CLIP at 77
+    tokens, T5 at its max_length), so nothing else bounds a prompt's length: a 10,000-character prompt samples as its
+    first 77 tokens. `encoders`: text.encoders' loaded Encoders (tokenizer, record); each is marked as warned, so its
+    own first-cut line (text/encoders.py) is not said again. The number of texts cut by any encoder."""
+    unique = list(dict.fromkeys(t for t in texts if t))
+    if not encoders or not unique:
+        return 0
+    cut, per, first = set(), [], None
+    for enc in encoders:
+        length, n = enc.record["length"], 0
+        for start in range(0, len(unique), 1024):  # one token past the limit tells a cut text, without all its tokens
+            chunk = unique[start:start + 1024]
+            for t, ids in zip(chunk, enc.tokenizer(chunk, truncation=True, max_length=length + 1)["input_ids"]):
+                if len(ids) > length:
+                    n += 1
+                    cut.add(t)
+                    first = first or t
+        per.append(f"{enc.record['class']} ({enc.record['path']}) {length} tokens: {n}")
+        enc.warned = True
+    if cut:
+        start = repr(first) if len(first) <= 60 else repr(first[:60]) + "..."
+        logs.get().warning(f"{len(cut)} of {len(unique)} {what} are longer than a text encoder takes and are cut to "
+                           f"its length, as the pipelines do ({'; '.join(per)}); the first: {start}")
+    return len(cut)
 
 
 def expand(prompts: list[Prompt], first_seed: int) -> list[Item]:

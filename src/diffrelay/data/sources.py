@@ -108,11 +108,12 @@ def changes(was: dict, now: dict) -> str:
 def _said(what: str, how: str, names: list) -> list:
     if not names:
         return []
-    return [f"{what} {names[0]} {how}" if len(names) == 1 else f"{len(names)} {what}s {how} ({_names(names)})"]
+    return [f"{what} {io.shown(names[0])} {how}" if len(names) == 1 else f"{len(names)} {what}s {how} ({_names(names)})"]
 
 
 def _names(names: list) -> str:
-    return ", ".join(names[:SHOWN]) + (f", ... {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    # io.shown: a file name holding a newline (or another odd character) stays on the message's one line
+    return ", ".join(map(io.shown, names[:SHOWN])) + (f", ... {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
 def trained_on(run_dir: Path) -> str | None:
@@ -149,7 +150,7 @@ def warn_if_changed(run_dir: Path, plan, where: str) -> None:
     was = trained_on(run_dir)
     if was is not None and was != plan.fingerprint:
         what = what_changed(run_dir, was, plan) or "images or captions added, removed or changed"
-        logs.get().warning(f"{where}: changed since {Path(run_dir).name} was trained on it: {what}; preparing the "
+        logs.get().warning(f"{io.shown(where)}: changed since {Path(run_dir).name} was trained on it: {what}; preparing the "
                            f"new dataset (fingerprint {plan.fingerprint[:12]}); the run's checkpoints will not "
                            "continue on it: restore the files, or start a new run.name to train on them")
 
@@ -167,6 +168,7 @@ def check_trained_on(path, trained: str | None, data, run_dir: Path) -> None:
     if trained == data.fingerprint:
         return
     what = what_changed(run_dir, trained, data.fingerprint)
-    raise UserError(f"{path}: trained on a dataset with fingerprint {str(trained)[:12]}, but {data.path} now has "
+    raise UserError(f"{io.shown(path)}: trained on a dataset with fingerprint {str(trained)[:12]}, but "
+                    f"{io.shown(data.path)} now has "
                     f"{data.fingerprint[:12]} (images added, removed or changed, or captions edited"
                     f"{': ' + what if what else ''}); restore them, or start a new run.name to train on the new set")

@@ -294,6 +294,11 @@ def main_select_best(args) -> int:
     results = first_pass_results(files)
     metrics = sorted({r["metric"] for r in results if r["metric"]})
     selected = rank(results, args.best)
+    nan = dict.fromkeys(f"step {r['step']}" + ("" if r["guidance"] == 1 else f" guidance {r['guidance']:g}")
+                        for r in results if r["fid"] != r["fid"])
+    if nan:  # a NaN score never wins (rank): say which, once
+        log.warning(f"second pass: {', '.join(nan)} left out of the ranking: {', '.join(metrics) or 'the score'} "
+                    "is NaN (broken samples; check the training loss)")
     io.write_json(args.out, dict(zip(SELECTED_KEYS, (args.best, metrics, selected))))
     for s in selected:
         ema = f", EMA decay {s['decay']:g}" if "decay" in s else ""

@@ -241,22 +241,57 @@ def best_row(table: pd.DataFrame, by: str = "fid", size: tuple[int, int] | None 
     primary = table[table.primary & (table.prompts == picks)]
     top = primary[primary.num_images.fillna(0) == primary.num_images.fillna(0).max()]
     metric = top.metric.iloc[-1]
-    same = top[(top.metric == metric) & top.fid.notna()]
+    ours = top[top.metric == metric]
+    same = ours[ours.fid.notna()]
     if same.empty:
-        raise UserError(f"every {metric} value in metrics/fid is NaN; the samples are broken "
-                        "(check the training loss) and no step can be called best")
+        raise UserError(f"every {metric} value in metrics/fid is NaN (step(s) {_evaluations(ours)}); the samples are "
+                        "broken (check the training loss) and no step can be called best")
     if by == "fid":
+        _say_skipped(by, [(ours[ours.fid.isna()], f"{metric} NaN")])
         return same.loc[same.fid.idxmin()]
     if by == "fd_dinov2":  # a row of its own: the DINOv2 extractor's, of the same images
-        rows = table[(table.prompts == picks) & table.metric.str.startswith("FD_DINOv2")]
-        rows = rows[(rows.num_images.fillna(0) == top.num_images.fillna(0).max()) & rows.fid.notna()]
-        column = "fid"
+        held = table[(table.prompts == picks) & table.metric.str.startswith("FD_DINOv2")]
+        held = held[held.num_images.fillna(0) == top.num_images.fillna(0).max()]
+        rows, column, nan = held[held.fid.notna()], "fid", (held[held.fid.isna()], "FD_DINOv2 NaN")
     else:
-        rows, column = same[same[by].notna()], by
-    if rows.empty:
+        held, column = same, by
+        rows = same[same[by].notna()] if by in same else same.iloc[:0]
+        nan = (same[same[by].isna()] if by in same else same, f"{by} NaN or missing")
+    if rows.empty and held.empty:
         raise UserError(f"fid.best_by={by}: no result holds {by}; add it to fid.metrics (clip_score, pick_score, "
                         "class_accuracy: set fid.clip_model, fid.pick_model, fid.classifier), or pick another best_by")
+    if rows.empty:  # the metric was computed (or its rows exist), and every value is NaN or missing
+        raise UserError(f"fid.best_by={by}: no result holds {by}: it is NaN or missing at every evaluated step "
+                        f"({_evaluations(held)}); {NO_VALUE.get(by, NO_VALUE[None])}")
+    _say_skipped(by, [nan, (ours[ours.fid.isna()], f"{metric} NaN")])
     return rows.loc[rows[column].idxmin() if columns.BETTER[by] == "lower" else rows[column].idxmax()]
+
+
+# fid.best_by's metric present but NaN or missing at every step: what that means, and the fix.
+NO_VALUE = {
+    "val_loss": "a NaN one (metrics/val_loss/step_XXXXXXX.json) is a diverged checkpoint (check the training loss), a "
+                "missing one a step not scored yet (its compute_val_loss job, or `diffrelay val-loss`); or pick another "
+                "best_by",
+    None: "a metric is computed only when fid.metrics lists it (clip_score, pick_score, class_accuracy: when "
+          "fid.clip_model, fid.pick_model or fid.classifier is set); a listed one that is NaN comes from broken samples: "
+          "check the training loss and score the folders again (`diffrelay fid`); or pick another best_by",
+}
+
+
+def _evaluations(rows: pd.DataFrame) -> str:
+    """'2, 4 (guidance 1.5), 6': the evaluations of `rows`, by step, each once."""
+    def name(r):
+        g, ema = float(r.get("guidance", 1.0)), r.get("phema", math.nan)
+        return (f"{int(r['step'])}" + ("" if g == 1 else f" guidance {g:g}")
+                + ("" if ema is None or math.isnan(ema) else f" post-hoc EMA {ema:g}"))
+    return ", ".join(dict.fromkeys(map(name, rows.to_dict("records"))))
+
+
+def _say_skipped(by: str, skipped: list) -> None:
+    """One line naming the evaluations left out of the pick (NaN or missing values), where there are any."""
+    parts = [f"{_evaluations(rows)} ({why})" for rows, why in skipped if len(rows)]
+    if parts:
+        logs.get().warning(f"report: fid.best_by={by}: step(s) {', '.join(parts)} left out of the pick")
 
 
 def _of_size(table: pd.DataFrame, size) -> pd.DataFrame:
@@ -331,13 +366,16 @@ def main(args) -> int:
     if not grid.is_file():
         raise UserError(f"{grid}: not found; sample step {best.step} again (diffrelay sample) to make its grid")
 
+    value = float(best.fid if by in ("fid", "fd_dinov2") else best[by])  # the value that picked
     io.write_text(out / "metrics.csv", table[csv_columns(table)].to_csv(index=False, float_format="%.6g"))
-    io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name, reference_notes(fid)))
+    io.write_text(out / "scores.md", tables.scores_table(table, run_dir.name, reference_notes(fid), by))
     plot_fid(table, best, run_dir.name, out / "fid.png", by=by)
     plot_loss(train, segments, run_dir.name, out / "loss.png", args.evaluated, objective_of(run_dir))
     io.write_bytes(out / "best_grid.png", grid.read_bytes())  # a copy, so `snakemake --report` can embed it
     io.write_json(out / "best.json", {
-        "step": int(best.step), "guidance": float(best.guidance), "metric": best.metric, "fid": float(best.fid),
+        # "metric": the one that picked (fid.best_by); "fid_metric": the one of "fid", "fid_min" and "fid_std"
+        "step": int(best.step), "guidance": float(best.guidance), "metric": tables.picked_by(best, by),
+        "fid_metric": best.metric, "fid": float(best.fid),
         "kid": None if math.isnan(best.kid) else float(best.kid), "seed_sets": int(best.seed_sets),
         "fid_min": float(best.fid_min), "fid_std": None if math.isnan(best.fid_std) else float(best.fid_std),
         "phema": None if math.isnan(best.phema) else float(best.phema),
@@ -347,8 +385,9 @@ def main(args) -> int:
             else f"phema/step_{int(best.step):07d}_ema{best.phema:g}.safetensors")),
         "samples": str(run_dir / "samples" / best.grid),
         "clip_score": None if math.isnan(best.clip_score) else float(best.clip_score),
-        "best_by": by, "best_value": float(best.fid if by in ("fid", "fd_dinov2") else best[by]),
+        "best_by": by, "best_value": value,
         "grid": str(out / "best_grid.png"),
     } | ({"size": best["size"]} if (~table.square).any() else {}))  # sample.sizes: which size picked it
-    log.info(f"report: {len(table)} evaluated step(s); best {best.metric} {best.fid:.4g} at step {best.step} -> {out}")
+    log.info(f"report: {len(table)} evaluated step(s); best {tables.picked_by(best, by)} {value:.4g} at step "
+             f"{best.step} -> {out}")
     return 0

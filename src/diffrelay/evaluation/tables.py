@@ -1,7 +1,8 @@
 """scores.md: the scores of each evaluated snapshot as the papers' tables print them.
 
 Columns in the order of DiT's Table 4 and SiT's and REPA's tables (FID, sFID, IS, Precision, Recall), then
-KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance, a text run's CLIP score; two
+KID (x 1e3) where computed, edm2's FD_DINOv2 and any other extractor's distance, a text run's CLIP score, the held-out
+val_loss where computed or where fid.best_by picks by it; two
 decimals, as those tables round (3 significant digits where two decimals show fewer); every header carries its
 image count (FID-50k), and each table names the reference file, the protocol (ADM's evaluator arithmetic or
 clean-fid's) and the resize mode it was scored with. One table per image count: FID-2k of the first pass and
@@ -19,6 +20,19 @@ PRIMARY = (("fid", None, "↓"), ("sfid", "sFID", "↓"), ("is", "IS", "↑"), (
            ("recall", "Recall", "↑"))
 # The per-file scores of how well images follow their conditioning, after the distances (column, header)
 ADHERENCE = (("clip_score", "CLIP score ↑"), ("pick_score", "PickScore ↑"), ("class_accuracy", "Class accuracy ↑"))
+# A step's held-out loss (evaluation/columns.py PER_STEP), last: shown where computed or where it picks the best
+HELD_OUT = (("val_loss", "val_loss ↓"),)
+NAMES = {"sfid": "sFID", "is": "IS", "precision": "Precision", "recall": "Recall", "kid": "KID"}
+
+
+def picked_by(best, by: str) -> str:
+    """The name of the metric that picked `best` (fid.best_by): a distance's own metric (FID-2k, FD_DINOv2-2k),
+    another score of that row as its scores.md header names it (KID-2k), else the column's name (val_loss)."""
+    if by in ("fid", "fd_dinov2"):
+        return str(best["metric"])
+    n = best.get("num_images", math.nan)
+    count = f"-{metrics.count_label(int(n))}" if n == n and n else ""
+    return f"{NAMES[by]}{count}" if by in NAMES else by
 
 
 def _cell(v) -> str:
@@ -51,9 +65,10 @@ def _same(part: pd.DataFrame, r: dict) -> pd.Series:
     return same
 
 
-def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) -> str:
+def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None, by: str = "fid") -> str:
     """Markdown of the report's rows (report.build_table): one row per (snapshot, guidance) and image count;
-    under each table, the `notes` (metric -> line: a singular reference, refsize.py) of its metrics."""
+    under each table, the `notes` (metric -> line: a singular reference, refsize.py) of its metrics. `by`
+    (fid.best_by): the metric that picks the best has its column, even where no row holds a value."""
     out = [f"# {run_name}: scores of each evaluated snapshot", ""]
     for count, part in table.groupby(table.num_images.fillna(0), sort=True):
         label = metrics.count_label(int(count)) if count else "?"
@@ -69,9 +84,9 @@ def scores_table(table: pd.DataFrame, run_name: str, notes: dict | None = None) 
         # KID in units of 1e-3, as StyleGAN2-ADA's tables print it: two decimals of the raw value are all zero
         kid = bool("kid" in primary and primary.kid.notna().any())
         # a text run's CLIP score and PickScore, a conditional run's class accuracy (evaluation/columns.py PER_FILE)
-        adherence = [k for k, _ in ADHERENCE if k in primary and primary[k].notna().any()]
+        adherence = [k for k, _ in ADHERENCE + HELD_OUT if k in primary and (primary[k].notna().any() or k == by)]
         header = ["Snapshot", "Guidance", *(f"{n} {b}" for _, n, b in heads), *([f"KID-{label} ×10³ ↓"] * kid),
-                  *(f"{m} ↓" for m in others), *(name for k, name in ADHERENCE if k in adherence)]
+                  *(f"{m} ↓" for m in others), *(name for k, name in ADHERENCE + HELD_OUT if k in adherence)]
         out += [" | ".join(header).join(["| ", " |"]), "|" + "---|" * len(header)]
         sized = bool("square" in part and (~part.square).any())  # sample.sizes: every row says its size
         for r in primary.to_dict("records"):

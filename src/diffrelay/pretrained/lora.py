@@ -14,6 +14,7 @@ The base weights are never stored: they come from the pipeline folder, whose sha
 
 import json
 import os
+import warnings
 
 from diffrelay.errors import UserError
 
@@ -153,7 +154,12 @@ def attach(net, spec: dict, seed: int) -> list:
     config = peft_config(spec)
     net.requires_grad_(False)
     # peft draws the init on the CPU; only the CPU generator is seeded (torch.manual_seed would reseed CUDA's too).
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft warns that an adapter on a torchao base (quantize_base int8, fp8) cannot merge() or unmerge(): none is
+        # ever merged here (export fuses the adapter into the pipeline's own, unquantized, weights: load_snapshot's
+        # quantize (None,)), and training and sampling run it unmerged. Nothing a user could act on.
+        warnings.filterwarnings("ignore", message=r"TorchaoLoraLinear was instantiated without "
+                                r"`get_apply_tensor_subclass`", category=UserWarning)
         torch.random.default_generator.manual_seed(seed)
         if hasattr(type(model), "add_adapter"):  # diffusers' PeftAdapterMixin (UNet, SD3)
             model.add_adapter(config)
@@ -207,14 +213,41 @@ def only(state: dict) -> dict:
     return {k: v for k, v in state.items() if is_adapter(k)}
 
 
+SHAPED_BY = ("kind", "rank", "target_modules")  # what decides an adapter's tensors (alpha only scales them)
+
+
+def spec_difference(was: dict | None, now: dict) -> str | None:
+    """Why a checkpoint whose config's train.lora is `was` does not hold this run's adapter (`now`), naming the first
+    key of SHAPED_BY that differs and both values (kind absent: lora, the default); None when they match."""
+    if was is None:
+        return ("was made without train.lora (it trained every weight), and this run trains an adapter; start from a "
+                "checkpoint of a train.lora run, or drop train.lora")
+    for key in SHAPED_BY:
+        a, b = was.get(key), now.get(key)
+        if key == "kind":
+            a, b = a or "lora", b or "lora"  # (records from before train.lora.kind: LoRA)
+        elif key == "target_modules":
+            a, b = sorted(a or []), sorted(b or [])  # peft matches each by name: the order is no part of it
+        if a != b:
+            return (f"holds an adapter of train.lora.{key}={json.dumps(a)}, and this run has train.lora.{key}="
+                    f"{json.dumps(b)}; set train.lora.{key}: {json.dumps(a)} to start from it, or start from a "
+                    f"checkpoint of a {key}={json.dumps(b)} adapter")
+    return None
+
+
 def load(module, state: dict, path) -> None:
     """Load adapter tensors over a network whose base is in place; every adapter tensor, nothing else."""
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a size mismatch: another rank (or DoRA/LoKr shapes) under the same names
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:200])
+        raise UserError(f"{path}: not this train.lora run's adapter ({first[:300]}): its rank is another; resume or "
+                        "sample it with its own config (train.lora.rank)") from e
     gaps = [k for k in missing if is_adapter(k)]
     if unexpected or gaps:
         key = (unexpected or gaps)[0]
         raise UserError(f"{path}: {'holds' if unexpected else 'lacks'} {key}, so it is not this train.lora run's "
-                        "adapter (rank and target_modules must match); resume or sample it with its own config")
+                        "adapter (its kind, rank and target_modules must be this run's); resume or sample it with its own config")
 
 
 def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | None = None) -> bool:

@@ -200,6 +200,25 @@ def from_main(value: int, what: str) -> int:
     return int(x.item())
 
 
+def text_from_main(text: str, what: str) -> str:
+    """Rank 0's `text` on every rank (the others pass anything): an outcome that every rank then acts on alike.
+    Every rank must call it."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return text
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    raw = list(text.encode()) if rank() == 0 else []
+    size = from_main(len(raw), what)  # every rank, rank 0 included
+    buf = torch.tensor(raw, dtype=torch.uint8, device=device) if rank() == 0 else \
+        torch.zeros(size, dtype=torch.uint8, device=device)
+    if size:  # every rank knows it
+        with peers(what):
+            dist.broadcast(buf, src=0)
+    return bytes(buf.tolist()).decode()
+
+
 def all_reduce_sum(x):
     """Sum over ranks. Every rank must call it."""
     import torch.distributed as dist

@@ -83,6 +83,19 @@ def check(meta: dict, chosen: list, guidance: float, source) -> None:
                             "data.caption_dropout, so it has no unconditional model; use guidance 1 or retrain with it")
 
 
+def say_cut(text, chosen: list, device, rules=None) -> int:
+    """One warning line when prompts (or negative prompts) of `chosen` are longer than a text encoder takes
+    (data.prompts.say_cut): loads the TextSource's encoders as its first encode would."""
+    from diffrelay.data import prompts
+    from diffrelay.text import encoders
+
+    if text.encoders is None:  # as TextSource.encode loads them (each record's sha256: not hashed again)
+        text.encoders = [encoders.load(r["entry"] | {"sha256": r["sha256"]}, device) for r in text.records]
+    prepare = rules.text if rules is not None else str
+    texts = [prepare(t) for it in chosen for t in (it.prompt, it.negative_prompt) if t]
+    return prompts.say_cut(text.encoders, texts, "prompts")
+
+
 def condition(text, chosen: list, device, labels=None, guided: bool = False, null_class: int = 0, rules=None,
               embedded: float | None = None):
     """The Text of the items' prompts (the sampler's conditioning); with guidance, its null rows are each item's

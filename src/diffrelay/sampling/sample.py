@@ -346,6 +346,8 @@ def run(snapshot, out, s: Settings, device="cpu", rank: int = 0, world: int = 1,
              s.num_images, len(todo), snapshot, meta["step"], s.weights, s.steps, s.scheduler or s.solver, world,
              device)
 
+    if text is not None and todo:  # before any image: prompts the encoders cut, said once
+        prompted.say_cut(text, items, device, rules)
     try:
         progress = Progress(len(todo), s.batch_size)
         # One writer thread: the fsyncs of each atomic write (about 8% of the time on a local disk) then overlap

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from diffrelay import io, logs
 from diffrelay.errors import UserError
+from diffrelay.text import tokens
+from diffrelay.text.tokens import TOKENIZER_FILES, tokenizer_folder  # noqa: F401 -- TOKENIZER_FILES: the tests'
 
 CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "BertModel", "T5EncoderModel")
 MODEL_TYPES = {"clip_text_model": "CLIPTextModel", "t5": "T5EncoderModel", "bert": "BertModel"}  # no architectures
@@ -48,8 +50,7 @@ T5_LENGTH = 256  # SD3's default max_sequence_length
 BERT_LENGTH = 77  # pipeline_hunyuandit's max_sequence_length for its BertModel
 ROWS = 16  # captions per encoder call, padded (see the docstring)
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model")
-PROBE = "a photo"  # any tokenizer of these encoders spells it back
+PROBE = "a photo"  # its ids show the special tokens' places, whatever the vocabulary spells of it
 FIX = ("give data.text_encoders a folder written by transformers' save_pretrained (e.g. a diffusers pipeline's "
        "text_encoder/) with its tokenizer")
 # What joins a dataset's fingerprint: what the embeddings are, not where the folder lies.
@@ -225,38 +226,6 @@ def record(encoder: Encoder) -> dict:
     return dict(encoder.record)
 
 
-def _tokenizer_folder(path: Path) -> Path:
-    """The folder itself, else a diffusers pipeline's sibling: text_encoder_2/ -> tokenizer_2/."""
-    if any((path / f).is_file() for f in TOKENIZER_FILES):
-        return path
-    sibling = path.parent / path.name.replace("text_encoder", "tokenizer")
-    if path.name.startswith("text_encoder") and any((sibling / f).is_file() for f in TOKENIZER_FILES):
-        return sibling
-    raise UserError(f"{path}: data.text_encoders: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
-                    "encoder's tokenizer into the folder (tokenizer.save_pretrained(folder))")
-
-
-def _check_spiece(where: Path) -> None:
-    """A tokenizer saved as spiece.model alone (PixArt's tokenizer/, HunyuanDiT's tokenizer_2/) is converted by the
-    sentencepiece package when it loads. A damaged file is read first by sentencepiece itself: transformers 5 would
-    make a tokenizer of its special tokens from it, silently."""
-    model = where / "spiece.model"
-    if not model.is_file() or (where / "tokenizer.json").is_file():
-        return
-    try:
-        import sentencepiece
-    except ImportError:
-        raise UserError(f"{model}: data.text_encoders: a T5 tokenizer saved as spiece.model is converted by the "
-                        "sentencepiece package, which is not installed: pip install sentencepiece protobuf (both "
-                        "are diffrelay dependencies)") from None
-    try:
-        sentencepiece.SentencePieceProcessor(model_file=str(model))
-    except (RuntimeError, OSError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"{model}: data.text_encoders: not a sentencepiece model ({first}); it is damaged or cut "
-                        "short: copy the tokenizer folder again from the pipeline") from e
-
-
 def _check_tokenizer(tokenizer, c: dict, rec: dict, where: Path) -> None:
     """The tokenizer must be this encoder's: a wrong one gives ids past the embedding table or meaningless
     embeddings, with no error from transformers."""
@@ -270,14 +239,15 @@ def _check_tokenizer(tokenizer, c: dict, rec: dict, where: Path) -> None:
         if i is None or not 0 <= i < vocab:
             raise UserError(f"{where}: data.text_encoders: the tokenizer's {name} token id is {i}, not one of the "
                             f"encoder's {vocab}; {fix}")
+    # Where the special tokens go, not how the words are spelt: a word-level T5 that lacks "photo" is fine, and
+    # tokens.check refuses a vocabulary that spells nothing.
     ids = tokenizer(PROBE)["input_ids"]
-    back = tokenizer.decode(ids, skip_special_tokens=True).strip()
     first, last = (tokenizer.cls_token_id, tokenizer.sep_token_id) if is_bert(rec) else (
         None if is_t5(rec) else tokenizer.bos_token_id, tokenizer.eos_token_id)
-    if back != PROBE or ids[-1] != last or max(ids) >= vocab or (first is not None and ids[0] != first):
-        raise UserError(f"{where}: data.text_encoders: the tokenizer spells {PROBE!r} as ids {ids[:8]}, read back as "
-                        f"{back!r}: it does not work (a transformers 5 CLIPTokenizer made with v4's vocab_file= "
-                        f"holds only its special tokens); {fix}")
+    if not ids or ids[-1] != last or max(ids) >= vocab or (first is not None and ids[0] != first):
+        want = " and ".join(f"{w} {i}" for w, i in (("first", first), ("last", last)) if i is not None)
+        raise UserError(f"{where}: data.text_encoders: the tokenizer gives {PROBE!r} the ids {ids[:8]}, where the "
+                        f"encoder expects its special tokens {want} and ids below {vocab}; {fix}")
     if rec["pooled"] and not is_t5(rec) and not is_bert(rec):
         # CLIP pools at the first eos token, or, in configs with the legacy eos_token_id 2, at the largest id
         # (transformers' CLIPTextTransformer).
@@ -298,8 +268,8 @@ def load(entry: dict, device) -> Encoder:
     if rec["sha256"] is None:
         rec["sha256"] = entry["sha256"]
     path = Path(rec["path"])
-    c, where = _config(path), _tokenizer_folder(path)
-    _check_spiece(where)
+    c, where = _config(path), tokenizer_folder(path)
+    tokens.check(where, rec["class"])  # (a damaged spiece.model or a vocabulary of special tokens: one line)
     transformers.utils.logging.disable_progress_bar()  # prepare's stderr holds its own lines
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()  # a failure is said in one line, below

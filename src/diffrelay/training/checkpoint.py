@@ -48,6 +48,7 @@ def save_checkpoint(path, state: dict, meta: dict) -> Path:
         io.write_json(tmp / "meta.json", meta)
         files = {name: io.sha256_file(tmp / name) for name in ("state.pt", "meta.json")}
         io.write_json(tmp / "manifest.json", {"format": CHECKPOINT_FORMAT, "step": meta["step"], "files": files})
+    sharded_checkpoint.remove_stale(path, is_checkpoint_folder)  # io.atomic_dir's of saves killed half-way
     return path
 
 
@@ -85,6 +86,11 @@ def verify_checkpoint(path) -> dict:
         if io.sha256_file(f) != digest:
             raise UserError(f"{f}: sha256 does not match manifest.json (corrupt or altered); "
                             f"delete {path} to resume from an earlier one")
+    if "sharding" in manifest:  # each shard's own header: read as DCP will, and naming this run, step and save
+        made = io.read_json(path / "meta.json")
+        sharded_checkpoint.check_shards(path, manifest["files"], {
+            "trajectory": made.get("trajectory"), "step": made.get("step"), "save": manifest["sharding"].get("save")},
+            f"delete {path} to resume from an earlier one")
     return manifest
 
 

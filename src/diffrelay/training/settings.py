@@ -14,6 +14,9 @@ from diffrelay import nets
 # The values that train as before these keys existed.
 DEFAULTS = {"loss_reduction": "mean", "ema_halflife_kimg": None, "warmup_kimg": None, "lr_ref_batches": None,
             "augment": 0.0, "lora": None}
+# What a run's trajectory leaves out at its default (these keys above, train.lora's added since it existed:
+# config.identity.trajectory_of), so that runs from before the key keep their hash: a record without it was made so.
+OMITTED = {f"train.{k}": v for k, v in DEFAULTS.items()} | {"train.lora.kind": "lora", "train.lora.quantize_base": None}
 AUGMENT_LABELS = 9  # EDM's CIFAR-10 pipe (data/edm_augment.py EDM_CIFAR10.label_dim; EDM train.py:146)
 
 
@@ -24,6 +27,12 @@ def trajectory(train: dict) -> dict:
     if out.get("ema_halflife_kimg") is None:
         out.pop("ema_rampup_ratio", None)
     return out
+
+
+def recorded(key: str, value):
+    """A trajectory's `value` at `key` (config.lookup's None where the key is left out) as the run trains with it:
+    the default of a key left out at its default (a run made with train.lora.kind lora records no kind)."""
+    return OMITTED[key] if value is None and key in OMITTED else value
 
 
 # (model.arch, model.objective) of a paper's recipe -> (its train.loss_reduction, who, where the official code reduces).

@@ -28,7 +28,7 @@ class TrainState:
     order: DataOrder
     skipped_total: int = 0  # updates skipped for a non-finite loss or gradient, over the whole run
     consecutive: int = 0  # of those, in a row up to now: the divergence guard
-    lora: bool = False  # train.lora: the net's and EMAs' state is the adapter's tensors only
+    lora: dict | None = None  # train.lora's spec: the net's and EMAs' state is the adapter's tensors only
     sharded: bool = False  # train.sharding: fsdp2: parameters, gradients, optimizer state and averages sharded
 
     @classmethod
@@ -65,7 +65,7 @@ class TrainState:
         return cls(net=net, ema=ema, pema=pema, opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec is not None, sharded=sharded)
+                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec, sharded=sharded)
 
     def load(self, state: dict, meta: dict, path) -> None:
         made = (state.get("sharding") or {}).get("kind", "ddp")
@@ -75,6 +75,9 @@ class TrainState:
                             "(a run keeps its sharding; the process count may change)")
         if self.pema:
             self.pema.check_state(state.get("phema"), path)
+        why = lora.spec_difference(lora.enabled(meta.get("config")), self.lora) if self.lora else None
+        if why:  # (--init from another adapter kind, rank or target_modules: its tensors are not this adapter's)
+            raise UserError(f"{path}: {why}")
         if self.sharded:  # None: saved before any update, when the optimizer held no state (a fresh one)
             tensors, _ = self._sharded_tensors(state["optimizer_groups"] is not None)
             sharded_checkpoint.load(path, tensors)  # in place: the parameters' and averages' shards
