@@ -10,7 +10,9 @@
 - `identity.py`: what changes the weights (`trajectory`), its hash, and whether a file belongs to a run.
 - `segments.py`: where segments end and which snapshots a segment writes.
 - `preflight.py`: checks against the disk before any job (the dataset, the run folder, latents, trackers).
-- `report.py`: `diffrelay validate`, the report of what a run will do; `memory.py`: its memory lines.
+- `inputs.py`: the dataset's folders and the image counts the later stages need (preflight calls it).
+- `report.py`: `diffrelay validate`, the report of what a run will do; `memory.py`: its memory lines;
+  `netcache.py`: what building the network told them, kept per input so it is built once.
 
 The names below are the package's door: `from diffrelay import config; config.load(path)`.
 
