@@ -258,6 +258,23 @@ def test_diffrelay_sample_draws_from_a_lora_snapshot(run):
     assert len(list(out.glob("*.png"))) >= 1
 
 
+def test_sample_guidance_reaches_the_prompt_file_check_for_a_pipeline_folder_and_a_run_snapshot(run, tmp_path):
+    """--guidance 3 with a prompt file's negative prompt was refused ("sample.guidance is 1"): the flag came after the
+    check. The issue's own commands: a pipeline folder with --resolution, and a run snapshot whose config has 1."""
+    import json
+
+    from diffrelay import cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square --n blurry\n")
+    snap = run["one"] / "snapshots" / "step_0000002.safetensors"
+    for name, given in (("pipe", ["--snapshot", str(run["sd"]), "--resolution", "16"]),
+                        ("run", ["--config", str(run["work"] / "ft.yaml"), "--snapshot", str(snap)])):
+        assert cli.main(["sample", *given, "--out", str(tmp_path / name), "--prompts", str(prompts), "--guidance", "3",
+                         "--steps", "2", "--solver", "ddim"]) == 0
+        assert json.loads((tmp_path / name / "manifest.json").read_text())["guidance"] == 3
+
+
 def test_guidance_without_caption_dropout_is_refused_from_scratch_and_kept_for_a_pipeline(run, tmp_path):
     import textmodels
     from test_text_workflow import text_config
@@ -560,6 +577,59 @@ def test_the_comfyui_export_is_kohyas_layout_and_diffusers_converter_reads_it_to
                 "comfyui", check=False)
     assert p.returncode == 2 and "is not a file `diffrelay export --lora-format comfyui` wrote" in p.stderr
     assert theirs.read_bytes() == b"someone's file" and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_an_export_takes_the_weights_the_run_scored_and_says_which(run, tmp_path, capsys):
+    """sample.weights: raw (the LoRA recipes'): every sample, val_loss and best pick use the raw adapter, and the
+    export wrote the EMA by default without a word. Each export format, and <run>/lora/'s default file, now hold the
+    weights sample.weights scores unless --weights says otherwise, and the export says which in one line."""
+    import yaml
+    from peft.utils import get_peft_model_state_dict
+
+    from diffrelay import cli
+    from diffrelay.pretrained import comfyui
+    from diffrelay.training import export
+
+    d = run["cfg"] | {"sample": run["cfg"]["sample"] | {"weights": "raw"}}
+    (tmp_path / "raw.yaml").write_text(yaml.safe_dump(d))
+    snap = run["one"] / "snapshots" / "step_0000002.safetensors"
+    adapter = {w: get_peft_model_state_dict(weights.text_net(checkpoint.load_snapshot(snap, w, model_cfg=d["model"])[0]))
+               for w in ("raw", "ema")}
+    assert not all(torch.equal(adapter["raw"][k], adapter["ema"][k]) for k in adapter["raw"])
+
+    def exported(*flags) -> tuple[dict, str]:
+        out = tmp_path / "lora.safetensors"
+        assert export.main(cli.build_parser().parse_args(["export", "--config", str(tmp_path / "raw.yaml"), "--snapshot",
+                                                          str(snap), "--out", str(out), "--lora-format", "comfyui",
+                                                          *flags])) == 0
+        return load_file(out), capsys.readouterr().out
+
+    def same(a: dict, b: dict) -> bool:
+        return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    kohya = {w: comfyui.kohya_keys(adapter[w], d["train"]["lora"]["alpha"]) for w in adapter}
+    got, said = exported()
+    assert same(got, kohya["raw"]) and not same(got, kohya["ema"])
+    assert said.splitlines()[0] == f"diffrelay: exporting the raw weights (sample.weights of {tmp_path / 'raw.yaml'}) " \
+        f"of {snap}, step 2"
+    assert "checked: it reads back with the same tensors" in said and "none of them run here" in said
+    got, said = exported("--weights", "ema")
+    assert same(got, kohya["ema"]) and "exporting the EMA weights (--weights)" in said
+    assert "--ema-decay=0.999: the raw weights are exported (sample.weights of" in one_line(
+        lambda: exported("--ema-decay", "0.999"))
+    # The pipeline folder: the raw adapter fused
+    assert cli.main(["export", "--config", str(tmp_path / "raw.yaml"), "--snapshot", str(snap), "--out",
+                     str(tmp_path / "pipe")]) == 0
+    assert json.loads((tmp_path / "pipe" / "diffrelay_export.json").read_text())["weights"] == "raw"
+    assert capsys.readouterr().out.startswith("diffrelay: exporting the raw weights (sample.weights of")
+    # <run>/lora/step_N/: the scored (raw) adapter where load_lora_weights(folder) looks, the EMA's beside it;
+    # the same files as the ema run's, under each other's names
+    run["state"].snapshot(tmp_path / "run" / "snapshots" / "step_0000002.safetensors", {"step": 2},
+                          config.Config(config.validate(d)))
+    mine, theirs = tmp_path / "run" / "lora" / "step_0000002", run["one"] / "lora" / "step_0000002"
+    assert sorted(os.listdir(mine)) == [lora.WEIGHT_NAME, lora.EMA_NAME]
+    assert same(load_file(mine / lora.WEIGHT_NAME), load_file(theirs / lora.RAW_NAME))
+    assert same(load_file(mine / lora.EMA_NAME), load_file(theirs / lora.WEIGHT_NAME))
 
 
 def test_step_0_is_the_pipeline_as_it_came_and_samples_as_its_own_call(run, tmp_path):

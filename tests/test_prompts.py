@@ -205,3 +205,58 @@ def test_validate_says_how_many_images_a_prompt_file_gives_and_which_key_wins(tm
         "num_images, 1 where the file sets none); sample.num_images=256 applies only without a prompt file")
     d["sample"]["prompts"] = None
     assert "one image per held-out caption, at most sample.num_images=256" in report.sample_line(config.Config(d))
+
+
+def test_prompts_longer_than_the_encoders_take_are_said_once_with_how_many_and_each_limit(tmp_path):
+    """Nothing bounds a prompt's length: the encoders cut it (CLIP at 77 tokens, T5 at its max_length), as the
+    pipelines do. One warning line says how many texts are cut and each encoder's limit; the encoders' own
+    first-cut line is then not said again."""
+    import logging
+
+    import textmodels
+    import torch
+    from diffrelay import logs
+    from diffrelay.text import demo, encoders
+
+    clip = encoders.load({"path": str(demo.clip_text(tmp_path / "clip"))}, torch.device("cpu"))
+    t5 = encoders.load({"path": str(textmodels.t5(tmp_path / "t5")), "max_length": 16}, torch.device("cpu"))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logs.get().addHandler(handler)
+    try:
+        texts = ["a red circle", "a red circle " * 10, "a photo of " * 3_000, "a photo of " * 3_000, None]
+        assert prompts.say_cut([clip, t5], texts) == 2
+        assert prompts.say_cut([clip], ["a red circle"]) == 0
+        encoders.encode([clip, t5], ["a photo of " * 3_000], torch.device("cpu"))  # its own line: said already
+    finally:
+        logs.get().removeHandler(handler)
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("2 of 3 prompts are longer than a text encoder takes and are cut to its length")
+    assert f"CLIPTextModel ({tmp_path / 'clip'}) 77 tokens: 1; T5EncoderModel ({tmp_path / 't5'}) 16 tokens: 2" \
+        in lines[0], lines[0]
+    assert clip.warned and t5.warned
+
+
+def test_a_prompt_file_that_is_a_fifo_or_a_device_is_said_to_be_one_not_missing(tmp_path):
+    """A FIFO or a link to /dev/zero was "no such file" when the config was checked; each is named for what it is,
+    in one line, and never opened (reading either would block or never end)."""
+    import os
+
+    from diffrelay import config
+
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    (tmp_path / "folder.txt").mkdir()
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    text = {"captions": "auto", "text_encoders": [{"path": str(tmp_path)}], "val_fraction": 0.1}
+    for name, what in (("fifo.txt", "a FIFO (named pipe), not a regular file"),
+                       ("zero.txt", "a device, not a regular file"), ("folder.txt", "a folder, not a file"),
+                       ("gone.txt", "a dangling symlink"), ("missing.txt", "no such file")):
+        path = tmp_path / name
+        with pytest.raises(UserError) as e:
+            config.validate({"data": text, "model": {"arch": "diffusers-unet", "class_conditional": False},
+                             "sample": {"prompts": str(path)}}, "c.yaml")
+        assert str(e.value) == f"c.yaml: sample.prompts={path}: {what}; give a prompt file (one prompt a line, or " \
+            "YAML/JSONL)", str(e.value)
+    refused(tmp_path / "fifo.txt", "prompt file is not a regular file (a pipe, socket or device)")

@@ -437,3 +437,69 @@ def test_a_10000_character_label_and_title_fit_in_a_few_measurements(monkeypatch
         assert 0 < len(text) < len(full) and full.startswith(text)
         assert measure(draw, text, font=font) <= width < measure(draw, full[:len(text) + 1], font=font)
     assert short == "a cat on a mat"  # a line break in a prompt is a space on its one line
+
+
+def test_a_snapshot_that_is_a_folder_but_no_pipeline_says_so_not_train_first(tmp_path, capsys):
+    """An existing folder without model_index.json was "snapshot not found; train to that step first"; a FIFO too."""
+    import os
+
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    for path, what in ((tmp_path / "folder", "a folder, and neither a diffusers pipeline folder (no "
+                                             "model_index.json in it) nor a snapshot file"),
+                       (tmp_path / "fifo.safetensors", "not a regular file (a pipe, socket or device)")):
+        assert cli.main(sample_args(path, tmp_path / "out")) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"diffrelay: error: {path}: {what}; pass --snapshot a "
+                                                       "snapshot file (<run>/snapshots/step_XXXXXXX.safetensors)"), lines
+        assert "train to that step" not in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_sample_flags_override_the_config_before_any_rule_reads_it(tmp_path):
+    """--guidance 3 over a config's guidance 1 was refused for a prompt file's negative prompt ("sample.guidance is
+    1"): the flags were applied after the config was checked. Every flag that sets a config key is in the config
+    its rules check (a flag can mend a file's value, and a flag's value meets the rules); a --guidance of the file's
+    sweep (the workflow's job of it) keeps the sweep; the plan's own rules (the second pass's count) are not one
+    job's."""
+    import yaml
+
+    (tmp_path / "p.txt").write_text("a cat\na dog --n blurry\n")
+    text = {"data": {"captions": "auto", "text_encoders": [{"path": str(tmp_path)}], "val_fraction": 0.1,
+                     "caption_dropout": 0.1},
+            "model": {"arch": "diffusers-unet", "class_conditional": False}}
+
+    def configured(d: dict, *flags):
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(d))
+        return sample.configured(cli.build_parser().parse_args(
+            ["sample", "--config", str(tmp_path / "c.yaml"), "--snapshot", str(tmp_path / "s.safetensors"), "--out",
+             str(tmp_path / "out"), *flags]))
+
+    def refused(d: dict, *flags) -> str:
+        with pytest.raises(UserError) as e:
+            configured(d, *flags)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    prompts = ["--prompts", str(tmp_path / "p.txt")]
+    own = text | {"sample": {"prompts": str(tmp_path / "p.txt")}}  # the run's config names the file
+    for d, flags in ((own, []), (text, prompts)):
+        assert "prompt 2 has a negative prompt, and sample.guidance is 1" in refused(d, *flags)
+        assert configured(d, *flags, "--guidance", "3")[2].guidance == 3
+    sweep = text | {"sample": {"guidance": [1, 4.5]}}
+    assert configured(sweep, *prompts, "--guidance", "1")[2].guidance == 1  # the sweep's unguided job
+    assert configured(sweep, *prompts, "--guidance", "1")[0]["sample"]["guidance"] == 1
+    assert "prompt 2 has a negative prompt, and sample.guidance is 1" in refused(
+        text | {"sample": {"guidance": 3}}, *prompts, "--guidance", "1")
+    assert "sample.true_cfg_scale=2.0: FluxPipeline's true classifier-free guidance, for FLUX.1 networks" in refused(
+        text, *prompts, "--guidance", "3", "--true-cfg-scale", "2")
+    # A class run: --solver mends a file's solver; --weights raw drops the file's EMA choice; --num-images of the
+    # second pass (fid.final.num_images) is the plan's, not refused as "not more than sample.num_images".
+    plain = {"model": {"class_conditional": True}, "train": {"label_dropout": 0.1, "ema_decays": [0.99, 0.999]},
+             "sample": {"solver": "ddim", "ema_decay": 0.999, "num_images": 16},
+             "fid": {"final": {"best": 1, "num_images": 64}}}
+    assert "sample.solver=ddim: a sampler of model.objective: ddpm" in refused(plain)
+    _, _, s, _ = configured(plain, "--solver", "heun", "--weights", "raw", "--num-images", "64")
+    assert (s.solver, s.weights, s.ema_decay, s.num_images) == ("heun", "raw", None, 64)
+    assert "sample.ema_decay=0.5: not one of train.ema_decays" in refused(plain, "--solver", "heun", "--ema-decay",
+                                                                          "0.5")

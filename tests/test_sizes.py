@@ -79,6 +79,46 @@ def test_a_size_the_network_cannot_take_is_one_line_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_every_way_a_size_comes_in_has_the_same_bounds_in_one_line(tmp_path, capsys):
+    """--size 100000x16 was accepted (cli checked only "at least 8") and sampled on for minutes, while sample.sizes
+    and prompt files cap sides at 16384: one constant and one rule (data.prompts.SIDES) for every way in."""
+    low, high = prompts.SIDES
+    schema = config.load_schema()["properties"]
+    item = schema["sample"]["properties"]["sizes"]["items"]["items"]
+    assert (item["minimum"], item["maximum"]) == (low, high)
+    assert schema["data"]["properties"]["resolution"]["minimum"] == low  # its maximum, 1024: training's own
+
+    def parse_error(*argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args(list(argv))
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    flags = ["sample", "--snapshot", "s", "--out", "o"]
+    for size in ("100000x16", "16x16385", "7x16"):
+        assert f"argument --size: '{size}': use WIDTHxHEIGHT in pixels, each side from 8 to 16384" in parse_error(
+            *flags, "--size", size)
+    assert "argument --resolution: '100000': use the image side in pixels, from 8 to 16384" in parse_error(
+        *flags, "--resolution", "100000")
+    assert "argument --best-size: '100000x16'" in parse_error("report", "--run-dir", "r", "--out", "o", "--best-size",
+                                                               "100000x16")
+    assert cli.build_parser().parse_args([*flags, "--size", "16384x8", "--resolution", "16384"]).size == (16384, 8)
+    assert "sample.sizes.0.0=100000: must be at most 16384" in one_line(
+        lambda: config.validate(tiny(sample={"sizes": [[100000, 16]]}), "c.yaml"))
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump([{"prompt": "a cat", "width": 100000, "height": 16}]))
+    assert "width 100000 is out of range or not an integer; give the width in pixels, an integer from 8 to 16384" \
+        in one_line(lambda: prompts.read(tmp_path / "p.yaml"))
+    (tmp_path / "p.txt").write_text("a cat --w 100000 --h 16\n")  # kohya's options
+    assert "line 1: width 100000 is out of range" in one_line(lambda: prompts.read(tmp_path / "p.txt"))
+    # sample.run given a size any other way (a caller of its own): the same rule, before any folder
+    snap = make_snapshot(tmp_path / "step_0000040.safetensors")
+    s = sample.default_settings(num_images=8, steps=2, batch_size=8, size=(100000, 16))
+    assert "--size 100000x16 (sample.sizes) for" in one_line(lambda: sample.run(snap, tmp_path / "out", s))
+    assert "100000 pixels: each side must be an integer from 8 to 16384" in one_line(
+        lambda: sample.run(snap, tmp_path / "out", s))
+    assert not (tmp_path / "out").exists() and not sample.work_dir(tmp_path / "out").exists()
+
+
 def test_two_sizes_are_two_folders_of_their_shapes_grids_and_report_rows(tmp_path):
     run = tmp_path / "results" / "tiny"
     snap = make_snapshot(run / "snapshots" / "step_0000040.safetensors")

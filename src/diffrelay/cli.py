@@ -30,11 +30,25 @@ def _config(p, required=True):
 
 
 def _size(text: str) -> tuple[int, int]:
-    """An image size as the workflow's folder names write it: WIDTHxHEIGHT in pixels, e.g. 1216x832."""
+    """An image size as the workflow's folder names write it: WIDTHxHEIGHT in pixels, e.g. 1216x832, each side in
+    the bounds of sample.sizes and prompt files (data.prompts.SIDES: one rule for every way a size comes in)."""
+    from diffrelay.data.prompts import SIDES, side_problem  # plain Python: no torch
+
     w, x, h = text.lower().partition("x")
-    if not (x and w.isdigit() and h.isdigit() and int(w) >= 8 and int(h) >= 8):
-        raise argparse.ArgumentTypeError(f"{text!r}: use WIDTHxHEIGHT in pixels, each at least 8, e.g. 1216x832")
+    if not (x and w.isdigit() and h.isdigit()) or side_problem(int(w), int(h)):
+        raise argparse.ArgumentTypeError(f"{text!r}: use WIDTHxHEIGHT in pixels, each side from {SIDES[0]} to "
+                                         f"{SIDES[1]}, e.g. 1216x832")
     return int(w), int(h)
+
+
+def _side(text: str) -> int:
+    """An image side in pixels, in the bounds of _size's."""
+    from diffrelay.data.prompts import SIDES, side_problem
+
+    if not text.isdigit() or side_problem(int(text)):
+        raise argparse.ArgumentTypeError(f"{text!r}: use the image side in pixels, from {SIDES[0]} to {SIDES[1]}, "
+                                         "e.g. 1024")
+    return int(text)
 
 
 def _non_negative(text: str) -> int:
@@ -105,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot", required=True, help="snapshot file (.safetensors), or a diffusers pipeline folder "
                    "(model_index.json) to sample as it came, with no run")
     p.add_argument("--out", required=True, help="output folder for PNGs, grid.png and manifest.json")
-    p.add_argument("--resolution", type=int, help="a pipeline folder: the image side in pixels [default: "
+    p.add_argument("--resolution", type=_side, help="a pipeline folder: the image side in pixels [default: "
                    "data.resolution of --config]")
     p.add_argument("--size", type=_size, metavar="WxH", help="the image size in pixels, width x height, e.g. "
                    "1216x832 (the workflow passes one of sample.sizes) [default: the snapshot's square, "
@@ -183,11 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot", required=True, help="the snapshot whose weights go in (snapshots/step_X.safetensors"
                                                       ", or a post-hoc EMA one)")
     p.add_argument("--out", required=True, help="the pipeline folder to write (new, or an earlier export's)")
-    p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="the snapshot's EMA or raw weights [ema]")
-    p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs; default the first")
+    p.add_argument("--weights", choices=["ema", "raw"], help="the snapshot's EMA or raw weights [default: the ones "
+                   "the run samples and scores, sample.weights of --config]")
+    p.add_argument("--ema-decay", type=float, help="which of train.ema_decays's EMAs [default: sample.ema_decay's "
+                   "(its first), else the first]")
     p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
                    help="diffusers: the pipeline folder, the adapter fused [default]; comfyui: a LoRA run's adapter "
-                        "alone, one .safetensors file in kohya's keys (ComfyUI, sd-scripts; UNet pipelines)")
+                        "alone, one .safetensors file in kohya's keys (ComfyUI, sd-scripts; UNet pipelines: SD, "
+                        "SDXL; and FLUX.1)")
     p.set_defaults(module="diffrelay.training.export")
 
     p = sub.add_parser("fetch-extractor", help="download or build a FID feature extractor (TorchScript)")

@@ -4,24 +4,28 @@ sampling/pipeline.py): the folder's own, read as model.pretrained reads it, unde
 Imports the base modules, the config schema and sampling.pipeline (which folder is a pipeline's).
 """
 
-from diffrelay.config.schema import load, merged, validate
+from diffrelay.config.schema import _merge, load, merged, validate
 from diffrelay.errors import UserError
 
 
-def sample_config(snapshot, files, resolution: int | None, prompts: str | None) -> tuple[dict, bool]:
+def sample_config(snapshot, files, resolution: int | None, prompts: str | None,
+                  sample: dict | None = None) -> tuple[dict, bool]:
     """`diffrelay sample`'s config, and whether it names the network: --config's files for a snapshot (the
     defaults without them: a built-in network's snapshot samples alone); for a pipeline folder, its own config
-    under those files' keys (pipeline_config)."""
+    under those files' keys (pipeline_config). `sample`: the sample keys the flags set (sampling.settings.layered),
+    over the files' before any rule reads them; without files there is no run's config to check them against."""
     from diffrelay.sampling import pipeline
 
     if pipeline.is_pipeline(snapshot):
-        return pipeline_config(snapshot, merged(files) if files else None, resolution, prompts), True
-    return (load(files).to_dict(), True) if files else (validate({}), False)
+        return pipeline_config(snapshot, merged(files) if files else None, resolution, prompts, sample), True
+    return (load(files, {"sample": sample} if sample else None).to_dict(), True) if files else (validate({}), False)
 
 
-def pipeline_config(folder, layered: dict | None, resolution: int | None, prompts: str | None) -> dict:
+def pipeline_config(folder, layered: dict | None, resolution: int | None, prompts: str | None,
+                    sample: dict | None = None) -> dict:
     """The validated config that samples `folder`: the run config given with --config (its model.pretrained set to
-    the folder), else the folder's defaults; data.resolution from --resolution, else the config's."""
+    the folder), else the folder's defaults; data.resolution from --resolution, else the config's; `sample`'s keys
+    (the flags') over its sample section."""
     d = dict(layered or {})
     d["model"] = {**(d.get("model") or {}), "pretrained": str(folder)}
     d["data"] = {**(d.get("data") or {}), "captions": (d.get("data") or {}).get("captions") or "auto"}
@@ -32,6 +36,6 @@ def pipeline_config(folder, layered: dict | None, resolution: int | None, prompt
     elif layered is None:
         raise UserError(f"{folder}: a pipeline folder sampled without --config: give --resolution (the image side in "
                         "pixels, e.g. 1024 for SDXL or FLUX.1, 512 for SD 1.5)")
-    if prompts:
-        d["sample"] = {**(d.get("sample") or {}), "prompts": prompts}
+    if prompts or sample:
+        d["sample"] = _merge({**(d.get("sample") or {}), **({"prompts": prompts} if prompts else {})}, sample or {})
     return validate(d, str(folder))

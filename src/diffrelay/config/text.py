@@ -6,7 +6,6 @@ dropout, a held-out split, prompt files, CLIP score) is refused elsewhere, one l
 without captions and the reverse (nets.text_problems) and caption settings that contradict (captions.config_problems).
 """
 
-from pathlib import Path
 
 # data keys of captioned datasets and their text encoders (docs/text.md): runs without captions drop them from
 # their trajectory, so their hashes are the ones they had before text existed (config.identity.trajectory_of).
@@ -44,8 +43,11 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if prompts is not None and not text:
         bad.append(("sample.prompts", "prompts are for text runs (data.captions); drop it, or caption the dataset"))
     for f in [prompts] if isinstance(prompts, str) else prompts or []:
-        if not Path(f).expanduser().is_file():
-            bad.append((f"sample.prompts={f}", "no such file; give a prompt file (one prompt a line, or YAML/JSONL)"))
+        from diffrelay.data.prompts import file_problem  # plain Python: a FIFO is not "no such file"
+
+        if file_problem(f):
+            bad.append((f"sample.prompts={f}", f"{file_problem(f)}; give a prompt file (one prompt a line, or "
+                        "YAML/JSONL)"))
     scales = s["guidance"] if isinstance(s["guidance"], list) else [s["guidance"]]
     if text and s.get("guide") is None and all(g == 1 for g in scales) and s.get("true_cfg_scale", 1) == 1:
         from diffrelay.data import prompts as prompt_files  # reads the files: data's concern

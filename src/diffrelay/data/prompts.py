@@ -32,7 +32,9 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 
 from diffrelay import io, logs
@@ -45,7 +47,10 @@ MAX_BYTES = 64 << 20  # 64 MiB: hundreds of thousands of prompts; anything bigge
 MAX_STEPS = 10_000  # as sample.steps
 MAX_IMAGES = 10_000  # per entry
 MAX_TOTAL = 10_000_000  # images of a whole file, as sample.num_images
-SIDES = (8, 16384)  # width and height in pixels, as sample.sizes
+# An image's width and height in pixels, wherever a size comes in: --size, --resolution, sample.sizes (the schema's
+# minimum and maximum, tests/test_sizes.py holds them equal), a prompt entry's width and height (kohya's --w, --h).
+# 16384 is beyond any network's: a larger side is a typo (100000x16 sampled on for minutes before).
+SIDES = (8, 16384)
 FORMATS = {".txt": "txt", ".yaml": "yaml", ".yml": "yaml", ".jsonl": "jsonl", ".json": "json"}
 # Other tools' names for our keys (kohya's JSON, OneTrainer's samples.json, diffusers' pipelines): named in the
 # unknown-key line, since difflib cannot guess that scale means guidance.
@@ -58,6 +63,14 @@ ALIASES = {"scale": "guidance", "cfg_scale": "guidance", "guidance_scale": "guid
 OPTIONS = {"n": "negative_prompt", "d": "seed", "l": "guidance", "s": "steps", "w": "width", "h": "height"}
 OPTION_HELP = "--n negative prompt, --d seed, --l guidance, --s steps, --w width, --h height"
 OPTION = re.compile(r"([A-Za-z]+)(?:\s+(.*))?\Z", re.DOTALL)
+
+
+def side_problem(*sides) -> str | None:
+    """What is wrong with an image's sides in pixels under SIDES, else None: the one rule of every way a size comes in
+    (the caller names the flag, key or entry)."""
+    bad = next((x for x in sides if isinstance(x, bool) or not isinstance(x, int) or not SIDES[0] <= x <= SIDES[1]),
+               None)
+    return None if bad is None and sides else f"{bad!r} pixels: each side must be an integer from {SIDES[0]} to {SIDES[1]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +117,25 @@ def read(path) -> list[Prompt]:
     if total > MAX_TOTAL:
         raise UserError(f"{path}: {total} images in all, more than the {MAX_TOTAL} allowed; lower num_images")
     return out
+
+
+def file_problem(path) -> str | None:
+    """Why `path` cannot be read as a prompt file, said before it is opened (config.text names the key), else None: a
+    FIFO or a link to /dev/zero would block or never end, and is not "no such file"."""
+    p = Path(path).expanduser()
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return "a dangling symlink" if p.is_symlink() else "no such file"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or \
+            stat.S_ISBLK(st.st_mode) else "a socket"
+        return f"{kind}, not a regular file"
+    return None
 
 
 def unguided_negatives(prompts) -> list[tuple[str, str]]:

@@ -138,12 +138,15 @@ def check(model_cfg: dict, train_lora: dict | None, out: Path, where: str) -> No
     io.check_file_target(out, owned, "a file `diffrelay export --lora-format comfyui` wrote")
 
 
-def write(net, train_lora: dict, out: Path, record: dict) -> int:
-    """Write the adapter of the snapshot's network `net` to `out` (atomic); the number of adapted modules."""
+def write(net, train_lora: dict, out: Path, record: dict) -> str:
+    """Write the adapter of the snapshot's network `net` to `out` (atomic) and read it back; the line that says what
+    was written and what was checked (the file read back whole, no other tool's loader run), and for a FLUX.1 of
+    other widths than FLUX.1's that diffusers' converter cannot read it."""
     import json
 
+    import torch
     from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save
+    from safetensors.torch import load, save
 
     from diffrelay.pretrained import weights
 
@@ -155,4 +158,24 @@ def write(net, train_lora: dict, out: Path, record: dict) -> int:
             "ss_network_dim": str(train_lora["rank"]),
             "ss_network_alpha": str(train_lora["alpha"]), "diffrelay": json.dumps(record, sort_keys=True)}
     io.write_bytes(out, save(tensors, metadata=meta))
-    return sum(k.endswith(".alpha") for k in tensors)
+    back = load(out.read_bytes())
+    if set(back) != set(tensors) or not all(torch.equal(back[k], v) for k, v in tensors.items()):
+        raise UserError(f"{out}: read back, the file holds other tensors than were written; check the disk and "
+                        "export again")
+    n, what = sum(k.endswith(".alpha") for k in tensors), f"{record['weights']} weights of {record['snapshot']}"
+    line = (f"diffrelay: wrote {out}: {n} adapted modules ({what}, step {record['step']}) in kohya's keys; checked: "
+            "it reads back with the same tensors; ComfyUI's LoRA loader, sd-scripts")
+    widths = _flux_widths(model) if flux and any("single_blocks" in k for k in tensors) else FLUX1_WIDTHS
+    if widths != FLUX1_WIDTHS:  # diffusers' _convert_kohya_flux_lora_to_diffusers: dims=[3072, 3072, 3072, 12288]
+        return (f"{line} read kohya's keys (not run here); diffusers' load_lora_weights cannot read this file: its "
+                f"converter cuts a single block's linear1 at FLUX.1's widths {list(FLUX1_WIDTHS)}, and this "
+                f"transformer's are {list(widths)} (docs/pretrained.md)")
+    return f"{line} and pipe.load_lora_weights({str(out)!r}) read kohya's keys (none of them run here)"
+
+
+FLUX1_WIDTHS = (3072, 3072, 3072, 12288)  # a single block's q, k, v and MLP input, as diffusers' converter cuts them
+
+
+def _flux_widths(model) -> tuple:
+    block = model.single_transformer_blocks[0]
+    return tuple(block.get_submodule(m).out_features for m in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))

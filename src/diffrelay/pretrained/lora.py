@@ -4,9 +4,9 @@
               check_targets refuses a target module the network lacks (diffrelay validate, the Snakefile)
   training    attach adds the adapter (seeded: every segment draws the same init), freezes the base;
               only()/load() keep checkpoints and snapshots to the adapter's tensors
-  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors (the first EMA's, the raw
-              weights beside it; the raw ones alone where train.ema_decays: [] keeps no EMA), through the pipeline
-              class's own save_lora_weights, so load_lora_weights reads it
+  export      export writes the adapter as diffusers' pytorch_lora_weights.safetensors (the weights the run scores,
+              sample.weights; the others beside it, file_names; the raw ones alone where train.ema_decays: [] keeps
+              no EMA), through the pipeline class's own save_lora_weights, so load_lora_weights reads it
   sampling    check_base refuses an adapter sampled on another base than the one it was trained on
 
 The base weights are never stored: they come from the pipeline folder, whose sha256s are the run's identity.
@@ -32,8 +32,12 @@ FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj
 # train.lora.quantize_base: torchao's weight-only configs (int8 runs on the CPU too; fp8 is emulated there); nf4 is
 # bitsandbytes' (its CPU backend too)
 QUANTIZERS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads: the first EMA's (no EMA: raw)
-RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves (weight_name=RAW_NAME)
+# <run>/lora/step_N/: WEIGHT_NAME, what load_lora_weights(folder) reads, holds the weights the run samples and scores
+# (sample.weights: the first EMA's, or the raw ones; raw where no EMA is kept); the others beside it under their kind's
+# name (file_names)
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+RAW_NAME = "pytorch_lora_weights_raw.safetensors"  # the trained weights themselves, beside the EMA's
+EMA_NAME = "pytorch_lora_weights_ema.safetensors"  # the first EMA's, beside the raw weights of sample.weights: raw
 MARK = ".lora_"  # in every LoRA (and DoRA) tensor's state-dict key (lora_A, lora_B, lora_magnitude_vector)
 # train.lora.kind's tensors: LoRA's and DoRA's, LoKr's (lokr_w1, lokr_w2, ...) and LoHa's (hada_w1_a, ...); in no base key
 MARKS = (MARK, ".lokr_", ".hada_")
@@ -268,8 +272,8 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
     if not lycoris and not hasattr(cls, "save_lora_weights"):
         return False
     files = {name: peft_name(name) if lycoris else name for name in nets}
-    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= set(files.values()) | {"adapter_config.json"}) \
-            as tmp:
+    ours = {n for name in (WEIGHT_NAME, RAW_NAME, EMA_NAME) for n in (name, peft_name(name))} | {"adapter_config.json"}
+    with io.atomic_dir(folder, owned=lambda p: set(os.listdir(p)) <= ours) as tmp:  # any sample.weights' files
         for name, net in nets.items():
             model = weights.text_net(net)
             whole = None
@@ -292,6 +296,14 @@ def export(folder, nets: dict, pipeline_cls: str, net_part: str, states: dict | 
                                           f"{net_part}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
                                   weight_name=name, safe_serialization=True)
     return True
+
+
+def file_names(scored: str, has_ema: bool) -> dict:
+    """{"ema" | "raw": file name} of <run>/lora/step_N/: the weights the run samples and scores (sample.weights,
+    `scored`) under WEIGHT_NAME, which load_lora_weights(folder) reads; the other under its own name."""
+    if not has_ema:
+        return {"raw": WEIGHT_NAME}
+    return {"ema": WEIGHT_NAME, "raw": RAW_NAME} if scored == "ema" else {"raw": WEIGHT_NAME, "ema": EMA_NAME}
 
 
 def peft_name(name: str) -> str:

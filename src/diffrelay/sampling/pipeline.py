@@ -60,6 +60,10 @@ def open_any(snapshot, s, device, model_cfg, data_cfg, resources):
     from diffrelay import io
     from diffrelay.training import checkpoint
 
+    what = _not_a_snapshot(snapshot)
+    if what:
+        raise UserError(f"{snapshot}: {what}; pass --snapshot a snapshot file (<run>/snapshots/step_XXXXXXX."
+                        "safetensors) or a folder DiffusionPipeline.save_pretrained wrote (with its model_index.json)")
     if s.quantize_base is not None:  # sample.quantize_base: a LoRA snapshot's base, as training held it
         _check_quantize(snapshot, s.quantize_base, device)
     if is_pipeline(snapshot):
@@ -69,6 +73,24 @@ def open_any(snapshot, s, device, model_cfg, data_cfg, resources):
     net, meta = checkpoint.load_snapshot(snapshot, s.weights, device, model_cfg, s.ema_decay,
                                          quantize=(s.quantize_base, s.precision))
     return net, meta, io.sha256_file(snapshot), s
+
+
+def _not_a_snapshot(path) -> str | None:
+    """What an existing `path` is when it is neither a pipeline folder nor a regular file (a snapshot's own checks
+    then name a file that is not one); None otherwise: "snapshot not found; train to that step first" said of an
+    existing folder sent the user to train."""
+    import stat
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # not there: checkpoint.read_snapshot's line
+    if stat.S_ISDIR(mode) and not is_pipeline(path):
+        return f"a folder, and neither a diffusers pipeline folder (no {INDEX} in it) nor a snapshot file"
+    if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+        return "not a regular file (a pipe, socket or device)"
+    return None
 
 
 def _check_quantize(snapshot, kind: str, device) -> None:

@@ -24,10 +24,9 @@ import torch
 
 from diffrelay import config, io, logs, objectives, pretrained
 from diffrelay.data import latents as latent_data
-from diffrelay.sampling import settings
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
-from diffrelay.sampling import export, guidance, pipeline, prompted, schedulers, shapes
+from diffrelay.sampling import export, guidance, pipeline, prompted, schedulers, settings, shapes
 from diffrelay.sampling.progress import Progress
 from diffrelay.text import source as text_source
 from diffrelay.training import checkpoint
@@ -399,11 +398,18 @@ def default_settings(**overrides) -> "Settings":
     return dataclasses.replace(Settings.from_section(config.validate({})["sample"]), **overrides)
 
 
+def configured(args) -> tuple[dict, bool, Settings, dict]:
+    """(config, whether it names the network, settings, run section): the flags over the files' keys first."""
+    files = (config.merged(args.config).get("sample") or {}) if args.config else None
+    cfg, given = config.sample_config(args.snapshot, args.config, getattr(args, "resolution", None), args.prompts,
+                                      settings.layered(args, files))  # --guidance 3 over a file's 1, --weights, ...
+    return (cfg, given, *settings.from_args(args, cfg, config.validate))
+
+
 def main(args) -> int:
     rank, world = distributed.env_rank(), distributed.env_world()
     logs.setup(main=rank == 0)
-    cfg, given = config.sample_config(args.snapshot, args.config, getattr(args, "resolution", None), args.prompts)
-    s, run_cfg = settings.from_args(args, cfg, config.validate)
+    cfg, given, s, run_cfg = configured(args)
     want = getattr(args, "prompts_sha256", None)
     if want and s.prompts and io.sha256_file(s.prompts) != want:  # edited after the workflow planned this job
         raise UserError(f"{s.prompts}: changed since the workflow planned this job (sha256 {want[:12]}); run "

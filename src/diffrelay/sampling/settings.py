@@ -81,9 +81,8 @@ class Settings:
         return cls(**values)
 
 
-def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
-    """`cfg` (the run's config, or the schema defaults) overridden by the flags given; cheap checks name the flag.
-    validate: config.validate, to check the flags like the config file's values."""
+def _flags(args) -> dict:
+    """The Settings values the flags give, each checked in one line naming the flag."""
     over = {k: getattr(args, k) for k in ("num_images", "first_seed", "steps", "batch_size", "threads", "solver",
                                           "weights", "precision", "guidance", "guide", "ema_decay", "tf32",
                                           "prompts", "scheduler", "quantize_base", "true_cfg_scale")
@@ -124,6 +123,59 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
             raise UserError("--held-out-captions and --prompts: one image per held-out caption, or the prompt file's; "
                             "give one of them")
         over["prompts"] = None
+    if "solver" in over and "scheduler" not in over:  # --solver asks for the objective's own sampler
+        over["scheduler"], over["scheduler_kwargs"] = None, {}
+    # sample.ddpm flags: their ranges here; whether they fit the snapshot's objective, when it is read (run()).
+    eta, wide = getattr(args, "ddpm_eta", None), getattr(args, "ddpm_guided_channels", None)
+    if eta is not None and not 0 <= eta <= 1:
+        raise UserError(f"--ddpm-eta={eta}: DDIM's eta lies between 0 and 1")
+    if wide is not None and wide < 1:
+        raise UserError(f"--ddpm-guided-channels={wide}: must be at least 1")
+    return over
+
+
+# Flags whose config rules are the workflow's plan, not one job's: fid.final.num_images above sample.num_images (the
+# second pass samples --num-images fid.final.num_images), the seed sets' last seed (each set's --first-seed). The
+# job's own bound (its last seed) is checked in from_args.
+PLAN_FLAGS = ("num_images", "first_seed")
+
+
+def layered(args, files: dict | None) -> dict:
+    """The `sample` section's keys the flags set, for the config to be checked with them (config.sample_config):
+    a flag overrides its key before any rule reads it (--guidance 3 over a config's 1 with a prompt file's negative
+    prompt; --weights, --steps, --scheduler, --quantize-base, ...), not after. `files`: the config files' sample
+    section as written. A --guidance that is one of the files' sweep (the workflow's job of it) keeps the sweep:
+    the run's rules are the sweep's, and its guidance-1 images of a negative prompt are the sweep's unguided ones
+    (prompted.check says so). PLAN_FLAGS are left to from_args, as is --size (not a config key: the network checks
+    it before any work, run())."""
+    over = {k: v for k, v in _flags(args).items() if k not in (*PLAN_FLAGS, "size")}
+    files = files or {}
+    sweep = files.get("guidance")
+    if "guidance" in over and isinstance(sweep, list) and over["guidance"] in sweep:
+        del over["guidance"]
+    if getattr(args, "held_out_captions", False):  # this job samples the held-out captions, not beside a file
+        over["held_out_captions"] = False
+    if "weights" in over or "ema_decay" in over:  # sampling takes its EMA from --ema-decay alone (from_section)
+        over["ema_decay"] = over.get("ema_decay")
+    for section, flags in (("edm", {k: getattr(args, a, None) for k, a in EDM_FLAGS.items()}),
+                           ("flow", {k: getattr(args, f"flow_{k}", None) for k in ("shift", "last_step",
+                                                                                     "guided_channels")}),
+                           ("ddpm", {k: getattr(args, f"ddpm_{k}", None) for k in ("eta", "guided_channels",
+                                                                                     "clip_denoised")})):
+        given = {k: v for k, v in flags.items() if v is not None}
+        if given:
+            over[section] = given
+    if getattr(args, "guidance_interval", None) is not None:
+        over["guidance_interval"] = list(args.guidance_interval)
+    return over
+
+
+def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
+    """`cfg` (the run's config, or the schema defaults) overridden by the flags given; cheap checks name the flag.
+    validate: config.validate, to check the flags like the config file's values. `diffrelay sample` checks the
+    config with the flags already in it (layered); this applies them to the settings, and takes the ones a config
+    does not check (PLAN_FLAGS, --size)."""
+    over = _flags(args)
     for key in ("guidance", "prompts"):  # the workflow's one value of a sweep
         if key in over:
             cfg["sample"][key] = over[key]
@@ -140,20 +192,13 @@ def from_args(args, cfg: dict, validate) -> tuple[Settings, dict]:
         if getattr(args, "guidance_interval", None) is not None:
             cfg["sample"]["guidance_interval"] = list(args.guidance_interval)
         cfg = validate(cfg, source="diffrelay sample's --sigma-*/--rho/--s-*/--flow-*/--guidance-interval flags")
-    # sample.ddpm flags: their ranges here; whether they fit the snapshot's objective, when it is read (run()).
     ddpm_flags = {k: getattr(args, f"ddpm_{k}") for k in ("eta", "guided_channels", "clip_denoised")
                   if getattr(args, f"ddpm_{k}", None) is not None}
-    if not 0 <= ddpm_flags.get("eta", 0) <= 1:
-        raise UserError(f"--ddpm-eta={ddpm_flags['eta']}: DDIM's eta lies between 0 and 1")
-    if ddpm_flags.get("guided_channels", 1) < 1:
-        raise UserError(f"--ddpm-guided-channels={ddpm_flags['guided_channels']}: must be at least 1")
     cfg["sample"]["ddpm"] = {**cfg["sample"]["ddpm"], **ddpm_flags}
     if isinstance(cfg["sample"]["guide"], int) and "guide" not in over:
         # A step: this run's snapshot there (the workflow passes the path; this serves a hand-run with --config).
         step = cfg["sample"]["guide"]
         cfg["sample"]["guide"] = str(Path(cfg["run"]["results"]) / cfg["run"]["name"] / "snapshots" / f"step_{step:07d}.safetensors")
-    if "solver" in over and "scheduler" not in over:  # --solver asks for the objective's own sampler
-        over["scheduler"], over["scheduler_kwargs"] = None, {}
     s = dataclasses.replace(Settings.from_section(cfg["sample"]), **over)
     if s.ema_decay is not None and s.weights == "raw":
         raise UserError(f"--ema-decay={s.ema_decay:g}: with --weights raw there is no EMA to choose; drop one of them")

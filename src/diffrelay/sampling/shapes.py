@@ -23,8 +23,11 @@ def sized(meta: dict, size) -> dict:
 def check_size(meta: dict, size, what: str) -> None:
     """A size the network can sample (nets/checks.py, as the config's sample.sizes are checked): one line naming
     `what` (the flag or the prompt file's entry) otherwise."""
+    from diffrelay.data.prompts import side_problem
     from diffrelay.nets import checks
 
+    if side_problem(*size):  # the bounds of --size, sample.sizes and prompt files, for a size given any other way
+        raise UserError(f"{what}: {side_problem(*size)}")
     side = latent_data.output_shape(meta)[1]
     bad = checks.check_sizes({"arch": "unet", "kwargs": {}} | meta["model"], [size], side // meta["image_shape"][1],
                              side)

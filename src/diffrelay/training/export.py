@@ -28,27 +28,56 @@ def main(args) -> int:
         raise UserError(f"{where}: model.pretrained is not set: export writes a diffusers pipeline folder, so it "
                         "needs the run's pipeline; sample the snapshot with `diffrelay sample` instead")
     out = Path(args.out)
+    weights, decay, why = scored(args, cfg.to_dict(), where)
     if getattr(args, "lora_format", "diffusers") == "comfyui":  # the adapter alone, in kohya's keys
-        return _comfyui(args, cfg.to_dict(), out, where)
+        return _comfyui(args, cfg.to_dict(), out, where, weights, decay, why)
     # Refused before any work: a folder (or file) this command did not write.
     io.check_replaceable(out, _ours, "a folder `diffrelay export` wrote", "choose another --out or move it aside")
-    record = export(args.snapshot, model_cfg, out, args.weights, args.ema_decay)
-    print(f"diffrelay: wrote {out} ({record['network']}: {record['weights']} weights of {args.snapshot}); "
-          f"DiffusionPipeline.from_pretrained({str(out)!r}) loads it")
+    say(args.snapshot, weights, decay, why)
+    record = export(args.snapshot, model_cfg, out, weights, decay)
+    print(f"diffrelay: wrote {out} ({record['network']}: {record['weights']} weights of {args.snapshot}); load it "
+          f"with DiffusionPipeline.from_pretrained({str(out)!r})")
     return 0
 
 
-def _comfyui(args, d: dict, out: Path, where: str) -> int:
+def scored(args, d: dict, where: str) -> tuple[str, float | None, str]:
+    """(weights, EMA decay, where they come from) of an export: --weights and --ema-decay, else the weights the run
+    samples and scores, so picks its best checkpoint by (sample.weights; sample.ema_decay, its first where a list).
+    The LoRA recipes sample the raw adapter: an EMA export by default would be weights no score was made of."""
+    s = d["sample"]
+    weights, why = (args.weights, "--weights") if args.weights else (s["weights"], f"sample.weights of {where}")
+    decay = args.ema_decay
+    if decay is not None and weights == "raw":
+        raise UserError(f"--ema-decay={decay:g}: the raw weights are exported ({why}), which have no EMA; add "
+                        "--weights ema to export that EMA, or drop --ema-decay")
+    if decay is None and weights == "ema":
+        want = s.get("ema_decay")
+        decay = want[0] if isinstance(want, list) else want
+        why += " and sample.ema_decay" if decay is not None and not args.weights else ""
+    return weights, decay, why
+
+
+def say(snapshot, weights: str, decay: float | None, why: str) -> None:
+    """One line before any work: which weights of the snapshot are exported, and why those."""
+    from diffrelay.training import checkpoint
+
+    meta = checkpoint.read_signed_meta(snapshot, checkpoint.SNAPSHOT_FORMAT, "snapshot")
+    read = checkpoint.weights_of(meta, weights)
+    kind = "raw" if read == "raw" else "EMA" if decay is None else f"EMA {decay:g}"
+    why = why if read == weights else f"{why}; the run kept no EMA (train.ema_decays: [])"
+    print(f"diffrelay: exporting the {kind} weights ({why}) of {snapshot}, step {meta.get('step')}")
+
+
+def _comfyui(args, d: dict, out: Path, where: str, weights: str, decay, why: str) -> int:
     from diffrelay.pretrained import comfyui
     from diffrelay.training import checkpoint
 
     comfyui.check(d["model"], d["train"]["lora"], out, where)
-    net, meta = checkpoint.load_snapshot(args.snapshot, args.weights, model_cfg=d["model"], decay=args.ema_decay)
+    say(args.snapshot, weights, decay, why)
+    net, meta = checkpoint.load_snapshot(args.snapshot, weights, model_cfg=d["model"], decay=decay)
     record = {"snapshot": str(Path(args.snapshot).resolve()), "step": meta.get("step"),
-              "weights": checkpoint.weights_of(meta, args.weights)}
-    n = comfyui.write(net, d["train"]["lora"], out, record)
-    print(f"diffrelay: wrote {out} ({n} adapted modules in kohya's keys, {record['weights']} weights of "
-          f"{args.snapshot}); ComfyUI's LoRA loader and pipe.load_lora_weights({str(out)!r}) read it")
+              "weights": checkpoint.weights_of(meta, weights) + ("" if decay is None else f" {decay}")}
+    print(comfyui.write(net, d["train"]["lora"], out, record))
     return 0
 
 

@@ -210,7 +210,7 @@ def _writer(tmp: Path, record: str):
     return writer
 
 
-def shard_record(file: Path, fix: str) -> dict:
+def shard_record(file: Path, fix: str, optional: bool = False) -> dict | None:
     """The record a shard's header holds of the run, step and save it was written for; one line naming the file
     where the header is unreadable or does not hold what DCP's reader needs (each tensor's offsets)."""
     from safetensors import SafetensorError, safe_open
@@ -228,6 +228,8 @@ def shard_record(file: Path, fix: str) -> dict:
     if not valid:
         raise UserError(f"{file}: its header does not give every tensor's offsets (not a shard of a diffrelay "
                         f"checkpoint, or altered); {fix}")
+    if optional and RECORD not in extra:
+        return None
     try:
         record = json.loads(extra[RECORD])
     except (KeyError, TypeError, ValueError):
@@ -239,7 +241,11 @@ def shard_record(file: Path, fix: str) -> dict:
 def check_shards(path: Path, names, want: dict, fix: str) -> None:
     """Every shard among `names` was written for `want` (trajectory, step and save id), by its own header."""
     for name in sorted(n for n in names if is_shard(n)):
-        got = shard_record(path / name, fix)
+        # A checkpoint saved before shards carried a record (its manifest names no save) still resumes, as its
+        # sha256 checks allow; once the manifest names a save, every shard must carry that save's record.
+        got = shard_record(path / name, fix, optional=want["save"] is None)
+        if got is None:
+            continue
         if (got.get("trajectory"), got.get("step")) != (want["trajectory"], want["step"]):
             raise UserError(f"{path / name}: a shard of another run or step (its header: trajectory "
                             f"{got.get('trajectory')}, step {got.get('step')}; the checkpoint's meta.json: trajectory "

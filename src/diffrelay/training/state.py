@@ -153,8 +153,9 @@ class TrainState:
     def snapshot(self, path, meta: dict, cfg) -> None:
         """Every EMA, so any of train.ema_decays can be sampled (sample.ema_decay); one decay keeps the file as
         it was, and none (train.ema_decays: []) holds the raw weights only, which sampling and export then read
-        (checkpoint.keeps_no_ema). A LoRA run also writes its first EMA's and its raw adapter in diffusers' format,
-        <run>/lora/<step>/; without an EMA the raw one alone, under the name diffusers' LoRA scripts write.
+        (checkpoint.keeps_no_ema). A LoRA run also writes its EMA's (sample.ema_decay's, else the first) and its raw
+        adapter in diffusers' format, <run>/lora/<step>/, the ones sample.weights scores under the name diffusers' LoRA
+        scripts write (lora.file_names); without an EMA the raw one alone, under that name.
         Every process calls it; rank 0 writes. Sharded, the weights are gathered first, a tensor at a time.
         """
         from diffrelay.training import checkpoint
@@ -169,9 +170,14 @@ class TrainState:
         checkpoint.save_snapshot(path, emas[0] if emas else {}, raw, meta, emas[1:])
         if self.lora:
             pipe = folder.read(cfg.to_dict()["model"]["pretrained"])
-            files = {lora.WEIGHT_NAME: self.ema.nets[0], lora.RAW_NAME: self.net} if self.ema.nets else \
-                {lora.WEIGHT_NAME: self.net}
-            states = dict(zip(files, [*emas[:1], raw], strict=True)) if self.sharded else None
+            # the weights the run samples and scores (sample.weights) where load_lora_weights(folder) looks
+            s, decays = cfg.to_dict()["sample"], [float(x) for x in cfg.to_dict()["train"]["ema_decays"]]
+            names = lora.file_names(s["weights"], bool(self.ema.nets))
+            want = s["ema_decay"][0] if isinstance(s["ema_decay"], list) else s["ema_decay"]  # its EMA: the first's
+            i = decays.index(float(want)) if want is not None and float(want) in decays else 0
+            kinds = {"ema": (self.ema.nets[i], emas[i]) if self.ema.nets else None, "raw": (self.net, raw)}
+            files = {names[k]: kinds[k][0] for k in names}
+            states = {names[k]: kinds[k][1] for k in names} if self.sharded else None
             lora.export(path.parent.parent / "lora" / path.name.split(".")[0], files, pipe.cls, pipe.net, states)
 
 
