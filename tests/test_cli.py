@@ -53,3 +53,11 @@ def test_fid_timeout_must_be_a_finite_number_of_minutes_above_zero(tmp_path, val
     p = run_cli("fid", "--images", tmp_path, "--ref", tmp_path / "r.npz", "--extractor", tmp_path / "e.pt",
                 "--timeout-minutes", value, "--out", tmp_path / "r.json", check=False)
     assert p.returncode == 2 and "--timeout-minutes" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_export_help_names_every_pipeline_kohyas_keys_are_written_for_and_the_default_weights(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "UNet pipelines: SD, SDXL; and FLUX.1" in text
+    assert "the ones the run samples and scores, sample.weights of --config" in text

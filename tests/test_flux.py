@@ -96,7 +96,8 @@ def test_flux_refusals_are_one_line_each(dev, tmp_path):
                                                                            "single_transformer_blocks.3", 3, 4)
 
 
-def test_the_comfyui_export_of_a_flux_lora_is_kohyas_layout_and_diffusers_reads_it_to_the_same_output(dev, tmp_path):
+def test_the_comfyui_export_of_a_flux_lora_is_kohyas_layout_and_diffusers_reads_it_to_the_same_output(dev, tmp_path,
+                                                                                                     capsys):
     """`diffrelay export --lora-format comfyui` of a FLUX.1 LoRA: kohya's lora_unet_ keys of BFL's modules, q/k/v
     fused (double blocks' qkv, single blocks' linear1 with the MLP's input) with a stacked down, a block-diagonal up
     and alpha x parts; FluxPipeline's own reader (lora_state_dict: diffusers' kohya converter) and load_lora_weights
@@ -116,6 +117,12 @@ def test_the_comfyui_export_of_a_flux_lora_is_kohyas_layout_and_diffusers_reads_
     assert export.main(cli.build_parser().parse_args(["export", "--config", str(tmp_path / "one.yaml"), "--snapshot",
                                                       str(snap), "--out", str(out), "--weights", "raw",
                                                       "--lora-format", "comfyui"])) == 0
+    # What was checked, and only that: the file read back; diffusers' converter cannot read a tiny FLUX.1's (below)
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[0].startswith("diffrelay: exporting the raw weights (--weights) of") and len(said) == 2, said
+    assert "checked: it reads back with the same tensors" in said[1] and "load_lora_weights(" not in said[1]
+    assert "diffusers' load_lora_weights cannot read this file: its converter cuts a single block's linear1 at " \
+        "FLUX.1's widths [3072, 3072, 3072, 12288], and this transformer's are [16, 16, 16, 64]" in said[1], said
     sd = load_file(out)
     r, inner, mlp = 2, 16, 64  # the run's rank; the tiny transformer's width and its single blocks' MLP width
     assert sorted({k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}) == [

@@ -108,7 +108,7 @@ def test_lora_recipe_runs_through_the_workflow_shrunk_and_diffusers_loads_its_ad
     pipe = getattr(diffusers, cls).from_pretrained(tmp_path / family, local_files_only=True, use_safetensors=True)
     net = pipe.unet if family == "sdxl" else pipe.transformer
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    pipe.load_lora_weights(run / "lora" / last, weight_name="pytorch_lora_weights_raw.safetensors")
+    pipe.load_lora_weights(run / "lora" / last)  # the folder's default file: the weights sample.weights scores
     after = net.state_dict()
     assert any("lora" in k for k in after) and all(torch.equal(before[k], after[k]) for k in before if k in after)
     if family == "flux":  # the script's twelve projections: the text stream's and the feed-forwards too

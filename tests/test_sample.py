@@ -503,3 +503,8 @@ def test_sample_flags_override_the_config_before_any_rule_reads_it(tmp_path):
     assert (s.solver, s.weights, s.ema_decay, s.num_images) == ("heun", "raw", None, 64)
     assert "sample.ema_decay=0.5: not one of train.ema_decays" in refused(plain, "--solver", "heun", "--ema-decay",
                                                                           "0.5")
+    # --solver replaces a file's scheduler and its whole scheduler_kwargs (not merged into them)
+    scheduled = plain | {"sample": plain["sample"] | {"solver": "heun", "scheduler": "EulerDiscreteScheduler",
+                                                      "scheduler_kwargs": {"use_karras_sigmas": True}}}
+    cfg, _, s, _ = configured(scheduled, "--solver", "euler")
+    assert (s.scheduler, s.scheduler_kwargs, cfg["sample"]["scheduler_kwargs"]) == (None, {}, {})

@@ -4,7 +4,7 @@ sampling/pipeline.py): the folder's own, read as model.pretrained reads it, unde
 Imports the base modules, the config schema and sampling.pipeline (which folder is a pipeline's).
 """
 
-from diffrelay.config.schema import _merge, load, merged, validate
+from diffrelay.config.schema import load, merged, validate
 from diffrelay.errors import UserError
 
 
@@ -18,7 +18,21 @@ def sample_config(snapshot, files, resolution: int | None, prompts: str | None,
 
     if pipeline.is_pipeline(snapshot):
         return pipeline_config(snapshot, merged(files) if files else None, resolution, prompts, sample), True
-    return (load(files, {"sample": sample} if sample else None).to_dict(), True) if files else (validate({}), False)
+    if not files:
+        return validate({}), False
+    return (validate(_layer(merged(files), sample), ", ".join(map(str, files))) if sample else load(files).to_dict(),
+            True)
+
+
+def _layer(d: dict, sample: dict | None) -> dict:
+    """`d` with `sample`'s keys over its sample section: each replaces the file's value (--scheduler-kwargs its whole
+    object, --solver's {} the file's), but a flag of sample.edm, flow or ddpm keeps that section's other keys."""
+    d = dict(d)
+    d["sample"] = dict(d.get("sample") or {})
+    for k, v in (sample or {}).items():
+        keep = k in ("edm", "flow", "ddpm") and isinstance(d["sample"].get(k), dict)
+        d["sample"][k] = {**d["sample"][k], **v} if keep else v
+    return d
 
 
 def pipeline_config(folder, layered: dict | None, resolution: int | None, prompts: str | None,
@@ -37,5 +51,5 @@ def pipeline_config(folder, layered: dict | None, resolution: int | None, prompt
         raise UserError(f"{folder}: a pipeline folder sampled without --config: give --resolution (the image side in "
                         "pixels, e.g. 1024 for SDXL or FLUX.1, 512 for SD 1.5)")
     if prompts or sample:
-        d["sample"] = _merge({**(d.get("sample") or {}), **({"prompts": prompts} if prompts else {})}, sample or {})
+        d = _layer(d, ({"prompts": prompts} if prompts else {}) | (sample or {}))
     return validate(d, str(folder))
