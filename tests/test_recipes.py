@@ -58,7 +58,7 @@ def test_validate_prints_the_papers_parameter_count(name, tmp_path):
     classes = next(n for key, n in CLASSES.items() if key in d["data"]["path"])
     for k in range(classes):  # the dataset's class folders, where the recipe expects them
         (tmp_path / d["data"]["path"] / f"n{k:08d}").mkdir(parents=True)
-    save_folder(pictures(2, side=32), tmp_path / d["data"]["path"] / "n00000000")  # FID's reference needs 2
+    save_folder(pictures(4, side=32), tmp_path / d["data"]["path"] / "n00000000")  # precision/recall need k + 1 = 4
     if isinstance(d["fid"]["reference"], str):  # checked when the config is read; its numbers do not matter here
         ref = tmp_path / d["fid"]["reference"]
         ref.parent.mkdir(parents=True, exist_ok=True)
