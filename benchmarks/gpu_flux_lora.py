@@ -21,7 +21,7 @@ modules of diffusers' train_dreambooth_lora_flux.py)), as diffrelay's pretrained
 frozen, the adapter cast to fp32 (diffusers' cast_training_params); enable_gradient_checkpointing(); AdamW (lr 1e-4)
 on the adapter alone. Precision: bf16 base weights, fp32 adapter and optimizer state, the forward under bf16
 autocast, the loss in fp32. A step: batch 1 at 1024 px, i.e. latents 16 x 128 x 128 packed 2 x 2 into (1, 4096, 64)
-tokens with FluxPipeline's image ids (as diffrelay's nets/text_nets.py _flux), 512 text tokens of random T5 states
+tokens with FluxPipeline's image ids (as diffrelay's families/flux.py call), 512 text tokens of random T5 states
 (1, 512, 4096) with zero ids, a pooled (1, 768) vector, guidance 3.5, t ~ U(0, 1) (the transformer multiplies
 timestep and guidance by 1000 itself), x_t = (1 - t) x0 + t noise, velocity target noise - x0, MSE.
 
@@ -150,7 +150,7 @@ def batch(config: dict, shape: dict, device, seed: int = 1) -> dict:
     h = w = shape["latent"]
     c = LATENT_CHANNELS
 
-    def pack(x):  # nets/text_nets.py _flux: (B, C, H, W) -> (B, H/2 x W/2, 4C)
+    def pack(x):  # families/flux.py call: (B, C, H, W) -> (B, H/2 x W/2, 4C)
         b = x.shape[0]
         return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c)
 

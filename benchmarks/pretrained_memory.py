@@ -5,10 +5,10 @@ config alone.
   python benchmarks/pretrained_memory.py            # writes benchmarks/results/pretrained_memory.json
 
 Each network is built as training builds it (objectives.build, the family's arch and text widths) on the meta
-device (no memory, no weights), from the config.json of its diffusers folder on the Hub (CONFIGS, each with its
+device (no memory, no weights), from the config.json of its diffusers folder on the Hub (configs(): the families' published rows, each with its
 repository; the published parameter count beside it), and counted by nets.footprint: fp32 weights and gradients,
 AdamW's two moments and one EMA copy (train.ema_decays: one decay), the training state diffrelay holds. The LoRA
-rows attach train.lora's family defaults (rank 4, lora.FAMILY_TARGETS) with peft on the meta network: only the
+rows attach train.lora's family defaults (rank 4, each family's lora_targets) with peft on the meta network: only the
 adapter gets gradients, moments and an EMA (the frozen base is shared, training.optim.EMA). Activations are not in
 these figures: `diffrelay validate` measures them per run (resolution, batch, precision, checkpointing). The full
 rows also give a process's state under train.sharding: fsdp2 on 8 and 16 GPUs (config.memory.sharded_state: the
@@ -24,69 +24,26 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE / "checks"))  # official.py
 
 GB = 1e9
-# The network config.json of each diffusers folder (less _class_name/_diffusers_version and the keys diffrelay sets
-# from the text encoders and latents: sample_size, in_channels and the text widths, given in TEXT), and the text
-# encoders' dims. Parameter counts as published: SDXL's UNet 2.6 B (SDXL paper, Table 1: 2.6 B), SD3-medium's
-# transformer 2 B (SD3 medium model card), HunyuanDiT 1.5 B (its model card), PixArt-Sigma 0.6 B (its paper), SD3.5
-# Large 8.1 B and Medium 2.5 B (their model cards), FLUX.1-dev 12 B (its model card; schnell is the same network less
-# the guidance embedder).
-CONFIGS = {
-    "sdxl-base-1.0": {
-        "repo": "stabilityai/stable-diffusion-xl-base-1.0 unet/config.json", "arch": "diffusers-unet",
-        "published": 2.6e9, "latent": (4, 128), "text": {"states": 2048, "length": 77, "pooled": 1280},
-        "kwargs": {"block_out_channels": [320, 640, 1280], "layers_per_block": 2, "attention_head_dim": [5, 10, 20],
-                   "transformer_layers_per_block": [1, 2, 10], "use_linear_projection": True,
-                   "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-                   "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-                   "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-                   "projection_class_embeddings_input_dim": 2816, "out_channels": 4, "time_scale": 1}},
-    "sd3-medium": {
-        "repo": "stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json", "arch": "sd3",
-        "published": 2.0e9, "latent": (16, 128), "text": {"states": 4096, "length": 333, "pooled": 2048},
-        "kwargs": {"patch_size": 2, "num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24,
-                   "caption_projection_dim": 1536, "out_channels": 16, "pos_embed_max_size": 192,
-                   "time_scale": 1000}},
-    "sd3.5-large": {
-        "repo": "stabilityai/stable-diffusion-3.5-large transformer/config.json", "arch": "sd3",
-        "published": 8.1e9, "latent": (16, 128), "text": {"states": 4096, "length": 333, "pooled": 2048},
-        "kwargs": {"patch_size": 2, "num_layers": 38, "attention_head_dim": 64, "num_attention_heads": 38,
-                   "caption_projection_dim": 2432, "out_channels": 16, "pos_embed_max_size": 192,
-                   "qk_norm": "rms_norm", "time_scale": 1000}},
-    "sd3.5-medium": {
-        "repo": "stabilityai/stable-diffusion-3.5-medium transformer/config.json", "arch": "sd3",
-        "published": 2.5e9, "latent": (16, 128), "text": {"states": 4096, "length": 333, "pooled": 2048},
-        "kwargs": {"patch_size": 2, "num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24,
-                   "caption_projection_dim": 1536, "out_channels": 16, "pos_embed_max_size": 384,
-                   "qk_norm": "rms_norm", "dual_attention_layers": list(range(13)), "time_scale": 1000}},
-    "flux.1-dev": {
-        "repo": "black-forest-labs/FLUX.1-dev transformer/config.json", "arch": "flux",
-        "published": 12e9, "latent": (16, 128), "text": {"states": 4096, "length": 512, "pooled": 768},
-        "kwargs": {"patch_size": 1, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-                   "num_attention_heads": 24, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
-                   "time_scale": 1}},
-    "hunyuandit-v1.1": {
-        "repo": "Tencent-Hunyuan/HunyuanDiT-v1.1-Diffusers transformer/config.json", "arch": "hunyuandit",
-        "published": 1.5e9, "latent": (4, 128), "text": {"states": 2048, "length": 77 + 256, "pooled": 0},
-        "kwargs": {"num_attention_heads": 16, "attention_head_dim": 88, "hidden_size": 1408, "patch_size": 2,
-                   "num_layers": 40, "mlp_ratio": 4.3637, "learn_sigma": True, "cross_attention_dim": 1024,
-                   "norm_type": "layer_norm", "pooled_projection_dim": 1024, "text_len": 77, "text_len_t5": 256,
-                   "activation_fn": "gelu-approximate", "time_scale": 1}},
-    "pixart-sigma-xl-2-1024": {
-        "repo": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer/config.json", "arch": "pixart",
-        "published": 0.6e9, "latent": (4, 128), "text": {"states": 4096, "length": 300, "pooled": 0},
-        "kwargs": {"num_attention_heads": 16, "attention_head_dim": 72, "out_channels": 8, "num_layers": 28,
-                   "patch_size": 2, "norm_type": "ada_norm_single", "norm_elementwise_affine": False,
-                   "norm_eps": 1e-6, "cross_attention_dim": 1152, "use_additional_conditions": False,
-                   "interpolation_scale": 2, "time_scale": 1}},
-}
+
+
+def configs() -> dict:
+    """The families' published rows (families/<family>.py `published`): each network's config.json in its diffusers
+    folder (less _class_name/_diffusers_version and the keys diffrelay sets from the text encoders and latents:
+    sample_size, in_channels and the text widths, given in `text`), its objective and its published parameter
+    count: SDXL's UNet 2.6 B (SDXL paper, Table 1), SD3-medium's transformer 2 B (its model card), HunyuanDiT 1.5 B
+    (its model card), PixArt-Sigma 0.6 B (its paper), SD3.5 Large 8.1 B and Medium 2.5 B (their model cards),
+    FLUX.1-dev 12 B (its model card; schnell is the same network less the guidance embedder)."""
+    from diffrelay import families
+
+    return {name: {**spec, "arch": f.arch, "targets": list(f.lora_targets)}
+            for f in families.FAMILIES for name, spec in f.published.items()}
 
 
 def model_section(spec: dict) -> dict:
     from diffrelay import config
 
     m = config.validate({})["model"]
-    objective = "flow" if spec["arch"] in ("sd3", "flux") else "ddpm"
-    return {**m, "arch": spec["arch"], "kwargs": dict(spec["kwargs"]), "objective": objective,
+    return {**m, "arch": spec["arch"], "kwargs": dict(spec["kwargs"]), "objective": spec["objective"],
             "class_conditional": False}
 
 
@@ -102,8 +59,7 @@ def measure(name: str, spec: dict) -> dict:
         with registry.on_device("meta"):
             net = objectives.build(model_section(spec), side, 0, channels, text=spec["text"])
             if kind == "lora":
-                targets = lora.FAMILY_TARGETS.get(spec["arch"], lora.TARGETS)
-                lora.attach(net, {"rank": 4, "alpha": 4, "dropout": 0.0, "target_modules": targets}, 0)
+                lora.attach(net, {"rank": 4, "alpha": 4, "dropout": 0.0, "target_modules": spec["targets"]}, 0)
         n = footprint.counts(net)
         state = footprint.state_bytes(n["params"], n["trainable"], "adamw", 1, n["bytes_per_param"],
                                       n["buffer_bytes"])
@@ -124,7 +80,7 @@ def measure(name: str, spec: dict) -> dict:
 
 def main() -> None:
     t0 = time.perf_counter()
-    results = {name: measure(name, spec) for name, spec in CONFIGS.items()}
+    results = {name: measure(name, spec) for name, spec in configs().items()}
     print(f"{'pipeline':24} {'params':>14} {'full: state GB':>15} {'fsdp2 x8':>9} {'fsdp2 x16':>10} "
           f"{'LoRA: trainable':>16} {'state GB':>9}")
     for name, r in results.items():

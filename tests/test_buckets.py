@@ -214,9 +214,11 @@ def test_sdxl_size_conditioning_equals_the_pipelines_add_time_ids(tmp_path):
     got = maker._sizes(np.array([0, 1]), 1)
     assert torch.equal(got[0:1], theirs((32, 64), (0, 4), (24, 40)))
     assert torch.equal(got[1:2], theirs((60, 40), (3, 0), (24, 40)))
-    from diffrelay.nets import text_nets
+    from diffrelay import families
+    from diffrelay.families import network as text_nets
 
-    net = text_nets.TextNet("diffusers-unet", pipe.unet, 4, 0, 1.0, False, 16)  # a 16-pixel pipeline: 8 latents
+    # a 16-pixel pipeline: 8 latents
+    net = text_nets.TextNet(families.of_network("diffusers-unet", pipe.unet.config), pipe.unet, 4, 0, 1.0, False, 16)
     x = torch.zeros(1, 4, 12, 20)  # a 24 x 40 pixel image's latent (the VAE halves)
     assert torch.equal(net.size_ids(x).view(1, 6), theirs((24, 40), (0, 0), (24, 40)))
     assert torch.equal(net.size_ids(torch.zeros(1, 4, 8, 8)).view(1, 6), theirs((16, 16), (0, 0), (16, 16)))

@@ -1,5 +1,5 @@
 """benchmarks/checks/check_diffusers_flux_loss.py: train.flow (uniform times, shift 1) with the FLUX network of
-nets/text_nets.py against the loss lines of diffusers' train_dreambooth_lora_flux.py. The script is not installed
+families/flux.py against the loss lines of diffusers' train_dreambooth_lora_flux.py. The script is not installed
 with diffusers, so the stand-in below restates what its lines do (get_sigmas; in the accumulate block the VAE's
 scale factor, the packed grid's ids, the time rounded to the scheduler's table, x_t = (1 - sigma) x + sigma noise
 packed 2 x 2 into tokens, the guidance input of a guidance-distilled transformer, its time input sigma, the

@@ -1,4 +1,4 @@
-"""diffusers' text-conditional networks under the contract (nets/text_nets.py), the Text through the objectives'
+"""diffusers' text-conditional networks under the contract (families/), the Text through the objectives'
 wrappers and losses, classifier-free guidance and autoguidance with text, and the checks made before any job."""
 
 import copy
@@ -12,7 +12,9 @@ import torch
 
 from diffrelay import nets
 from diffrelay.errors import UserError
-from diffrelay.nets import checks, memory, registry, text_nets
+from diffrelay import families
+from diffrelay.families import network as text_nets
+from diffrelay.nets import checks, memory, registry
 from diffrelay.objectives import ddpm, edm, flow
 from diffrelay.sampling import guidance
 from diffrelay.text.condition import Text
@@ -283,7 +285,7 @@ def test_kwargs_check_takes_diffusers_keys_and_names_those_diffrelay_sets():
     with pytest.raises(UserError, match="did you mean layers_per_block") as e:
         registry.build_network("diffusers-unet", UNET | {"layer_per_block": 1}, R, C, 0, text=DIMS)
     assert "\n" not in str(e.value)
-    assert "layers_per_block" in text_nets.config_keys("diffusers-unet")
+    assert "layers_per_block" in text_nets.config_keys(families.of_network("diffusers-unet"))
 
 
 def test_model_checks_ddpm_time_scale_and_geometry():

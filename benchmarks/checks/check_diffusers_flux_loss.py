@@ -1,5 +1,5 @@
 """Our flow-matching loss for FLUX.1 (diffrelay.objectives.flow, train.flow uniform with the FLUX network of
-nets/text_nets.py) against the loss lines of diffusers' train_dreambooth_lora_flux.py, on the same latents, noise,
+families/flux.py) against the loss lines of diffusers' train_dreambooth_lora_flux.py, on the same latents, noise,
 times and transformer weights.
 
   python benchmarks/checks/check_diffusers_flux_loss.py --diffusers-src /path/to/diffusers/src
@@ -19,7 +19,7 @@ scale factor 2, the latents, the text tensors (text_ids zeros, as the script's e
 unwrap_model the identity, and a real tiny FluxTransformer2DModel. Its time draw
 (compute_density_for_timestep_sampling) returns the case's u, and torch.randn_like the case's noise.
 
-Ours is diffrelay.nets.text_nets.build_flux (the same transformer, loaded with the script side's state dict: it
+Ours is diffrelay.families.flux.FAMILY.build (the same transformer, loaded with the script side's state dict: it
 packs 2 x 2 latent pixels into a token, makes img_ids, feeds model.kwargs.guidance) called through
 flow.VelocityModel with a text.condition.Text, and flow.loss with TrainSettings("uniform", shift 1): t = Phi(n),
 the velocity loss. The script rounds u to one of the scheduler's 1000 sigmas (indices = (u * 1000).long(); with
@@ -51,7 +51,7 @@ from official import Gate, script_command, write_results
 
 from check_diffusers_objective import import_diffusers
 from check_diffusers_sd3_loss import accumulate_block
-from diffrelay.nets import text_nets
+from diffrelay.families import flux as flux_family
 from diffrelay.objectives import flow
 from diffrelay.text.condition import Text
 
@@ -159,8 +159,8 @@ def main() -> None:
         theirs_model = transformer(diffusers, guidance_embeds)
         with torch.no_grad():
             theirs, seen, sigma, table = script_loss(diffusers, path, theirs_model, x0, noise, u, text, scheduler)
-        net = text_nets.build_flux(resolution=H, in_channels=C, num_classes=0, text={"states": D, "length": L,
-                                   "pooled": P}, guidance=GUIDANCE, guidance_embeds=guidance_embeds, **TRANSFORMER)
+        net = flux_family.FAMILY.build(resolution=H, in_channels=C, num_classes=0, text={"states": D, "length": L,
+                                       "pooled": P}, guidance=GUIDANCE, guidance_embeds=guidance_embeds, **TRANSFORMER)
         net.model.load_state_dict(theirs_model.state_dict())
         ours_seen = recording(net.model.eval())
         st = flow.TrainSettings("uniform", shift=1.0)
@@ -180,7 +180,7 @@ def main() -> None:
         results[case] = {"ours": float(ours), "diffusers": float(theirs), **figures, "guidance": guidance}
     worst = g.worst()
     print("max differences:", {k: f"{v:.2e}" for k, v in worst.items()})
-    write_results(a.out, "diffrelay's flow loss (train.flow uniform, shift 1) with its FLUX network (nets.text_nets "
+    write_results(a.out, "diffrelay's flow loss (train.flow uniform, shift 1) with its FLUX network (families.flux "
                   "flux) against diffusers' train_dreambooth_lora_flux.py", diffusers=diffusers.__version__,
                   diffusers_file=diffusers.__file__, script=str(path), bounds=BOUNDS, max_by_kind=worst,
                   cases=results, seconds=round(time.perf_counter() - t0, 1), gate=g.to_json())

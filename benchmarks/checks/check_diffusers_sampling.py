@@ -13,7 +13,7 @@ models are tiny, built here from configs with seeded weights.
       output_type="latent"), its scheduler Scheduler.from_config(<case's config>), the way diffusers' docs swap
       schedulers. Against diffrelay's side: the prompts encoded by diffrelay's text encoders (text/encoders.py)
       into a Text with the negative prompts as its null rows, the pipeline's UNet under diffrelay's network
-      contract (nets/text_nets.TextNet in ddpm.EpsModel), diffrelay's guidance (sampling/guidance.py) and
+      contract (families.network.TextNet in ddpm.EpsModel), diffrelay's guidance (sampling/guidance.py) and
       schedulers.build/sample with model.ddpm and sample.scheduler_kwargs set to the case; the initial noise is
       generate()'s, randn of each image's own generator (the pipeline's prepare_latents draws the same numbers).
       The comparison is at the sampling loop's level: generate()'s batching, padding and PNG writing are left out
@@ -37,7 +37,7 @@ models are tiny, built here from configs with seeded weights.
       (random, no text encoders), its scheduler FLUX.1-dev's (shift 3, use_dynamic_shifting: mu from the packed
       token count, pipeline_flux's calculate_shift) or FLUX.1-schnell's (shift 1), called with guidance_scale 3.5
       (dev: the transformer's guidance input; schnell's pipeline ignores it) on a non-square 16 x 24 image (8 x 12
-      latents: 4 x 6 tokens, so the image ids and the 2 x 2 packing are exercised). Against build_flux's TextNet
+      latents: 4 x 6 tokens, so the image ids and the 2 x 2 packing are exercised). Against families.flux's TextNet
       (the pipeline transformer's state dict loaded; its square `resolution` is only checked for evenness, the
       forward takes any even H, W) in flow.VelocityModel, fed a Text with guidance = torch.full((B,), 3.5) for dev
       (none for schnell), one forward a step (FLUX.1's guidance is no classifier-free guidance: guidance.guided
@@ -168,7 +168,8 @@ def compare_sd(diffusers, pipe, text, case: str, name: str, config: dict, eta: f
     """(max |diffrelay - pipeline| of the latents, whether the two schedulers' configs are equal)."""
     import inspect
 
-    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.families import of_network
+    from diffrelay.families.network import TextNet
     from diffrelay.objectives import ddpm
     from diffrelay.sampling import guidance, prompted, schedulers
 
@@ -182,7 +183,7 @@ def compare_sd(diffusers, pipe, text, case: str, name: str, config: dict, eta: f
     model = {"objective": "ddpm", "ddpm": {k: config[k] for k in MODEL_KEYS if k in config}}
     scheduler = schedulers.build(s, model, f"{case}/{name}")
     same = _same(scheduler, reference, accepted)
-    net = ddpm.EpsModel(TextNet("diffusers-unet", pipe.unet, 4, 0, 1.0, False, 8), 4)
+    net = ddpm.EpsModel(TextNet(of_network("diffusers-unet", pipe.unet.config), pipe.unet, 4, 0, 1.0, False, 8), 4)
     items = [types.SimpleNamespace(prompt=p, negative_prompt=n) for p, n in zip(PROMPTS, NEGATIVE)]
     cond = prompted.condition(text, items, "cpu", None, True, 0)
     gens, x = _noise((4, 8, 8))
@@ -215,7 +216,8 @@ def compare_sd3(diffusers, pipe, name: str) -> tuple[float, bool]:
     subject here; benchmarks/checks/check_text_encoding.py compares those)."""
     import inspect
 
-    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.families import of_network
+    from diffrelay.families.network import TextNet
     from diffrelay.objectives.flow import SamplerSettings, VelocityModel
     from diffrelay.sampling import guidance, schedulers
     from diffrelay.text.condition import Text
@@ -235,7 +237,7 @@ def compare_sd3(diffusers, pipe, name: str) -> tuple[float, bool]:
                   flow=SamplerSettings(shift=3.0))
     scheduler = schedulers.build(s, {"objective": "flow"}, f"sd3/{name}")
     same = _same(scheduler, reference, inspect.signature(cls.__init__).parameters)
-    net = VelocityModel(TextNet("sd3", pipe.transformer, 4, 0, 1000.0, False, 8))
+    net = VelocityModel(TextNet(of_network("sd3", pipe.transformer.config), pipe.transformer, 4, 0, 1000.0, False, 8))
     ones = torch.ones(3, 6, dtype=torch.int64)
     cond = Text(states, ones, pooled, null=Text(null_states, ones, null_pooled))
     gens, x = _noise((4, 8, 8))
@@ -273,7 +275,8 @@ def compare_hunyuandit(diffusers, pipe, name: str) -> tuple[float, bool]:
     """HunyuanDiTPipeline's loop against diffrelay's, given the same prompt embeddings of both encoders."""
     import inspect
 
-    from diffrelay.nets.text_nets import TextNet
+    from diffrelay.families import of_network
+    from diffrelay.families.network import TextNet
     from diffrelay.objectives import ddpm
     from diffrelay.sampling import guidance, schedulers
     from diffrelay.text.condition import Text
@@ -294,7 +297,8 @@ def compare_hunyuandit(diffusers, pipe, name: str) -> tuple[float, bool]:
     model = {"objective": "ddpm", "ddpm": {k: HUNYUAN[k] for k in MODEL_KEYS}}
     scheduler = schedulers.build(s, model, f"hunyuandit/{name}")
     same = _same(scheduler, reference, accepted)
-    net = ddpm.EpsModel(TextNet("hunyuandit", pipe.transformer, 4, 0, 1.0, True, 64), 4)
+    family = of_network("hunyuandit", pipe.transformer.config)
+    net = ddpm.EpsModel(TextNet(family, pipe.transformer, 4, 0, 1.0, True, 64), 4)
 
     def combined(a, ma, b, mb):  # text/encoders.py's layout: the Bert block zero-padded to the T5's width
         return torch.cat([torch.nn.functional.pad(a, (0, b.shape[-1] - a.shape[-1])), b], 1), torch.cat([ma, mb], 1)
@@ -330,7 +334,7 @@ def compare_flux(diffusers, pipe, variant: str, name: str = "FlowMatchEulerDiscr
     compared unpacked, (B, C, H, W)."""
     import inspect
 
-    from diffrelay.nets import text_nets
+    from diffrelay.families import flux as flux_family
     from diffrelay.objectives.flow import SamplerSettings, VelocityModel
     from diffrelay.sampling import guidance, schedulers
     from diffrelay.text.condition import Text
@@ -358,7 +362,7 @@ def compare_flux(diffusers, pipe, variant: str, name: str = "FlowMatchEulerDiscr
     scheduler = schedulers.build(s, model_cfg, f"flux-{variant}/{name}")
     same = _same(scheduler, reference, accepted)
     c = pipe.transformer.config
-    net = text_nets.build_flux(
+    net = flux_family.FAMILY.build(
         resolution=side[0], in_channels=4, num_classes=0, text={"states": 32, "length": tokens, "pooled": 32},
         guidance=FLUX_GUIDANCE, patch_size=c.patch_size, num_layers=c.num_layers,
         num_single_layers=c.num_single_layers, attention_head_dim=c.attention_head_dim,
@@ -370,7 +374,7 @@ def compare_flux(diffusers, pipe, variant: str, name: str = "FlowMatchEulerDiscr
                 guidance=torch.full((n,), FLUX_GUIDANCE, dtype=torch.float32) if dev else None)
     gens, x = _noise((4, *side))
     got = schedulers.sample(guidance.guided(net, scale, 0, uncond_first=True), x, cond, STEPS, scheduler, gens,
-                            flux=True)
+                            family=flux_family.FAMILY)
     return float((got - want).abs().max()), same
 
 

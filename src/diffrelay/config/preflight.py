@@ -11,7 +11,7 @@ import re
 import time
 from pathlib import Path
 
-from diffrelay import config, io, nets
+from diffrelay import config, families, io, nets
 from diffrelay.config import inputs
 from diffrelay.config.inputs import count_images  # noqa: F401 (preflight.count_images, as before)
 from diffrelay.evaluation import protocol
@@ -308,11 +308,12 @@ def bucket_sizes(cfg, sizes, source: str, key: str = "data.buckets.step") -> Non
         raise UserError(f"{source}: data.buckets: model.arch={cfg.model.arch} has position tables of one size "
                         "(data.resolution's square), so it cannot train other shapes; set data.buckets null")
     kw = cfg.to_dict()["model"]["kwargs"]
-    table = kw.get("pos_embed_max_size", 96) if cfg.model.arch == "sd3" else None  # SD3 crops its table (96: diffusers')
+    family = families.of_config(cfg.to_dict()["model"])
+    table = family.position_table(kw) if family else None  # SD3 crops its table (pos_embed_max_size)
     for w, h in sizes:
         if table and max(w, h) // (factor * down) > table:
             raise UserError(f"{source}: data.buckets: bucket {w}x{h} is {max(w, h) // (factor * down)} patches long, "
-                            f"more than the SD3 transformer's position table (pos_embed_max_size={table}); lower "
+                            f"more than the {family.short} transformer's position table (pos_embed_max_size={table}); lower "
                             "data.buckets.max_aspect or data.resolution")
         if w % (factor * down) or h % (factor * down):
             raise UserError(f"{source}: {key}={cfg.data.buckets.step}: bucket {w}x{h} is not a multiple of "

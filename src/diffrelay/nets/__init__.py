@@ -26,28 +26,21 @@ checkpoint or snapshot (see edm.build). It is imported as a library: it must not
 at import (keep that under `if __name__ == "__main__":`); nets.registry reports either as one line.
 
 This module is torch-free (config validation uses it at Snakefile parse time); nets.registry builds.
-Imports the base modules only (errors); nets.registry also imports text (the Text of its network check).
+Imports the base modules (errors) and families (the pipeline families' networks); nets.registry also imports text
+(the Text of its network check).
 """
 
 import difflib
 
+from diffrelay import families
+
 # By source: EDM's DDPM++, NCSN++ and ADM (nets/edm.py), edm2's UNet (nets/edm2.py), DiT and SiT (nets/dit.py), and
-# diffrelay's own small UNet (nets/unet.py), which the runs made before the papers' networks keep using.
-BUILTIN = ("ddpmpp", "ncsnpp", "adm", "edm2", "dit", "sit", "unet", "diffusers-unet", "pixart", "sd3",
-           "hunyuandit", "flux")
-# The text-conditional ones: diffusers' own UNet2DConditionModel (SD, SDXL), PixArtTransformer2DModel,
-# SD3Transformer2DModel, HunyuanDiT2DModel and FluxTransformer2DModel (nets/text_nets.py). Their model.kwargs are the diffusers class's config keys (checked
-# against its __init__ when built, nets.text_nets) besides diffrelay's TEXT_KWARGS.
-TEXT_ARCHS = ("diffusers-unet", "pixart", "sd3", "hunyuandit", "flux")
-TEXT_KWARGS = {"diffusers-unet": ("time_scale", "use_mask", "pixel_size"),
-               "pixart": ("time_scale", "use_mask", "pixel_size"), "sd3": ("time_scale",),
-               "hunyuandit": ("time_scale", "pixel_size"), "flux": ("time_scale", "guidance")}
-# The config keys diffrelay sets itself, from data.resolution and the text encoders' widths.
-TEXT_SET = {"diffusers-unet": ("sample_size", "cross_attention_dim"), "pixart": ("sample_size", "caption_channels"),
-            "sd3": ("sample_size", "joint_attention_dim", "pooled_projection_dim"),
-            "hunyuandit": ("sample_size", "cross_attention_dim_t5"),
-            "flux": ("joint_attention_dim", "pooled_projection_dim")}
-FLUX_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py's --guidance_scale default (FluxPipeline's guidance_scale too)
+# diffrelay's own small UNet (nets/unet.py), which the runs made before the papers' networks keep using; then the
+# pipeline families' diffusers networks (families/: their model.kwargs are the diffusers class's config keys, checked
+# against its __init__ when built, besides each family's own_kwargs).
+PAPERS = ("ddpmpp", "ncsnpp", "adm", "edm2", "dit", "sit", "unet")
+TEXT_ARCHS = families.ARCHS
+BUILTIN = PAPERS + TEXT_ARCHS
 # The DiT as checked against DiT's code (columns-first position table, DiT's initialisation). Part of a DiT
 # run's identity and recorded in its snapshots as dit_layout; files without it were made by layout 1 (rows
 # first), which still loads them (pos_order rows) but trains no further.
@@ -125,7 +118,7 @@ def check_kwargs(model_cfg: dict) -> list[tuple[str, str]]:
     for a built-in network, a keyword its builder does not know (config validation reports the first)."""
     arch, bad = model_cfg.get("arch", "unet"), []
     for key in model_cfg.get("kwargs") or {}:
-        if key in CONTRACT or key in TEXT_SET.get(arch, ()):
+        if key in CONTRACT or key in families.set_keys(arch):
             bad.append((f"model.kwargs.{key}", "set by diffrelay itself (from data.resolution, the images' channels, "
                         "the dataset's classes and the text encoders' widths); remove it from model.kwargs"))
         elif arch in BUILTIN_KWARGS and key not in BUILTIN_KWARGS[arch]:

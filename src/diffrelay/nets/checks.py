@@ -2,12 +2,12 @@
 validation runs it at Snakefile parse time; nets.registry.check builds and runs the network). Each problem is
 a (key, message) pair; config.validate reports the first.
 
-Imports the base modules and nets only.
+Imports the base modules, nets and families only.
 """
 
 import json
 
-from diffrelay import nets
+from diffrelay import families, nets
 
 
 def check_model(m: dict, res: int) -> list[tuple[str, str]]:
@@ -67,22 +67,10 @@ def check_model(m: dict, res: int) -> list[tuple[str, str]]:
 
 
 def _text_geometry(m: dict, res: int) -> list[tuple[str, str]]:
-    """The side a diffusers text network can take: the UNet halves it once per block after the first (diffusers'
-    default block_out_channels has 4), the transformers cut it into patch_size patches (2 by default in both)."""
-    arch, kw = m["arch"], m["kwargs"]
-    if arch == "diffusers-unet":
-        blocks = kw.get("block_out_channels", [320, 640, 1280, 1280])
-        factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
-        if res % factor:
-            return [(f"data.resolution={res}", f"diffusers' UNet with {len(blocks)} blocks halves it "
-                     f"{len(blocks) - 1} times; use a multiple of {factor} or change model.kwargs.block_out_channels")]
-    if arch == "flux" and res % 2:  # FluxPipeline packs 2 x 2 latent pixels into a token
-        return [(f"data.resolution={res}", "FLUX.1 packs 2 x 2 latent pixels into one token; use an even side")]
-    if arch in ("pixart", "sd3", "hunyuandit"):
-        patch = kw.get("patch_size", 2)
-        if not isinstance(patch, int) or patch < 1 or res % patch:
-            return [(f"model.kwargs.patch_size={patch}", f"does not divide data.resolution={res}; use a divisor of it")]
-    return []
+    """The side a pipeline family's network can take (its family's geometry: the UNet's halvings, a transformer's
+    patches, FLUX.1's 2 x 2 tokens)."""
+    family = families.of_config(m)
+    return family.geometry(m["kwargs"], res) if family else []
 
 
 def downsampling(m: dict) -> int | None:
@@ -91,13 +79,9 @@ def downsampling(m: dict) -> int | None:
     arch, kw = m["arch"], m["kwargs"]
     if arch in ("dit", "sit"):
         return None
-    if arch == "diffusers-unet":
-        blocks = kw.get("block_out_channels", [320, 640, 1280, 1280])
-        return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
-    if arch == "flux":
-        return 2  # 2 x 2 latent pixels a token
-    if arch in nets.TEXT_ARCHS:
-        return int(kw.get("patch_size", 2))
+    family = families.of_config(m)
+    if family:
+        return family.downsampling(kw)
     if arch == "unet":
         return 2 ** (len(nets.unet_settings(m)["channel_mult"]) - 1)
     if arch in nets.DEFAULT_LEVELS:
@@ -131,8 +115,9 @@ def check_sizes(m: dict, sizes, vae: int, res: int) -> list[tuple[str, str]]:
         if arch == "unet" and min(w, h) // whole < 4:
             return [(key, f"the UNet's deepest level needs 4 pixels a side, so each side must be at least "
                      f"{4 * whole}")]
-        table = m["kwargs"].get("pos_embed_max_size", 96)
-        if arch == "sd3" and table and max(w, h) // whole > table:
-            return [(key, f"SD3's position table covers pos_embed_max_size={table} patches a side "
+        family = families.of_config(m)
+        table = family.position_table(m["kwargs"]) if family else None
+        if table and max(w, h) // whole > table:
+            return [(key, f"{family.short}'s position table covers pos_embed_max_size={table} patches a side "
                      f"({table * whole} pixels); use sides of at most {table * whole}")]
     return []

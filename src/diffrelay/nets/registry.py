@@ -21,13 +21,13 @@ from torch.overrides import TorchFunctionMode
 
 import diffrelay
 from diffrelay.errors import UserError
-from diffrelay.nets import TEXT_ARCHS, arch_kwargs, check_kwargs, dit, edm, edm2, is_builtin, memory, text_nets, unet
+from diffrelay import families
+from diffrelay.nets import BUILTIN, TEXT_ARCHS, arch_kwargs, check_kwargs, dit, edm, edm2, is_builtin, memory, unet
 from diffrelay.text.condition import Text
 
 BUILDERS = {"ddpmpp": edm.build_ddpmpp, "ncsnpp": edm.build_ncsnpp, "adm": edm.build_adm, "edm2": edm2.build,
-            "dit": dit.build, "sit": dit.build_sit, "unet": unet.build, "diffusers-unet": text_nets.build_unet,
-            "pixart": text_nets.build_pixart, "sd3": text_nets.build_sd3,
-            "hunyuandit": text_nets.build_hunyuandit, "flux": text_nets.build_flux}
+            "dit": dit.build, "sit": dit.build_sit, "unet": unet.build}
+BUILDERS |= {arch: families.of_network(arch).build for arch in families.ARCHS}  # build_network asks of_network
 # Frames in these folders are never the user's: diffrelay, torch, the standard library, installed packages.
 LIBRARY_DIRS = tuple({os.path.dirname(diffrelay.__file__), os.path.dirname(torch.__file__),
                       *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
@@ -146,7 +146,7 @@ def _import(arch: str):
     """(the callable named "package.module:callable", the user's package root), or a one-line UserError."""
     module_name, _, attr = arch.partition(":")
     if not module_name or not attr:
-        raise UserError(f"model.arch={arch!r}: use one of {', '.join(BUILDERS)} or 'package.module:callable'")
+        raise UserError(f"model.arch={arch!r}: use one of {', '.join(BUILTIN)} or 'package.module:callable'")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)  # after PYTHONPATH and site-packages, so it never shadows them
@@ -203,7 +203,8 @@ def build_network(arch: str, kwargs: dict, resolution: int, in_channels: int, nu
     if text is not None:
         contract["text"] = dict(text)
     # Imported outside the device context: a module-level tensor made on the meta device would stay there.
-    fn, root = (BUILDERS[arch], None) if is_builtin(arch) else _import(arch)
+    family = families.of_network(arch, kwargs)
+    fn, root = (family.build if family else BUILDERS[arch], None) if is_builtin(arch) else _import(arch)
     with on_device(device):
         if is_builtin(arch):
             try:

@@ -17,16 +17,19 @@ pipeline's value; one that contradicts the pipeline is refused in one line, exce
 (model.ddpm prediction_type, rescale_betas_zero_snr, snr_gamma and noise_offset; train.flow and sample.flow's
 shift; model.kwargs use_mask and pixel_size; data.encoder_path, another VAE), which are the user's.
 
-Imports the base modules, nets, objectives (ddpm_options) and text.
+Imports the base modules, families, nets, objectives (ddpm_options) and text.
 """
 
 import dataclasses
 from pathlib import Path
 
+from diffrelay import families
 from diffrelay.errors import UserError
 
 ENCODER_DEFAULTS = {"max_length": None, "layer": "last", "pooled": False, "use_mask": True}
-OWN_KWARGS = ("use_mask", "pixel_size", "guidance")  # diffrelay's keys that a user may set beside the pipeline's config
+# diffrelay's keys that a user may set beside the pipeline's config: the families' own_kwargs (time_scale is the
+# objective's)
+OWN_KWARGS = tuple(dict.fromkeys(k for f in families.FAMILIES for k in f.own_kwargs if k != "time_scale"))
 DDPM_CHOICES = ("prediction_type", "rescale_betas_zero_snr", "snr_gamma", "noise_offset")
 SOLVER_DEFAULT = "heun"  # sample.solver's schema default: left there, a pipeline run samples with its scheduler
 
@@ -62,17 +65,16 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     kind, schedule = parts.objective(pipe)
     encoders = [ENCODER_DEFAULTS | e for e in parts.text_encoders(pipe)]
     vae = parts.vae(pipe)
-    parts.check_dims(pipe, arch, encoders)
+    family = parts.family(pipe)
+    parts.check_dims(pipe, encoders)
     m, data, bad = d["model"], d["data"], []
     if data["captions"] == "none":
         bad.append(("data.captions=none", "model.pretrained is a text-to-image pipeline: caption the dataset "
                     "(data.captions: auto, or a caption table)"))
     if m["arch"] not in ("unet", arch):
         bad.append(_conflict("model.arch", m["arch"], arch))
-    # ddpm's integer steps; SD3's sigma x 1000; FLUX.1's transformer multiplies t by 1000 itself
-    kwargs["time_scale"] = 1 if kind == "ddpm" or arch == "flux" else 1000
-    if arch in ("pixart", "hunyuandit") or parts.sdxl(pipe):
-        # SDXL's time ids, PixArt's resolution and HunyuanDiT's image_meta_size are in pixels
+    kwargs["time_scale"] = family.time_scale(kind)  # ddpm's integer steps; flow's sigma x 1000 (the family says)
+    if family.pixel_sizes:  # size conditioning in pixels (SDXL's time ids, PixArt's resolution, ...)
         kwargs["pixel_size"] = data["resolution"]
     for key, value in m["kwargs"].items():
         if key in OWN_KWARGS:
@@ -98,8 +100,7 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
         for section in (d["train"]["flow"], d["sample"].get("flow", {})):
             if section.get("shift", 1.0) == 1.0:
                 section["shift"] = schedule["shift"]
-    if arch == "flux":
-        bad += _flux_guidance(pipe, kwargs, d["sample"])
+    bad += family.expand(pipe, kwargs, d["sample"])  # the family's own keys (FLUX.1's guidance input)
     if data["encoder"] not in ("none", "sd-vae", "sd-vae-ft-mse", "sd-vae-ft-ema"):
         bad.append(_conflict("data.encoder", data["encoder"], "sd-vae (its vae/)", "drop it, or give data.encoder_path "
                              "another AutoencoderKL folder"))
@@ -133,29 +134,6 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
     return bad
 
 
-def _flux_guidance(pipe, kwargs: dict, sample: dict) -> list[tuple[str, str]]:
-    """FLUX.1-dev (guidance_embeds) takes sample.guidance as its guidance input, FluxPipeline's guidance_scale, whose
-    default (3.5) it gets when the key is left at the schema's 1; schnell takes none, and FluxPipeline ignores
-    guidance_scale there, so any other value is refused rather than ignored."""
-    from diffrelay.nets import FLUX_GUIDANCE
-    from diffrelay.pretrained import folder
-
-    distilled = bool(folder.config(pipe, pipe.net).get("guidance_embeds", False))
-    scales = sample["guidance"] if isinstance(sample["guidance"], list) else [sample["guidance"]]
-    if distilled:
-        kwargs.setdefault("guidance", FLUX_GUIDANCE)
-        if scales == [1.0]:
-            sample["guidance"] = FLUX_GUIDANCE
-        return []
-    if "guidance" in kwargs:
-        return [("model.kwargs.guidance", "this FLUX.1 transformer has guidance_embeds false (schnell): it takes no "
-                 "guidance input; drop it")]
-    if scales != [1.0]:
-        return [(f"sample.guidance={sample['guidance']}", "this FLUX.1 transformer has guidance_embeds false "
-                 "(schnell): it takes no guidance and FluxPipeline ignores guidance_scale; use 1")]
-    return []
-
-
 @dataclasses.dataclass(frozen=True)
 class PromptRules:
     """What the folder's pipeline's __call__ does to prompts before its text encoders, which sampling repeats.
@@ -177,21 +155,18 @@ class PromptRules:
                 if on}
 
 
-LOWERCASING = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
-
-
 def prompt_rules(model: dict) -> PromptRules:
     """The PromptRules of a run's `model` section: none without model.pretrained."""
     from diffrelay import io
-    from diffrelay.pretrained import folder
+    from diffrelay.pretrained import folder, parts
 
     spec = (model or {}).get("pretrained")
     if spec is None:
         return PromptRules()
     pipe = folder.read(spec)
-    zeros = pipe.cls == "StableDiffusionXLPipeline" and bool(
-        io.read_json(pipe.root / "model_index.json").get("force_zeros_for_empty_prompt", True))
-    return PromptRules(zeros=zeros, lower=pipe.cls in LOWERCASING)
+    family = parts.family(pipe)
+    zeros = family.zeros_for_empty_prompt(io.read_json(pipe.root / "model_index.json"))
+    return PromptRules(zeros=zeros, lower=family.lowercase_prompts)
 
 
 def trajectory(model: dict) -> dict:

@@ -25,9 +25,11 @@ its transformer. keys), and every kind but LoRA (kohya's layout has no DoRA magn
 import re
 from pathlib import Path
 
-from diffrelay import io
+from diffrelay import families, io
 from diffrelay.errors import UserError
 
+# A family's comfyui layout -> the sd-scripts network module whose keys it writes (the file's ss_network_module).
+LAYOUTS = {"kohya": "networks.lora", "kohya-flux": "networks.lora_flux"}
 MARK = "diffrelay_export"  # in the file's safetensors metadata: a file this command wrote, which it may replace
 PREFIX = "lora_unet_"
 
@@ -118,7 +120,7 @@ def owned(path: Path) -> bool:
 
 def check(model_cfg: dict, train_lora: dict | None, out: Path, where: str) -> None:
     """Every refusal before any work, one line each."""
-    from diffrelay.pretrained import folder
+    from diffrelay.pretrained import folder, parts
 
     if train_lora is None:
         raise UserError(f"{where}: --lora-format comfyui writes a LoRA adapter, and this run trains every weight (no "
@@ -127,12 +129,11 @@ def check(model_cfg: dict, train_lora: dict | None, out: Path, where: str) -> No
         raise UserError(f"{where}: --lora-format comfyui: kohya's layout holds LoRA's down, up and alpha only; this "
                         f"run's train.lora.kind is {train_lora['kind']} (its files are in <run>/lora/step_N/)")
     pipe = folder.read(model_cfg["pretrained"])
-    cls = pipe.parts[pipe.net]
-    if cls not in ("UNet2DConditionModel", "FluxTransformer2DModel"):
-        hint = ("; <run>/lora/step_N/ holds its diffusers file, whose transformer. keys ComfyUI reads as they are"
-                if cls == "SD3Transformer2DModel" else "")
-        raise UserError(f"{where}: --lora-format comfyui is built for UNet pipelines (SD, SDXL) and FLUX.1; a {cls}'s "
-                        f"kohya keys are not written (diffusers has no reader of them to check a file against){hint}")
+    cls, family = pipe.parts[pipe.net], parts.family(pipe)
+    if family.comfyui not in LAYOUTS:
+        built = " and ".join(dict.fromkeys(f.comfyui_label for f in families.FAMILIES if f.comfyui in LAYOUTS))
+        raise UserError(f"{where}: --lora-format comfyui is built for {built}; a {cls}'s kohya keys are not written "
+                        f"(diffusers has no reader of them to check a file against){family.comfyui_hint}")
     if out.suffix != ".safetensors":
         raise UserError(f"{out}: --lora-format comfyui writes one .safetensors file; name --out <name>.safetensors")
     io.check_file_target(out, owned, "a file `diffrelay export --lora-format comfyui` wrote")
@@ -152,9 +153,10 @@ def write(net, train_lora: dict, out: Path, record: dict) -> str:
 
     model = weights.text_net(net)
     layers = get_peft_model_state_dict(model)
-    flux = type(model).__name__ == "FluxTransformer2DModel"
+    layout = families.of_class(type(model).__name__, dict(model.config)).comfyui
+    flux = layout == "kohya-flux"
     tensors = flux_keys(layers, train_lora["alpha"], model) if flux else kohya_keys(layers, train_lora["alpha"])
-    meta = {MARK: "comfyui", "ss_network_module": "networks.lora_flux" if flux else "networks.lora",
+    meta = {MARK: "comfyui", "ss_network_module": LAYOUTS[layout],
             "ss_network_dim": str(train_lora["rank"]),
             "ss_network_alpha": str(train_lora["alpha"]), "diffrelay": json.dumps(record, sort_keys=True)}
     io.write_bytes(out, save(tensors, metadata=meta))

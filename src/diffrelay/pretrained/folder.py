@@ -11,13 +11,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffrelay import io
+from diffrelay import families, io
 from diffrelay.errors import UserError
 
-PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline",
-             "PixArtAlphaPipeline", "PixArtSigmaPipeline", "HunyuanDiTPipeline", "FluxPipeline")
-NETWORKS = {"UNet2DConditionModel": "diffusers-unet", "PixArtTransformer2DModel": "pixart",
-            "SD3Transformer2DModel": "sd3", "HunyuanDiT2DModel": "hunyuandit", "FluxTransformer2DModel": "flux"}
+PIPELINES = families.PIPELINES  # model_index.json's _class_name: a family's pipeline
+NETWORKS = families.NETWORK_CLASSES  # the unet/ or transformer/ class: a family's network
 VAES = ("AutoencoderKL",)
 TEXT = ("CLIPTextModel", "CLIPTextModelWithProjection", "BertModel", "T5EncoderModel")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -26,8 +24,9 @@ FIX = ("give model.pretrained a local folder written by DiffusionPipeline.save_p
 _SHA: dict = {}  # (path, size, mtime_ns) -> sha256: each file is hashed once a process
 
 
-# Networks diffusers' from_single_file loads (diffusers.loaders.single_file_model.SINGLE_FILE_LOADABLE_CLASSES).
-SINGLE_FILE = ("UNet2DConditionModel", "SD3Transformer2DModel")
+# Networks diffusers' from_single_file loads (diffusers.loaders.single_file_model.SINGLE_FILE_LOADABLE_CLASSES), of
+# the families that say so.
+SINGLE_FILE = tuple(dict.fromkeys(f.network_class for f in families.FAMILIES if f.single_file))
 SINGLE_KEY = "single-file/"  # the manifest's key of model.pretrained.path when it is a single file
 
 

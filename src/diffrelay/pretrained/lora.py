@@ -16,19 +16,13 @@ import json
 import os
 import warnings
 
+from diffrelay import families
 from diffrelay.errors import UserError
+from diffrelay.families.base import ATTENTION_TARGETS
 
-# diffusers' LoRA training scripts adapt the attention projections: train_text_to_image_lora*.py these four (the
-# same names exist in PixArt's and HunyuanDiT's transformers; HunyuanDiT's own repository names them Wqkv, q_proj,
-# kv_proj, out_proj, the network here is diffusers'); train_dreambooth_lora_sd3.py also the joint attention's text-side
-# projections (its default target_modules); train_dreambooth_lora_flux.py those and the feed-forwards of both streams.
-TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
-FAMILY_TARGETS = {"sd3": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                          "attn.to_out.0", "attn.to_q", "attn.to_v"],
-                   # train_dreambooth_lora_flux.py's default target_modules (its --lora_layers unset)
-                   "flux": ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
-                            "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
-                            "ff_context.net.0.proj", "ff_context.net.2"]}
+# train.lora.target_modules' default: the family's lora_targets (families/; the attention projections diffusers' LoRA
+# training scripts adapt, families.base.ATTENTION_TARGETS, unless the family's script adapts more).
+TARGETS = list(ATTENTION_TARGETS)
 # train.lora.quantize_base: torchao's weight-only configs (int8 runs on the CPU too; fp8 is emulated there); nf4 is
 # bitsandbytes' (its CPU backend too)
 QUANTIZERS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
@@ -63,7 +57,8 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if spec["alpha"] is None:
         spec["alpha"] = spec["rank"]
     if spec["target_modules"] is None:
-        spec["target_modules"] = list(FAMILY_TARGETS.get(d["model"]["arch"], TARGETS))
+        family = families.of_config(d["model"])
+        spec["target_modules"] = list(family.lora_targets if family else TARGETS)
     if t["phema"]["every"]:
         return [(f"train.phema.every={t['phema']['every']}", "post-hoc EMA is not kept for train.lora runs; "
                  "set train.phema.every: 0 (train.ema_decays averages the adapter)")]

@@ -3,7 +3,7 @@ kwargs, the objective from the scheduler, the VAE as the latent encoder, the tex
 settings. Each returns config values; pretrained.expand merges them and refuses contradictions.
 """
 
-from diffrelay import nets
+from diffrelay import families
 from diffrelay.errors import UserError
 from diffrelay.pretrained.folder import FIX, Pipeline, config
 
@@ -18,57 +18,31 @@ TAKES = {"rescale_betas_zero_snr": ("DDPMScheduler", "DDIMScheduler", "DPMSolver
                                     "UniPCMultistepScheduler", "EulerDiscreteScheduler",
                                     "EulerAncestralDiscreteScheduler"),
          "clip_sample": ("DDPMScheduler", "DDIMScheduler", "HeunDiscreteScheduler")}
-PIXART_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # their max_sequence_length
-SD3_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
-HUNYUAN_LENGTHS = (77, 256)  # HunyuanDiTPipeline.__call__'s max_sequence_length for its BertModel and its mT5
-FLUX_T5_LENGTH = 512  # FluxPipeline.__call__'s max_sequence_length (and train_dreambooth_lora_flux.py's)
 # FlowMatchEulerDiscreteScheduler's dynamic-shift keys and their class defaults (FluxPipeline reads them with
 # these defaults: scheduler.config.get(key, default)).
 DYNAMIC_SHIFT = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
 
+def family(pipe: Pipeline):
+    """The families.Family of the folder's network (its class and config.json; folder.read admits only theirs)."""
+    return families.of_class(pipe.parts[pipe.net], config(pipe, pipe.net))
+
+
 def network(pipe: Pipeline) -> tuple[str, dict]:
     """(model.arch, model.kwargs, before the objective's time_scale) from the unet/ or transformer/ config.json:
-    every config key but those diffrelay sets from the data (nets.TEXT_SET, in_channels), checked later."""
+    every config key but those diffrelay sets from the data (the family's set_keys, in_channels), checked later."""
     c = config(pipe, pipe.net)
-    from diffrelay.pretrained.folder import NETWORKS
-
-    arch = NETWORKS[pipe.parts[pipe.net]]
-    set_here = set(nets.TEXT_SET[arch]) | {"in_channels"}
-    return arch, {k: v for k, v in c.items() if not k.startswith("_") and k not in set_here}
-
-
-def sdxl(pipe: Pipeline) -> bool:
-    return pipe.net == "unet" and config(pipe, "unet").get("addition_embed_type") == "text_time"
+    set_here = set(family(pipe).set_keys) | {"in_channels"}
+    return family(pipe).arch, {k: v for k, v in c.items() if not k.startswith("_") and k not in set_here}
 
 
 def text_encoders(pipe: Pipeline) -> list[dict]:
     """data.text_encoders as the family's pipeline encodes a prompt (docs/pretrained.md)."""
-    root, arch = pipe.root, network(pipe)[0]
-    if arch == "diffusers-unet" and sdxl(pipe):
-        want = [("text_encoder", {"layer": "penultimate"}), ("text_encoder_2", {"layer": "penultimate", "pooled": True})]
-        family = "an SDXL pipeline (unet addition_embed_type text_time)"
-    elif arch == "diffusers-unet":
-        want, family = [("text_encoder", {})], "a Stable Diffusion pipeline"
-    elif arch == "sd3":
-        clip = {"layer": "penultimate", "pooled": True}
-        want = [("text_encoder", clip), ("text_encoder_2", clip),
-                ("text_encoder_3", {"use_mask": False, "max_length": SD3_T5_LENGTH})]
-        family = "an SD3 pipeline"
-    elif arch == "flux":  # the CLIP's pooler_output alone, the T5's states unmasked (FluxPipeline.encode_prompt)
-        want = [("text_encoder", {"layer": "none", "pooled": True}),
-                ("text_encoder_2", {"use_mask": False, "max_length": FLUX_T5_LENGTH})]
-        family = "a FLUX.1 pipeline (CLIPTextModel, then T5EncoderModel)"
-    elif arch == "hunyuandit":  # both get the mask (encode_prompt passes attention_mask), [0] = last_hidden_state
-        want = [("text_encoder", {"max_length": HUNYUAN_LENGTHS[0]}),
-                ("text_encoder_2", {"max_length": HUNYUAN_LENGTHS[1]})]
-        family = "a HunyuanDiT pipeline (BertModel, then T5EncoderModel)"
-    else:
-        want = [("text_encoder", {"max_length": PIXART_LENGTH[pipe.cls]})]
-        family = f"a {pipe.cls}"
+    root = pipe.root
+    want, what = family(pipe).encoders(pipe)
     for name, _ in want:
         if name not in pipe.parts:
-            raise UserError(f"{root / 'model_index.json'}: no {name}; {family} needs "
+            raise UserError(f"{root / 'model_index.json'}: no {name}; {what} needs "
                             f"{' and '.join(n for n, _ in want)}; save the pipeline with all its text encoders")
     return [{"path": str(root / name), **extra} for name, extra in want]
 
@@ -86,9 +60,10 @@ def objective(pipe: Pipeline) -> tuple[str, dict]:
                         "1000 timesteps, as every supported pipeline does")
     if cls in FLOW_SCHEDULERS:
         if c.get("use_dynamic_shifting"):
-            if network(pipe)[0] != "flux":
+            if not family(pipe).dynamic_shift:
                 raise UserError(f"{path}: use_dynamic_shifting true (a resolution-dependent shift) is supported for "
-                                "FLUX.1 only (FluxPipeline computes its mu); give the scheduler a fixed shift")
+                                f"{families.names('dynamic_shift')} only (their pipelines compute its mu); give the "
+                                "scheduler a fixed shift")
             return "flow", {"shift": 1.0, "dynamic": True}
         return "flow", {"shift": float(c.get("shift", 1.0))}
     if cls not in DDPM_SCHEDULERS:
@@ -116,32 +91,18 @@ def vae(pipe: Pipeline) -> str:
     return str(pipe.root / "vae")
 
 
-def check_dims(pipe: Pipeline, arch: str, encoders: list[dict]) -> None:
+def check_dims(pipe: Pipeline, encoders: list[dict]) -> None:
     """The network's config takes the VAE's latents and the encoders' widths: else the weights cannot be these."""
     from diffrelay.text import encoders as text_encoders
 
-    c, v = config(pipe, pipe.net), config(pipe, "vae")
+    c, v, fam = config(pipe, pipe.net), config(pipe, "vae"), family(pipe)
     where = pipe.root / pipe.net / "config.json"
-    packed = 4 if arch == "flux" else 1  # FLUX.1 packs 2 x 2 latent pixels into a token
+    packed = fam.packing ** 2  # latent pixels a token (FLUX.1: 2 x 2)
     if c.get("in_channels", 4 * packed) != packed * v.get("latent_channels", 4):
         raise UserError(f"{where}: in_channels {c.get('in_channels', 4 * packed)}, but the VAE makes "
-                        f"{v.get('latent_channels', 4)} latent channels{' (x 4 packed)' * (packed > 1)}; {FIX}")
+                        f"{v.get('latent_channels', 4)} latent channels{f' (x {packed} packed)' * (packed > 1)}; {FIX}")
     recs = text_encoders.records(encoders, hashed=False)
-    dims = text_encoders.combined_dims(recs)
-    width = {"diffusers-unet": "cross_attention_dim", "pixart": "caption_channels", "sd3": "joint_attention_dim",
-             "hunyuandit": "cross_attention_dim_t5", "flux": "joint_attention_dim"}[arch]
-    if c.get(width) is not None and c[width] != dims["states"]:
-        raise UserError(f"{where}: {width} {c[width]}, but the text encoders give {dims['states']} features a token; "
-                        f"{FIX}")
-    if arch == "flux" and c.get("pooled_projection_dim") not in (None, dims["pooled"]):
-        raise UserError(f"{where}: pooled_projection_dim {c['pooled_projection_dim']}, but the text encoders' pooled "
-                        f"embedding is {dims['pooled']} wide; {FIX}")
-    if arch == "hunyuandit":  # the first encoder's tokens and width, the T5's tokens (the net splits the states)
-        for key, value in (("text_len", recs[0]["length"]), ("cross_attention_dim", recs[0]["states_dim"]),
-                           ("text_len_t5", recs[-1]["length"])):
-            if c.get(key) is not None and c[key] != value:
-                raise UserError(f"{where}: {key} {c[key]}, but the text encoders give {value} ({key} of "
-                                f"HunyuanDiTPipeline's encoders); {FIX}")
+    fam.check_dims(c, recs, text_encoders.combined_dims(recs), where, FIX)
 
 
 def pipeline_sampler_problems(pipe: Pipeline, model: dict, sample: dict) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ from diffrelay.errors import UserError
 
 
 def text_net(net):
-    """The diffusers model inside an objective's wrapper (EpsModel, VelocityModel: .net is nets.text_nets.TextNet)."""
+    """The diffusers model inside an objective's wrapper (EpsModel, VelocityModel: .net is families.network.TextNet)."""
     inner = getattr(net, "net", net)
     return inner.model
 

@@ -2,6 +2,6 @@
 folder and its manifest (`folder`), classifier-free guidance (`guidance`) and diffusers' schedulers
 (`schedulers`, sample.scheduler).
 
-Imports the base modules, config, runtime, nets, objectives, text, data (the seed range) and training (to read
+Imports the base modules, config, runtime, families, nets, objectives, text, data (the seed range) and training (to read
 snapshots).
 """

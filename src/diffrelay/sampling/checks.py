@@ -4,6 +4,8 @@ runs them). config.validate reports the first; each names the key and the fix.
 
 import json
 
+from diffrelay import families
+
 # MAX_GUIDANCE: the largest guidance scale, for the config, --guidance and prompt files (data/prompts.py holds it):
 # far beyond any useful one (the papers use 1-10, SD 7.5). Larger ones overflow float32 in the sampler: 1e39 is
 # not a float32 at all, 1e30 turns every image to NaN.
@@ -36,9 +38,10 @@ def check_config(d: dict, edm_defaults: dict, flow_defaults: dict, ddpm_defaults
     elif guided and not t["label_dropout"]:
         bad.append((f"sample.guidance={guided[0]}", "the network is trained without label dropout, so it has "
                     "no unconditional model to guide with; set train.label_dropout (e.g. 0.1) or sample.guidance: 1"))
-    if s.get("true_cfg_scale", 1) != 1 and m.get("arch") != "flux":
-        bad.append((f"sample.true_cfg_scale={s['true_cfg_scale']}", "FluxPipeline's true classifier-free guidance, "
-                    "for FLUX.1 networks; use sample.guidance here, and set it to 1"))
+    family = families.of_config(m)
+    if s.get("true_cfg_scale", 1) != 1 and not (family and family.true_cfg):
+        bad.append((f"sample.true_cfg_scale={s['true_cfg_scale']}", f"{families.true_cfg_owner()}; "
+                    "use sample.guidance here, and set it to 1"))
     e, kind = s["edm"], m["objective"]
     flow, ddpm = kind == "flow", kind == "ddpm"
     if kind != "edm" and e != edm_defaults:

@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from diffrelay import families
 from diffrelay.errors import UserError
 from diffrelay.text.condition import Text
 from diffrelay.training import checkpoint
@@ -26,12 +27,12 @@ def check(scale: float, meta: dict, source) -> None:
 
 
 def distilled(model_cfg: dict) -> bool | None:
-    """None for every network but FLUX.1's; for FLUX.1, whether it takes a guidance input (guidance_embeds: dev).
-    FluxPipeline gives guidance_scale to a guidance-distilled transformer as an input, one forward a step; its
-    classifier-free guidance is true_cfg_scale with a negative prompt (sample.true_cfg_scale, true_cfg)."""
-    if model_cfg.get("arch") != "flux":
-        return None
-    return bool((model_cfg.get("kwargs") or {}).get("guidance_embeds", False))
+    """None for a network of a family without a guidance input (and one of no family); else whether it takes one
+    (the family's guidance_input: FLUX.1's guidance_embeds, dev). FluxPipeline gives guidance_scale to a
+    guidance-distilled transformer as an input, one forward a step; its classifier-free guidance is true_cfg_scale
+    with a negative prompt (sample.true_cfg_scale, true_cfg)."""
+    family = families.of_config(model_cfg)
+    return None if family is None else family.guidance_input(model_cfg)
 
 
 def classifier_free(model_cfg: dict, scale: float) -> tuple[float, bool | None]:
@@ -39,16 +40,17 @@ def classifier_free(model_cfg: dict, scale: float) -> tuple[float, bool | None]:
     guidance is the network's input); schnell's `scale` must be 1."""
     flux = distilled(model_cfg)
     if flux is False and scale != 1:
-        raise UserError(f"guidance {scale:g}: a FLUX.1 network without guidance_embeds (schnell) takes no guidance, "
-                        "and FluxPipeline ignores guidance_scale there; use 1")
+        family = families.of_config(model_cfg)
+        raise UserError(f"guidance {scale:g}: a {family.short} network without guidance_embeds (schnell) takes no "
+                        f"guidance, and {family.pipelines[0]} ignores guidance_scale there; use 1")
     return (scale if flux is None else 1.0), flux
 
 
 def true_cfg_scale(model_cfg: dict, scale: float) -> float:
     """sample.true_cfg_scale (--true-cfg-scale) of a snapshot: FLUX.1's only (the config's check, for a hand-run)."""
-    if scale != 1 and distilled(model_cfg) is None:
-        raise UserError(f"--true-cfg-scale={scale:g}: FluxPipeline's true classifier-free guidance, for FLUX.1 "
-                        "networks; use --guidance here")
+    family = families.of_config(model_cfg)
+    if scale != 1 and not (family and family.true_cfg):
+        raise UserError(f"--true-cfg-scale={scale:g}: {families.true_cfg_owner()}; use --guidance here")
     return scale
 
 

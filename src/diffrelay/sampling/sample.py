@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from diffrelay import config, io, logs, objectives, pretrained
+from diffrelay import config, families, io, logs, objectives, pretrained
 from diffrelay.data import latents as latent_data
 from diffrelay.sampling.settings import PIXEL_KEYS, Settings
 from diffrelay.runtime import distributed, speed
@@ -105,7 +105,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         with autocast:
             return net(x, sigma, labels)
 
-    scale, flux = guidance.classifier_free(meta["model"], s.guidance)  # FLUX.1's is an input of its network
+    scale, flux, family = *guidance.classifier_free(meta["model"], s.guidance), families.of_config(meta["model"])
     true_cfg = guidance.true_cfg_scale(meta["model"], s.true_cfg_scale) > 1  # FLUX.1's, with negative prompts
     # ddpm's networks may also output the variance: guidance extrapolates the noise only (sample.ddpm).
     kind = objectives.objective(meta["model"])
@@ -146,7 +146,7 @@ def generate(net, meta: dict, indices, s: Settings, device=None, guide=None, dec
         step = guidance.true_cfg(denoise, s.true_cfg_scale, [items[i] for i in padded]) if true_cfg else denoise
         with torch.inference_mode():
             if scheduler is not None:  # a diffusers scheduler's steps, its noise from the same generators
-                images = schedulers.sample(step, x, labels, s.steps, scheduler, gens, s.ddpm.eta, flux is not None)
+                images = schedulers.sample(step, x, labels, s.steps, scheduler, gens, s.ddpm.eta, family)
             else:
                 images = objectives.sample(meta["model"], step, x, labels, s.steps, s.solver, s.edm, s.flow,
                                            noise, unguided=plain, interval=interval, ddpm_settings=s.ddpm)

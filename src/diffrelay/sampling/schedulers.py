@@ -10,7 +10,7 @@ The scheduler is built from the run's schedule, so it samples the objective the 
   flow: FlowMatch* with num_train_timesteps 1000 and shift = sample.flow.shift; the network's time input is
         timestep / 1000, its t in [0, 1] (SD3's pipeline gives the transformer sigma x 1000: a TextNet with
         time_scale 1000).
-FLUX.1 (model.arch flux), as FluxPipeline.__call__: set_timesteps(sigmas = linspace(1, 1 / N, N), mu), mu the
+A family with pipeline_sigmas and dynamic_shift (families/: FLUX.1's), as FluxPipeline.__call__: set_timesteps(sigmas = linspace(1, 1 / N, N), mu), mu the
 dynamic shift of the packed image's token count, (H / 2)(W / 2) of H x W latents: mu = base_shift + (tokens -
 base_image_seq_len) (max_shift - base_shift) / (max_image_seq_len - base_image_seq_len) (pipeline_flux's
 calculate_shift, the scheduler config's keys, their defaults when absent); any scheduler with use_dynamic_shifting
@@ -27,12 +27,14 @@ noise (randn per image, then x init_noise_sigma: prepare_latents) and then every
 (randn_tensor with a list of generators draws each row from its own). Every step is elementwise per image (the
 multistep schedulers' history too), so an image does not depend on the batch size or the process count.
 
-Imports the base modules, objectives (the run's schedule) and pretrained (the folder's scheduler).
+Imports the base modules, families, objectives (the run's schedule) and pretrained (the folder's scheduler).
 """
 
 import inspect
 import json
 import math
+
+from diffrelay import families
 
 DDPM_FAMILY = ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler",
                "DEISMultistepScheduler", "UniPCMultistepScheduler", "EulerDiscreteScheduler",
@@ -146,7 +148,7 @@ def build(s, model_cfg: dict, source):
         scheduler = cls(**{**config, **(s.scheduler_kwargs or {})})
         probe = cls.from_config(scheduler.config)
         x = torch.zeros(1, 1, 1, 1)
-        probe.set_timesteps(**timestep_args(probe, s.steps, (2, 2), model_cfg.get("arch") == "flux"))
+        probe.set_timesteps(**timestep_args(probe, s.steps, (2, 2), families.of_config(model_cfg)))
         # its own generator: the probe leaves torch's global random state as it found it
         extra = {"generator": torch.Generator().manual_seed(0)} if "generator" in inspect.signature(
             probe.step).parameters else {}
@@ -198,19 +200,20 @@ def record(scheduler) -> dict:
     return json.loads(json.dumps({"class": type(scheduler).__name__, "config": config}))
 
 
-def timestep_args(scheduler, steps: int, side: tuple, flux: bool) -> dict:
-    """set_timesteps' arguments for `steps` steps of latents of `side` (H, W): FLUX.1's sigmas and mu (docstring)."""
+def timestep_args(scheduler, steps: int, side: tuple, family=None) -> dict:
+    """set_timesteps' arguments for `steps` steps of latents of `side` (H, W): the family's pipeline sigmas and its
+    dynamic shift's mu (FLUX.1's; docstring); `family` None for a network of no family."""
     import numpy as np
 
     from diffrelay.pretrained.parts import DYNAMIC_SHIFT
 
     c, takes = scheduler.config, inspect.signature(scheduler.set_timesteps).parameters
     args = {"num_inference_steps": steps}
-    if flux and not c.get("use_flow_sigmas", False) and "sigmas" in takes:
+    if family and family.pipeline_sigmas and not c.get("use_flow_sigmas", False) and "sigmas" in takes:
         args = {"sigmas": np.linspace(1.0, 1 / steps, steps)}  # retrieve_timesteps passes the sigmas alone
     if c.get("use_dynamic_shifting", False) and "mu" in takes:
         k = {key: c.get(key) if c.get(key) is not None else default for key, default in DYNAMIC_SHIFT.items()}
-        tokens = (side[0] // 2) * (side[1] // 2) if flux else side[0] * side[1]
+        tokens = family.tokens(side) if family else side[0] * side[1]
         slope = (k["max_shift"] - k["base_shift"]) / (k["max_image_seq_len"] - k["base_image_seq_len"])
         args["mu"] = tokens * slope + (k["base_shift"] - slope * k["base_image_seq_len"])
     return args
@@ -221,15 +224,16 @@ def _scaled(scheduler, x, t):
     return scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
 
 
-def sample(net, latents, labels, num_steps: int, scheduler, generators: list, eta: float = 0.0, flux: bool = False):
+def sample(net, latents, labels, num_steps: int, scheduler, generators: list, eta: float = 0.0, family=None):
     """From latents ~ N(0, 1) (one row per image, drawn from generators[k]) to images, with a fresh copy of
     `scheduler` (its multistep history is per batch). net(x, time, labels) is the objective's network, guided;
-    time is the scheduler's timestep (ddpm: 0..999) or timestep / 1000 (flow's t). flux: FluxPipeline's timesteps."""
+    time is the scheduler's timestep (ddpm: 0..999) or timestep / 1000 (flow's t). family: the network's (its
+    pipeline's timesteps, timestep_args), or None."""
     import torch
 
     sched = type(scheduler).from_config(scheduler.config)
     dev, c = latents.device, latents.shape[1]
-    sched.set_timesteps(device=dev, **timestep_args(sched, num_steps, tuple(latents.shape[-2:]), flux))
+    sched.set_timesteps(device=dev, **timestep_args(sched, num_steps, tuple(latents.shape[-2:]), family))
     params = inspect.signature(sched.step).parameters
     extra = {"generator": generators} if "generator" in params else {}
     if "eta" in params:  # DDIM's, as the pipelines' prepare_extra_step_kwargs pass it

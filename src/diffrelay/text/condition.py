@@ -12,7 +12,7 @@ the pooled embedding of the encoders that give one (None when none does). `label
 carried along, None for a text-only dataset. `null` is the unconditional branch of classifier-free guidance
 for the same rows: the empty caption's embedding, or the negative prompt's; it is set only when sampling.
 `guidance` (B,) float32 is a guidance-distilled network's guidance input (FLUX.1-dev's), set only when sampling;
-None in training, where the network feeds its own (nets/text_nets.py). `sizes` (B, 6) float32 is each row's
+None in training, where the network feeds its own (families/). `sizes` (B, 6) float32 is each row's
 original height and width, crop top and left and target height and width in pixels (SDXL's add_time_ids), set by
 a bucketed dataset's loader (data.buckets); None: the network takes them from x's size, as the pipelines do.
 """

@@ -16,15 +16,17 @@ import warnings
 import torch
 from torch import nn
 
+from diffrelay import families
+
 # Containers whose children are the blocks: the built-in networks' (DiT/SiT `blocks`, the EDM/edm2 UNets' `enc` and
 # `dec`, unet.py's `down`, `mid`, `up`) and diffusers' (`transformer_blocks` of PixArt, SD3, HunyuanDiT ("blocks"),
 # FLUX.1's `single_transformer_blocks`, the UNets' `down_blocks` and `up_blocks`), and diffusers UNets' `mid_block`.
 BLOCK_CONTAINERS = ("blocks", "enc", "dec", "down", "mid", "up", "transformer_blocks", "single_transformer_blocks",
                     "down_blocks", "up_blocks")
 BLOCK_MODULES = ("mid_block",)
-# Units that return views of one tensor, and whose callers read them out of place only (shard's note): FLUX.1's
-# single-stream block returns its text and image halves (fully_shard names the class FSDP<name>).
-VIEWS_OK = ("FSDPFluxSingleTransformerBlock",)
+# Units that return views of one tensor, and whose callers read them out of place only (shard's note): the families'
+# fsdp_views (FLUX.1's single-stream block returns its text and image halves; fully_shard names the class FSDP<name>).
+VIEWS_OK = tuple(v for f in families.FAMILIES for v in f.fsdp_views)
 HOOK = "shard_units"  # a network of one's own may name its units: a method returning a list of modules (docs/networks.md)
 
 
