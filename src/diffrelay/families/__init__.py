@@ -48,8 +48,12 @@ def names(attribute: str) -> str:
     return ", ".join(dict.fromkeys(f.short for f in FAMILIES if getattr(f, attribute)))
 
 
+def pipelines_of(attribute: str) -> str:
+    """The first pipeline class of each family with `attribute` set, for messages: "FluxPipeline"."""
+    return ", ".join(dict.fromkeys(f.pipelines[0] for f in FAMILIES if getattr(f, attribute)))
+
+
 def true_cfg_owner() -> str:
     """Who has sample.true_cfg_scale, for messages: "FluxPipeline's true classifier-free guidance, for FLUX.1
     networks"."""
-    owners = [f.pipelines[0] for f in FAMILIES if f.true_cfg]
-    return f"{', '.join(owners)}'s true classifier-free guidance, for {names('true_cfg')} networks"
+    return f"{pipelines_of('true_cfg')}'s true classifier-free guidance, for {names('true_cfg')} networks"

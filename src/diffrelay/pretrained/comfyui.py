@@ -153,7 +153,10 @@ def write(net, train_lora: dict, out: Path, record: dict) -> str:
 
     model = weights.text_net(net)
     layers = get_peft_model_state_dict(model)
-    layout = families.of_class(type(model).__name__, dict(model.config)).comfyui
+    family = families.of_class(type(model).__name__, dict(model.config))
+    layout = family.comfyui if family else None
+    if layout not in LAYOUTS:  # check() refused these before any work; a snapshot of another network is named
+        raise UserError(f"{out}: --lora-format comfyui: the snapshot's {type(model).__name__} has no kohya layout here")
     flux = layout == "kohya-flux"
     tensors = flux_keys(layers, train_lora["alpha"], model) if flux else kohya_keys(layers, train_lora["alpha"])
     meta = {MARK: "comfyui", "ss_network_module": LAYOUTS[layout],

@@ -62,8 +62,8 @@ def objective(pipe: Pipeline) -> tuple[str, dict]:
         if c.get("use_dynamic_shifting"):
             if not family(pipe).dynamic_shift:
                 raise UserError(f"{path}: use_dynamic_shifting true (a resolution-dependent shift) is supported for "
-                                f"{families.names('dynamic_shift')} only (their pipelines compute its mu); give the "
-                                "scheduler a fixed shift")
+                                f"{families.names('dynamic_shift')} only ({families.pipelines_of('dynamic_shift')} "
+                                "computes its mu); give the scheduler a fixed shift")
             return "flow", {"shift": 1.0, "dynamic": True}
         return "flow", {"shift": float(c.get("shift", 1.0))}
     if cls not in DDPM_SCHEDULERS:
