@@ -152,7 +152,10 @@ try:
 except UserError as e:
     code = str(e)
 def ppid(p):
-    return int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    try:
+        return int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):  # another test's process ended while /proc was listed
+        return None
 children = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and ppid(p) == os.getpid()]
 print(json.dumps({"code": code, "before": before, "during": during[0], "after": sorted(t.name for t in
                   threading.enumerate()), "children": children}))
