@@ -11,7 +11,7 @@ CORES  ?= 2
 # third of pip's time (here, from nothing: 54 s against 176 s), compiling the bytecode as pip does (a process under
 # PYTHONDONTWRITEBYTECODE would otherwise compile torch's modules at every start); pip where uv cannot.
 UV := uv==0.13.9
-INSTALL := -c constraints.txt -e ".[test,wandb,mlflow,quantize]"
+INSTALL := -c constraints.txt -e ".[test,wandb,mlflow,quantize,optimizers]"
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	( $(BIN)/pip install --disable-pip-version-check -q "$(UV)" \

@@ -7,7 +7,8 @@ config alone.
 Each network is built as training builds it (objectives.build, the family's arch and text widths) on the meta
 device (no memory, no weights), from the config.json of its diffusers folder on the Hub (configs(): the families' published rows, each with its
 repository; the published parameter count beside it), and counted by nets.footprint: fp32 weights and gradients,
-AdamW's two moments and one EMA copy (train.ema_decays: one decay), the training state diffrelay holds. The LoRA
+AdamW's two moments and one EMA copy (train.ema_decays: one decay), the training state diffrelay holds; and each
+train.optimizer's state alone (optimizer_gb: training.optimizers.state_bytes, what validate prints for it). The LoRA
 rows attach train.lora's family defaults (rank 4, each family's lora_targets) with peft on the meta network: only the
 adapter gets gradients, moments and an EMA (the frozen base is shared, training.optim.EMA). Activations are not in
 these figures: `diffrelay validate` measures them per run (resolution, batch, precision, checkpointing). The full
@@ -52,6 +53,7 @@ def measure(name: str, spec: dict) -> dict:
     from diffrelay.config.memory import sharded_state
     from diffrelay.nets import footprint, registry
     from diffrelay.pretrained import lora
+    from diffrelay.training import optimizers
 
     channels, side = spec["latent"]
     out = {"config": spec["repo"], "published_params": spec["published"]}
@@ -61,11 +63,13 @@ def measure(name: str, spec: dict) -> dict:
             if kind == "lora":
                 lora.attach(net, {"rank": 4, "alpha": 4, "dropout": 0.0, "target_modules": spec["targets"]}, 0)
         n = footprint.counts(net)
-        state = footprint.state_bytes(n["params"], n["trainable"], "adamw", 1, n["bytes_per_param"],
+        state = footprint.state_bytes(n["params"], n["trainable"], None, 1, n["bytes_per_param"],
                                       n["buffer_bytes"])
         out[kind] = {"params": n["params"], "trainable": n["trainable"],
                      **{k: round(v / GB, 2) for k, v in state.items()},
-                     "total_gb": round(sum(state.values()) / GB, 2)}
+                     "total_gb": round(sum(state.values()) / GB, 2),
+                     # each train.optimizer's state alone, as validate counts it (training.optimizers.state_bytes)
+                     "optimizer_gb": {o: round(optimizers.state_bytes(o, n) / GB, 3) for o in optimizers.CHOICES}}
         if kind == "full":  # train.sharding: fsdp2 (config.memory.sharded_state): the state / N + two gathered blocks
             def build():
                 with registry.on_device("meta"):

@@ -19,11 +19,13 @@ from diffrelay.nets import footprint, memory, registry
 def test_training_state_bytes_from_a_tiny_networks_parameter_count():
     net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))  # 20 + 10 parameters; buffers 5 + 5 fp32, 1 int64
     n = footprint.counts(net)
-    assert n == {"params": 30, "trainable": 30, "bytes_per_param": 4, "buffer_bytes": 5 * 4 + 5 * 4 + 8}
-    state = footprint.state_bytes(**n, optimizer="adamw", emas=2)
+    # Adafactor's factored state: 3 + 5 for the 5 x 3 weight, the three vectors whole
+    assert n == {"params": 30, "trainable": 30, "bytes_per_param": 4, "buffer_bytes": 5 * 4 + 5 * 4 + 8,
+                 "factored": 3 + 5 + 5 + 5 + 5, "small": 30, "largest": 15}
+    state = footprint.state_bytes(**{k: v for k, v in n.items() if k not in ("factored", "small", "largest")}, emas=2)
     assert state == {"weights": 30 * 4 + 48, "gradients": 30 * 4, "optimizer": 30 * 8, "ema": 2 * (30 * 4 + 48)}
     net[0].requires_grad_(False)  # a frozen part (what a LoRA run passes as `trainable`): no gradient, no moments
-    frozen = footprint.state_bytes(**footprint.counts(net), emas=1)
+    frozen = footprint.state_bytes(**{k: v for k, v in footprint.counts(net).items() if k not in ("factored", "small", "largest")}, emas=1)
     assert (frozen["gradients"], frozen["optimizer"], frozen["weights"]) == (10 * 4, 10 * 8, 30 * 4 + 48)
     assert frozen["ema"] == 10 * 4 + 48  # the EMA's copy shares the frozen weights (training.optim.EMA)
     # The full-SDXL figure: 2.6e9 parameters x (4 weights + 4 gradients + 8 Adam), before EMAs.
@@ -140,8 +142,8 @@ def test_validate_prints_the_memory_lines_and_warns_only_when_the_gpu_is_smaller
     out, err = capsys.readouterr()
     assert isinstance(yaml.safe_load(out), dict)  # the lines are YAML comments
     lines = [line for line in out.splitlines() if line.startswith("# memory:")]
-    assert len(lines) == 3, lines
-    assert "adam moments" in lines[0] and "(1 fp32 copy)" in lines[0]
+    assert len(lines) == 4, lines
+    assert "adam state 4.4 MiB (2 moments, fp32)" in lines[0] and "(1 fp32 copy)" in lines[0]
     cfg = config.load(demo)
     # The demo's network is small: measured on the real CPU (no FakeTensorMode, whose import of torch._dynamo is
     # most of validate's start-up), the figure the fake pass gives (test below).
@@ -149,6 +151,15 @@ def test_validate_prints_the_memory_lines_and_warns_only_when_the_gpu_is_smaller
     assert "EXCEEDS the 0.001 GiB given by --gpu-memory-gib" in lines[2]
     warnings = [line for line in err.splitlines() if line.startswith("diffrelay: warning:")]
     assert len(warnings) == 1 and "train.activation_checkpointing: true" in warnings[0], err
+    assert "train.optimizer: adamw8bit (its state 1.22 MiB against 4.4 MiB)" in warnings[0], err
+    # The total under each optimizer the run could take, and which fit: this one's is the total above; 8-bit moments
+    # keep about 2 of Adam's 8 bytes a parameter (576,843 parameters: 3.2 MiB less); schedule-free is left out, as
+    # the demo keeps an EMA; none fit 1 MiB.
+    by = dict(part.rsplit(" ", 2)[0:1] + [" ".join(part.rsplit(" ", 2)[1:])] for part in
+              lines[3].split(": ", 2)[2].split("; ")[0].split(", "))
+    total = lines[2].split("total ")[1].split(" a process")[0]
+    assert by["adam"] == total and by["adamw8bit"] == "58.4 MiB" and "schedulefree_adamw" not in by, lines[3]
+    assert lines[3].endswith("fit 1.02 MiB: none"), lines[3]
 
     from diffrelay.config import memory as validate_memory
 

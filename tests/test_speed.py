@@ -124,17 +124,24 @@ def test_a_damaged_compile_cache_is_one_line_naming_the_folder_and_deleting_it_f
     assert again.returncode == 0 and again.stdout == good.stdout, again.stderr
 
 
-def test_channels_last_trains_and_resumes_bitwise(write_config, tmp_path):
-    over = {"train": {"channels_last": True}}
+def one_run_equals_two_segments(write_config, tmp_path, over: dict, steps: int):
+    """Run "one" trained to `steps` at once and run "two" in two segments, with the config `over`, their last
+    checkpoints' states asserted equal bit for bit: (run one's state, run two's config file)."""
     one = prepared(write_config, config_merge(over, {"run": {"name": "one"}}), "one")
-    run_cli("train", "--config", one, "--until-step", 6)
+    run_cli("train", "--config", one, "--until-step", steps)
     two = prepared(write_config, config_merge(over, {"run": {"name": "two"}}), "two")
-    run_cli("train", "--config", two, "--until-step", 3)
-    run_cli("train", "--config", two, "--until-step", 6)
-    a = load_state(tmp_path / "results/one/checkpoints/step_0000006")
-    b = load_state(tmp_path / "results/two/checkpoints/step_0000006")
+    run_cli("train", "--config", two, "--until-step", steps // 2)
+    run_cli("train", "--config", two, "--until-step", steps)
+    a = load_state(tmp_path / f"results/one/checkpoints/step_{steps:07d}")
+    b = load_state(tmp_path / f"results/two/checkpoints/step_{steps:07d}")
     for key in ("net", "ema", "optimizer", "schedule", "order", "step"):
         assert_tensors_equal(a[key], b[key], key)
+    return a, two
+
+
+def test_channels_last_trains_and_resumes_bitwise(write_config, tmp_path):
+    over = {"train": {"channels_last": True}}
+    a, two = one_run_equals_two_segments(write_config, tmp_path, over, 6)
     convs = [v for v in a["net"].values() if v.dim() == 4 and v.shape[-1] > 1]
     assert convs and all(v.is_contiguous(memory_format=torch.channels_last) for v in convs)
     # The snapshot is plain row-major and samples in a process that knows nothing of the switch.

@@ -84,6 +84,17 @@ def _positive(unit: str):
 _minutes, _gib = _positive("minutes"), _positive("GiB")  # time limits; GPU memory
 
 
+def _card(text: str) -> float:
+    """--gpu-memory: a card's memory as its maker writes it, 24GB, 24G, 24GiB or 24, read as GiB: a "24 GB" RTX 4090
+    has 24,564 MiB, an "80 GB" H100 81,559 MiB."""
+    number = text.strip()
+    for unit in ("GiB", "GB", "G"):
+        if number.upper().endswith(unit.upper()):
+            number = number[: -len(unit)].strip()
+            break
+    return _gib(number)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a config and print it with defaults filled in")
     _config(p)
-    p.add_argument("--gpu-memory-gib", type=_gib, metavar="GIB", help="compare the training memory estimate with "
-                   "GPUs of this many GiB instead of this machine's (planning on a CPU machine, e.g. 80)")
+    p.add_argument("--gpu-memory-gib", "--gpu-memory", type=_card, metavar="GIB", help="compare the training memory "
+                   "estimate with GPUs of this many GiB instead of this machine's (planning on a CPU machine: 80, "
+                   "24GB) and list the train.optimizer choices that fit")
     p.set_defaults(module="diffrelay.config.report")
 
     p = sub.add_parser("prepare", help="build the dataset folder (images.npy, labels.npy, dataset.json)")

@@ -45,7 +45,7 @@ def _latent(data: dict) -> bool:
 _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "threads", "log_every",
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard",
                    # speed switches: the same run, numerically equal up to rounding
-                   "compile", "tf32", "fused_optimizer", "channels_last", "deterministic",
+                   "compile", "tf32", "fused_optimizer", "channels_last", "deterministic", "fused_backward",
                    "activation_checkpointing",  # memory, not arithmetic: bitwise the same (nets/memory.py)
                    "sharding"}  # where the state lives: a resume with the other is refused in one line (state.py)
 

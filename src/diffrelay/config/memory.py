@@ -69,7 +69,8 @@ def _counts(build, params: int) -> dict:
                 return footprint.counts(build())
         except (Exception, SystemExit):  # noqa: BLE001 -- the network check reported it already, or it needs the CPU
             pass
-    return {"params": params, "trainable": params, "bytes_per_param": 4, "buffer_bytes": 0}
+    return {"params": params, "trainable": params, "bytes_per_param": 4, "buffer_bytes": 0, "factored": params,
+            "small": 0, "largest": params}
 
 
 def lines(cfg: config.Config, params: int, classes: int, text=None,
@@ -82,8 +83,13 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     build, run = _builder(cfg, classes, text)
     n = _counts(build, params)
     emas = ema_copies(cfg)
-    state = footprint.state_bytes(n["params"], n["trainable"], t.optimizer, emas, n["bytes_per_param"],
-                                  n["buffer_bytes"])
+    from diffrelay.training import optimizers
+
+    args = cfg.to_dict()["train"]["optimizer_args"]
+    state = footprint.state_bytes(n["params"], n["trainable"], optimizers.state_bytes(t.optimizer, n, args), emas,
+                                  n["bytes_per_param"], n["buffer_bytes"])
+    if t.fused_backward:  # each gradient freed once its parameter stepped: about the largest one at a time
+        state["gradients"] = n["largest"] * n["bytes_per_param"]
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     if cfg.model.objective == "ddpm":
         # Its tables are made with NumPy (no fake tensors) and cached per device: made here, on the real CPU, the
@@ -112,7 +118,8 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
-               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}{sharded_note}")
+               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}{sharded_note}"
+               f"{', fused backward: the largest gradient alone held' if t.fused_backward else ''}")
     capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
     fixes = ["lower train.batch_size or raise train.grad_accum or train.nproc_per_node"]
     fixes += [] if t.activation_checkpointing else ["set train.activation_checkpointing: true"]
@@ -121,13 +128,37 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
         need = -(-unsharded // (capacity - (act or 0)))
         if t.sharding == "ddp" or need > processes:
             fixes += [f"train.sharding: fsdp2 over at least {max(need, 2)} processes (the state / processes)"]
+    if t.optimizer in optimizers.TORCH_ADAM:  # the same moments in 8 bits (training/optimizers.py)
+        fixes += [f"train.optimizer: adamw8bit (its state {footprint.gib(optimizers.state_bytes('adamw8bit', n))} "
+                  f"against {footprint.gib(state['optimizer'])})"]
     if base is not None and chosen is None and len(base) > 1:
         fixes += ["train.lora.quantize_base: int8 (the frozen base's linear weights in 1 byte)"]
-    out, warning = footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes))
+    out, warning = footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes),
+                                   None if t.optimizer in optimizers.TORCH_ADAM else optimizers.CHOICES[t.optimizer].state)
+    if capacity is not None and t.sharding == "ddp":  # (fsdp2 trains torch's Adam(W) only: optimizers.check_config)
+        out.append(_by_optimizer(cfg.to_dict(), n, est, capacity))
     if base is not None:
         out.insert(1, "# memory: frozen base by train.lora.quantize_base: " + ", ".join(
             f"{kind or 'null (fp32)'} {footprint.gib(size)}" for kind, size in base.items()) + f" (this run: {chosen})")
     return out, warning
+
+
+def _by_optimizer(d: dict, n: dict, est, capacity: int) -> str:
+    """The `# memory:` line of the total under each train.optimizer this config could take (the rest as set; those its
+    other keys rule out left out: schedule-free where an EMA is kept), and which fit `capacity`."""
+    from diffrelay.nets import footprint
+    from diffrelay.training import optimizers
+
+    totals = {}
+    for name in optimizers.CHOICES:
+        args = d["train"]["optimizer_args"] if name == d["train"]["optimizer"] else {}
+        if optimizers.check_config({**d, "train": d["train"] | {"optimizer": name, "optimizer_args": args}}):
+            continue
+        totals[name] = est.total - est.state["optimizer"] + optimizers.state_bytes(name, n, args)
+    fit = [name for name, total in totals.items() if total <= capacity]
+    return (f"# memory: total by train.optimizer (the rest as set): "
+            f"{', '.join(f'{k} {footprint.gib(v)}' for k, v in totals.items())}; "
+            f"fit {footprint.gib(capacity)}: {', '.join(fit) or 'none'}")
 
 
 # Bytes a weight takes under each train.lora.quantize_base (torchao's weight-only int8 and float8: one byte, and a

@@ -37,7 +37,9 @@ def check(d: dict, schema: dict) -> list[tuple[str, str]]:
                         f"does not divide train.segment_steps={t['segment_steps']}; use a divisor of it or 0"))
     from diffrelay.training.profiles import check_config as check_phema  # numpy only
 
-    bad += check_phema(t, s) + settings.check_config(d)
+    from diffrelay.training import optimizers  # no torch at module level
+
+    bad += check_phema(t, s) + settings.check_config(d) + optimizers.check_config(d)
     if data["encoder"] == "none":  # a latent run's network sees the latents: preflight.check_latent checks it
         bad += checks.check_model(m, data["resolution"])
         bad += checks.check_sizes(m, s.get("sizes"), 1, data["resolution"])  # a latent run's: preflight.check_sizes

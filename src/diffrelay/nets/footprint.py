@@ -6,7 +6,8 @@ casts per op and keeps fp32 master weights), so
 - weights: every parameter and buffer, fp32 (4 bytes a parameter);
 - gradients: one per trainable parameter, in its dtype (fp32, 4 bytes);
 - optimizer: Adam and AdamW keep two moments (exp_avg, exp_avg_sq) per trainable parameter, zeros_like the
-  parameter (fp32, 8 bytes), and a scalar step;
+  parameter (fp32, 8 bytes), and a scalar step; the other train.optimizer choices what training.optimizers.state_bytes
+  says (8-bit moments with block scales, factored ones);
 - EMA: each EMA of train.ema_decays (or the one of ema_halflife_kimg) and each post-hoc EMA profile
   (train.phema, when on) is a deep copy of the network's trainable parameters and buffers (fp32); the frozen
   parameters are shared with the network (training.optim.EMA).
@@ -34,27 +35,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffrelay.errors import UserError
 
-# Moments per trainable parameter of each train.optimizer (torch.optim.Adam/AdamW: exp_avg, exp_avg_sq).
-OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2}
 GIB = 2**30
 # A network that does not run on fake tensors is measured on the real CPU only below this many parameters
 # (as nets.cost does for FLOPs), so that `diffrelay validate` never spends minutes or gigabytes on it.
 CPU_MAX_PARAMS = 50_000_000
 
 
-def state_bytes(params: int, trainable: int | None = None, optimizer: str = "adam", emas: int = 1,
+def state_bytes(params: int, trainable: int | None = None, optimizer_bytes: int | None = None, emas: int = 1,
                 bytes_per_param: int = 4, buffer_bytes: int = 0) -> dict[str, int]:
     """Bytes of the training state of a network of `params` parameters (`bytes_per_param` each, fp32: 4) and
-    `buffer_bytes` of buffers, of which `trainable` (default: all) get a gradient and optimizer moments, with
+    `buffer_bytes` of buffers, of which `trainable` (default: all) get a gradient and the optimizer's state
+    (`optimizer_bytes`, training.optimizers.state_bytes; default Adam's two moments in the parameters' dtype), with
     `emas` EMA copies of the trainable parameters and the buffers (a copy shares the frozen ones: training.optim.EMA)."""
     trainable = params if trainable is None else trainable
-    if optimizer not in OPTIMIZER_MOMENTS:
-        raise UserError(f"train.optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_MOMENTS)}")
     weights = params * bytes_per_param + buffer_bytes
     return {"weights": weights, "gradients": trainable * bytes_per_param,
-            "optimizer": OPTIMIZER_MOMENTS[optimizer] * trainable * bytes_per_param,
+            "optimizer": 2 * trainable * bytes_per_param if optimizer_bytes is None else optimizer_bytes,
             "ema": emas * (trainable * bytes_per_param + buffer_bytes)}
 
 
@@ -65,7 +62,16 @@ def counts(net: nn.Module) -> dict[str, int]:
     return {"params": sum(p.numel() for p in params),
             "trainable": sum(p.numel() for p in params if p.requires_grad),
             "bytes_per_param": max((p.element_size() for p in params), default=4),
-            "buffer_bytes": sum(b.numel() * b.element_size() for b in net.buffers())}
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in net.buffers()),
+            # Adafactor's factored second moment (torch.optim.Adafactor): a matrix's rows and columns (its last two
+            # dimensions), a vector whole
+            "factored": sum(p.numel() // p.shape[-1] + p.numel() // p.shape[-2] if p.dim() >= 2 else p.numel()
+                            for p in params if p.requires_grad),
+            # trainable elements in tensors below 4096 elements, whose moments the 8-bit and 4-bit optimizers keep
+            # at full width (bitsandbytes' min_8bit_size, torchao's minimum: training.optimizers.state_bytes)
+            "small": sum(p.numel() for p in params if p.requires_grad and p.numel() < 4096),
+            # the one gradient train.fused_backward holds at a time (it frees each once it stepped)
+            "largest": max((p.numel() for p in params if p.requires_grad), default=0)}
 
 
 def _storage_key(t: torch.Tensor):
@@ -179,15 +185,16 @@ def gib(n: int) -> str:
 
 
 def lines(est: Estimate, n: dict, emas: int, optimizer: str, setting: str, capacity: int | None,
-          against: str, fixes: str = "lower train.batch_size or raise train.grad_accum") -> tuple[list[str], str | None]:
+          against: str, fixes: str = "lower train.batch_size or raise train.grad_accum",
+          state_words: str | None = None) -> tuple[list[str], str | None]:
     """(the YAML comment lines of the estimate, the warning line or None). `n`: counts(); `setting`: the run's
     precision, micro-batch and checkpointing in words; capacity/against: gpu_memory(); `fixes`: what the warning
     suggests."""
     s, dtype = est.state, {4: "fp32", 2: "16-bit"}.get(n["bytes_per_param"], f"{n['bytes_per_param']}-byte")
     out = [f"# memory: training state {gib(sum(s.values()))} a process: weights {gib(s['weights'])} "
            f"({n['params']:,} parameters, {dtype}, and buffers), gradients {gib(s['gradients'])} "
-           f"({n['trainable']:,} trainable, {dtype}), {optimizer} moments {gib(s['optimizer'])} "
-           f"({OPTIMIZER_MOMENTS[optimizer]} x {dtype}), EMA {gib(s['ema'])} ({emas} {dtype} cop{'y' if emas == 1 else 'ies'})",
+           f"({n['trainable']:,} trainable, {dtype}), {optimizer} state {gib(s['optimizer'])} "
+           f"({state_words or f'2 moments, {dtype}'}), EMA {gib(s['ema'])} ({emas} {dtype} cop{'y' if emas == 1 else 'ies'})",
            f"# memory: activations "
            f"{gib(est.activations) if est.activations is not None else 'not measured'} saved for the backward "
            f"pass, {setting}; {est.how}"]

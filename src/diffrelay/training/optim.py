@@ -5,10 +5,19 @@ import math
 
 import torch
 
-from diffrelay.training import eager, sharding
+from diffrelay.training import eager, optimizers, sharding
 
 
 def build_optimizer(params, t, fused: bool = False) -> torch.optim.Optimizer:
+    """train.optimizer's optimizer over `params`: torch's Adam(W) here, the others from their libraries
+    (optimizers.py). `fused` applies to torch's Adam(W) only (the config check refuses it elsewhere)."""
+    if t.optimizer not in optimizers.TORCH_ADAM:
+        if not t.compile:
+            eager.settle(optimizers.optimizer_class(t.optimizer), torch.optim.lr_scheduler.LambdaLR)
+        opt = optimizers.build(params, t)
+        if not t.compile:
+            eager.eager_step(opt)
+        return opt
     cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
     if not t.compile:  # nothing in this process is compiled: no torch._dynamo import (1.35 s; eager.py)
         eager.settle(cls, torch.optim.lr_scheduler.LambdaLR)
@@ -30,10 +39,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
     reverse off). The step counters then go where the chosen implementation wants them: a float32
     tensor on the parameter's device for fused kernels, on the CPU for the loop.
     """
-    flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in opt.param_groups]
-    opt.load_state_dict(state)
+    flags = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
+    opt.load_state_dict(optimizers.rebuilt_state(state))
     for group, kept in zip(opt.param_groups, flags, strict=True):
         group.update(kept)
+        if "fused" not in kept:  # another library's optimizer: its state is its own (no step counter to move)
+            continue
         on_device = bool(kept["fused"] or kept["capturable"])
         for p in group["params"]:
             s = opt.state.get(p, {})
@@ -69,6 +80,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, batch_size: int
 
 
 def build_schedule(opt, t) -> torch.optim.lr_scheduler.LambdaLR:
+    if optimizers.schedule_is_the_optimizers(t):  # schedule-free: its own warm-up, no schedule (optimizers.py)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.lr_schedule, t.batch_size, t.warmup_kimg,
                                  t.lr_ref_batches))

@@ -303,7 +303,7 @@ def load_optimizer(net, opt, tensors: dict, groups: list) -> None:
     osd = get_optimizer_state_dict(net, opt)
     for name, per in osd["state"].items():
         per.update({k: tensors[f"optimizer.{name}.{k}"] for k in per if isinstance(per[k], torch.Tensor)})
-    flags = [{k: g[k] for k in ("fused", "foreach", "capturable")} for g in opt.param_groups]
+    flags = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
     set_optimizer_state_dict(net, opt, {"state": osd["state"], "param_groups": groups})
     for group, kept in zip(opt.param_groups, flags, strict=True):
         group.update(kept)

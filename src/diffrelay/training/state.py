@@ -14,7 +14,7 @@ from diffrelay.pretrained import folder, lora, weights
 from diffrelay.runtime import speed
 from diffrelay.errors import UserError
 from diffrelay.runtime import distributed
-from diffrelay.training import optim, phema, sharded_checkpoint, sharding
+from diffrelay.training import fused_backward, optim, optimizers, phema, sharded_checkpoint, sharding
 
 
 @dataclass
@@ -30,6 +30,7 @@ class TrainState:
     consecutive: int = 0  # of those, in a row up to now: the divergence guard
     lora: dict | None = None  # train.lora's spec: the net's and EMAs' state is the adapter's tensors only
     sharded: bool = False  # train.sharding: fsdp2: parameters, gradients, optimizer state and averages sharded
+    optimizer: str = "adam"  # train.optimizer
 
     @classmethod
     def build(cls, cfg, data, device) -> "TrainState":
@@ -61,11 +62,16 @@ class TrainState:
             params = [p for p in net.parameters() if p.requires_grad]
             ema.pairs, pema_pairs = [], pema.pairs if pema else []
             pema_pairs.clear()  # found again on the sharded parameters at the first update (optim.pairs_for)
-        opt = optim.build_optimizer(params, t, fused=speed.use_fused(t.fused_optimizer, device))
+        fused = speed.use_fused(t.fused_optimizer, device) and t.optimizer in optimizers.TORCH_ADAM
+        if t.fused_backward:  # one optimizer a parameter, stepped from its gradient hook (fused_backward.py)
+            opt = fused_backward.PerParameter(params, lambda one: optim.build_optimizer(one, t, fused=fused))
+        else:
+            opt = optim.build_optimizer(params, t, fused=fused)
         return cls(net=net, ema=ema, pema=pema, opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec, sharded=sharded)
+                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec, sharded=sharded,
+                   optimizer=t.optimizer)
 
     def load(self, state: dict, meta: dict, path) -> None:
         made = (state.get("sharding") or {}).get("kind", "ddp")
@@ -103,7 +109,7 @@ class TrainState:
 
     def state_dict(self, step: int) -> dict:
         state = {"net": self.weights(self.net), "ema": [self.weights(e) for e in self.ema.nets],
-                 "optimizer": self.opt.state_dict(),
+                 "optimizer": optimizers.plain_state(self.opt.state_dict()),
                  "schedule": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                  "order": self.order.state_dict(), "skipped": self.skipped_total,
                  "consecutive_skipped": self.consecutive, "step": step}
@@ -146,6 +152,39 @@ class TrainState:
         moments, groups = sharded_checkpoint.optimizer_state(self.net, self.opt)
         return tensors | moments, groups
 
+    def unscaled_grad_norm(self, clip: float) -> torch.Tensor:
+        """After the backward pass: fp16's gradients unscaled, clipped to the global norm `clip` (0: not), and that
+        norm; under train.fused_backward the norm of the gradients its hooks stepped (clipping is refused there)."""
+        if isinstance(self.opt, fused_backward.PerParameter):
+            return self.opt.grad_norm()
+        self.scaler.unscale_(self.opt)
+        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), clip if clip > 0 else math.inf)
+
+    def skip_update(self, step: int, log) -> None:
+        """A non-finite loss or gradient: the update is skipped and counted (the divergence guard). Under
+        train.fused_backward the parameters stepped during the backward pass, so there is nothing to skip: one line,
+        and no checkpoint of these weights is written (the last one holds finite ones)."""
+        if isinstance(self.opt, fused_backward.PerParameter):
+            raise UserError(f"step {step}: non-finite loss or gradient under train.fused_backward, which updates each "
+                            "parameter during the backward pass, so the update cannot be skipped; the last checkpoint "
+                            "is unchanged: resume it with a lower train.lr or with train.fused_backward: false")
+        self.scaler.update()  # fp16: lowers the scale; the update itself is skipped
+        self.skipped_total, self.consecutive = self.skipped_total + 1, self.consecutive + 1
+        log.warning(f"step {step}: non-finite loss or gradient; update skipped ({self.consecutive} in a row)")
+
+    @property
+    def raw_is_not_the_modules(self) -> bool:
+        return optimizers.has_eval_weights(self.optimizer)
+
+    def eval_weights(self) -> dict:
+        """The network's weights as snapshots hold them: the trained ones, or schedule-free's evaluation weights x
+        (optimizers.eval_weights), by name (schedule-free trains under ddp only: optimizers.check_config)."""
+        named = self.weights(self.net)
+        if not self.raw_is_not_the_modules:
+            return named
+        by_id = optimizers.eval_weights(self.opt, {n: p for n, p in self.net.named_parameters()})
+        return {k: by_id.get(k, v) for k, v in named.items()}
+
     def weights(self, module) -> dict:
         """A network's state dict as checkpoints and snapshots hold it: a LoRA run's adapter only."""
         return lora.only(module.state_dict()) if self.lora else module.state_dict()
@@ -164,7 +203,7 @@ class TrainState:
             return
         whole = sharding.full if self.sharded else dict
         emas = [whole(self.weights(e)) for e in self.ema.nets]
-        raw = whole(self.weights(self.net))
+        raw = whole(self.eval_weights())
         if not distributed.is_main():
             return
         checkpoint.save_snapshot(path, emas[0] if emas else {}, raw, meta, emas[1:])
@@ -177,7 +216,10 @@ class TrainState:
             i = decays.index(float(want)) if want is not None and float(want) in decays else 0
             kinds = {"ema": (self.ema.nets[i], emas[i]) if self.ema.nets else None, "raw": (self.net, raw)}
             files = {names[k]: kinds[k][0] for k in names}
-            states = {names[k]: kinds[k][1] for k in names} if self.sharded else None
+            # the tensors to write: the gathered ones where the modules hold shards, the evaluation weights where the
+            # module holds the trained ones (schedule-free); else the modules' own
+            whole_states = self.sharded or self.raw_is_not_the_modules
+            states = {names[k]: kinds[k][1] for k in names} if whole_states else None
             lora.export(path.parent.parent / "lora" / path.name.split(".")[0], files, pipe.cls, pipe.net, states)
 
 

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -316,9 +315,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
             with speed.backward_errors(model):
                 st.scaler.scale(loss / t.grad_accum).backward()
         loss_sum += loss.detach() / t.grad_accum
-    st.scaler.unscale_(st.opt)
-    gnorm = torch.nn.utils.clip_grad_norm_(st.net.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-    return loss_sum, sharding.grad_norm(gnorm)
+    return loss_sum, sharding.grad_norm(st.unscaled_grad_norm(t.grad_clip))
 
 
 def _reduce_step(loss_sum, gnorm, stop, device):
@@ -335,9 +332,7 @@ def _reduce_step(loss_sum, gnorm, stop, device):
 def _apply_update(st, step, mean_loss, any_bad, gnorm, window, log) -> None:
     """The optimizer step, or its skip on a non-finite step; EMAs; the logging window's sums."""
     if any_bad:
-        st.scaler.update()  # fp16: lowers the scale; the update itself is skipped
-        st.skipped_total, st.consecutive = st.skipped_total + 1, st.consecutive + 1
-        log.warning(f"step {step}: non-finite loss or gradient; update skipped ({st.consecutive} in a row)")
+        st.skip_update(step, log)
     else:
         # Not scaler.step: unscale_ has run and our reduction already knows the step is finite, while
         # scaler.step would read its found-inf flag with .item() (a host sync a step, fp16 without fusing).
@@ -391,8 +386,8 @@ def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, s
     log.info(f"step {step:>7d}/{t.total_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
              f"{rate:5.2f} step/s | {rate * t.batch_size:7.1f} img/s | skipped {skipped} ({window['steps'] - n} here) | "
              f"segment eta {logs.fmt_duration(eta)}")
-    record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "skipped": skipped,
-              "skipped_in_window": window["steps"] - n,
+    record = {"step": step, "loss": loss, "lr": float(sched.get_last_lr()[0]),  # torchao's is a tensor
+              "grad_norm": gnorm, "skipped": skipped, "skipped_in_window": window["steps"] - n,
               "steps_per_s": round(rate, 4), "images_per_s": round(rate * t.batch_size, 2),
               "elapsed": round(time.perf_counter() - seg_t0, 3)}
     logs.append_jsonl(metrics_path, record)
