@@ -167,6 +167,8 @@ def test_fused_backward_steps_the_same_bits_and_its_checkpoint_resumes_unfused(n
     ({"fused_backward": True, "grad_clip": 0, "optimizer": "prodigy"}, "train.optimizer=prodigy",
      "couples the parameters"),
     ({"fused_backward": True, "grad_clip": 0, "nproc_per_node": 2}, "train.nproc_per_node=2", "one process"),
+    ({"activation_checkpointing": "offload", "compile": True}, "train.activation_checkpointing=offload",
+     "set train.compile: false"),
     ({"optimizer": "prodigy", "optimizer_args": {"d_coeff": 2}}, "train.optimizer_args.d_coeff", "it takes beta3"),
     ({"optimizer": "adamw8bit", "optimizer_args": {"lr": 1}}, "train.optimizer_args.lr", "set that instead"),
     ({"optimizer": "adamw", "optimizer_args": {"eps": 1e-6}}, "train.optimizer_args.eps", "takes no optimizer_args"),
@@ -221,11 +223,13 @@ def test_two_schedule_free_segments_equal_one_run_and_the_snapshot_holds_its_eva
 @pytest.mark.slow
 def test_fused_backward_trains_the_unfused_bits_across_a_switch_and_a_non_finite_step_stops_in_one_line(
         write_config, tmp_path):
-    """Through `diffrelay train`: run one fused from the start, run two unfused for 2 steps then fused: the same
-    checkpoint bit for bit. A non-finite step cannot be skipped once the hooks stepped: one line, no checkpoint."""
+    """Through `diffrelay train`: run one fused from the start (and its checkpointed activations offloaded: the same
+    bits too), run two unfused for 2 steps then fused: the same checkpoint bit for bit. A non-finite step cannot be
+    skipped once the hooks stepped: one line, no checkpoint."""
     fused = {"train": {"fused_backward": True, "grad_clip": 0}}
     plain = {"train": {"grad_clip": 0}}
-    one = prepared(write_config, config_merge(fused, {"run": {"name": "one"}}), "one")
+    offload = {"train": {"activation_checkpointing": "offload"}}
+    one = prepared(write_config, config_merge(config_merge(fused, offload), {"run": {"name": "one"}}), "one")
     run_cli("train", "--config", one, "--until-step", 4)
     two = prepared(write_config, config_merge(plain, {"run": {"name": "two"}}), "two")
     run_cli("train", "--config", two, "--until-step", 2)

@@ -118,7 +118,7 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
-               f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}{sharded_note}"
+               f"activation checkpointing {_checkpointing(t.activation_checkpointing)}{sharded_note}"
                f"{', fused backward: the largest gradient alone held' if t.fused_backward else ''}")
     capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
     fixes = ["lower train.batch_size or raise train.grad_accum or train.nproc_per_node"]
@@ -141,6 +141,13 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
         out.insert(1, "# memory: frozen base by train.lora.quantize_base: " + ", ".join(
             f"{kind or 'null (fp32)'} {footprint.gib(size)}" for kind, size in base.items()) + f" (this run: {chosen})")
     return out, warning
+
+
+def _checkpointing(setting) -> str:
+    if setting == "offload":
+        return ("offload (the saved block inputs counted here wait in pinned host memory; the GPU holds one block's "
+                "recomputed activations at a time instead, not measured)")
+    return "on" if setting else "off"
 
 
 def _by_optimizer(d: dict, n: dict, est, capacity: int) -> str:

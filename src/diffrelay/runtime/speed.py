@@ -155,3 +155,13 @@ def to_memory_format(net: torch.nn.Module, channels_last: bool) -> torch.nn.Modu
     """channels_last (NHWC) weights: faster convolutions on tensor cores. Inputs stay NCHW; the first
     convolution produces channels_last activations from the weights' layout."""
     return net.to(memory_format=torch.channels_last) if channels_last else net
+
+
+def offloaded(checkpointing, device: torch.device):
+    """train.activation_checkpointing: offload: what autograd saves in the forward pass (with checkpointing, each
+    block's input) is moved to host memory, pinned on CUDA for an asynchronous copy back, and returned to the device
+    when the backward pass unpacks it (torch.autograd.graph.save_on_cpu); a block's recomputed activations stay on the
+    device, one block at a time. The same values come back, so the weights are the same bits."""
+    if checkpointing != "offload":
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")

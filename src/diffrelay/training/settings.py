@@ -85,6 +85,9 @@ def check_config(d: dict) -> list[tuple[str, str]]:
         bad += _check_augment(f"train.augment={t['augment']}", d["model"], d["data"])
     if t["sharding"] == "fsdp2":
         bad += _check_fsdp2(d["model"], t)
+    if t["activation_checkpointing"] == "offload" and t["compile"]:
+        bad.append(("train.activation_checkpointing=offload", "moves saved tensors with autograd hooks, not verified "
+                    "under train.compile; set train.compile: false, or activation_checkpointing: true"))
     return bad
 
 

@@ -308,7 +308,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         images, labels = augment.apply(images, labels, drop, flip, null=data.num_classes)
         images, augment_labels = batch.augmented(k, images)  # EDM: the pipe on the clean images, before the noise
         sync = sharding.gradient_sync(st.net, st.sharded, ddp, last=k == t.grad_accum - 1)
-        with sync, distributed.peers("gradient all-reduce"), \
+        with sync, distributed.peers("gradient all-reduce"), speed.offloaded(t.activation_checkpointing, device), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = objectives.loss(cfg, model, images, labels if data.num_classes or data.text else None, rnd, noise,
                                    augment_labels)
