@@ -19,7 +19,8 @@ Per case, in its own process (a fresh CUDA peak, the model freed with the proces
 Then peft's inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", the twelve target
 modules of diffusers' train_dreambooth_lora_flux.py)), as diffrelay's pretrained/lora.py attach does; the base
 frozen, the adapter cast to fp32 (diffusers' cast_training_params); enable_gradient_checkpointing(); AdamW (lr 1e-4)
-on the adapter alone. Precision: bf16 base weights, fp32 adapter and optimizer state, the forward under bf16
+on the adapter alone, or the case's train.optimizer as diffrelay builds it (issue 68: int8/ao_adamw8bit,
+none/prodigy, ...; /fused steps each adapter tensor from its gradient hook, training/fused_backward.py). Precision: bf16 base weights, fp32 adapter and optimizer state, the forward under bf16
 autocast, the loss in fp32. A step: batch 1 at 1024 px, i.e. latents 16 x 128 x 128 packed 2 x 2 into (1, 4096, 64)
 tokens with FluxPipeline's image ids (as diffrelay's families/flux.py call), 512 text tokens of random T5 states
 (1, 512, 4096) with zero ids, a pooled (1, 768) vector, guidance 3.5, t ~ U(0, 1) (the transformer multiplies
@@ -68,6 +69,11 @@ TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_p
            "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
            "ff_context.net.2"]
 RANK, ALPHA, GUIDANCE, LR = 4, 4, 3.5, 1e-4
+QUANTS = ("int8", "none")
+# train.optimizer choices a case may name (issue 68); adamw8bit and lion8bit need bitsandbytes, which the bundle
+# leaves out (its CUDA builds alone would fill the 64 MiB): they fail in one recorded line where it is missing.
+OPTIMIZERS = ("adamw", "adamw8bit", "lion8bit", "ao_adamw8bit", "ao_adamw4bit", "ao_adamw_fp8", "prodigy", "adafactor",
+              "schedulefree_adamw")
 GIB = 2 ** 30
 
 
@@ -170,8 +176,42 @@ def batch(config: dict, shape: dict, device, seed: int = 1) -> dict:
             "img_ids": ids.reshape(-1, 3).to(bf), "txt_ids": torch.zeros(n, 3, device=device, dtype=bf)}
 
 
-def run_case(quant: str, config: dict, shape: dict, device, steps: int, deadline: float) -> dict:
-    out = {"quantize_base": None if quant == "none" else quant}
+def parse_case(case: str) -> tuple[str, str, bool]:
+    """"int8", "none/ao_adamw8bit", "int8/adamw/fused" -> (quantize_base, train.optimizer, train.fused_backward)."""
+    parts = case.split("/")
+    quant, name = parts[0], parts[1] if len(parts) > 1 else "adamw"
+    fused = len(parts) > 2 and parts[2] == "fused"
+    if quant not in QUANTS or name not in OPTIMIZERS or len(parts) > 3 or (len(parts) == 3 and not fused):
+        raise ValueError(f"{case}: want QUANT[/OPTIMIZER[/fused]], QUANT in {QUANTS}, OPTIMIZER in {OPTIMIZERS}")
+    return quant, name, fused
+
+
+def make_optimizer(name: str, trainable: list, fused: bool):
+    """train.optimizer `name` over the adapter as diffrelay builds it (training/optimizers.py: the library's class,
+    lr / betas / weight_decay as diffrelay passes them, prodigy at lr 1.0), per parameter on its gradient hook for
+    train.fused_backward (training/fused_backward.py). adamw: torch's AdamW at LR, as this benchmark always had."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from diffrelay.training import fused_backward, optimizers
+
+    t = types.SimpleNamespace(lr=1.0 if name == "prodigy" else LR, betas=(0.9, 0.999), weight_decay=0.0,
+                              warmup_steps=0, optimizer_args={})
+
+    def one(params):
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=LR)
+        opt = optimizers.optimizer_class(name)(params, **optimizers.kwargs(t, optimizers.CHOICES[name]))
+        if name == "schedulefree_adamw":
+            opt.train()
+        return opt
+
+    return fused_backward.PerParameter(trainable, one) if fused else one(trainable)
+
+
+def run_case(case: str, config: dict, shape: dict, device, steps: int, deadline: float) -> dict:
+    quant, name, fused = parse_case(case)
+    out = {"quantize_base": None if quant == "none" else quant, "optimizer": name, "fused_backward": fused}
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -185,7 +225,7 @@ def run_case(quant: str, config: dict, shape: dict, device, steps: int, deadline
     out["lora_layers"] = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
     model.enable_gradient_checkpointing()
     model.train()
-    opt = torch.optim.AdamW(trainable, lr=LR)
+    opt = make_optimizer(name, trainable, fused)
     data = batch(config, shape, device)
     target = data.pop("target")
     sync(device)
@@ -206,7 +246,7 @@ def run_case(quant: str, config: dict, shape: dict, device, steps: int, deadline
         loss = (pred.float() - target.float()).square().mean()
         loss.backward()
         if i == 0:  # gaussian init: lora_B starts at zero, so its gradient is the one that must flow
-            out["adapter_grad_norm_first_step"] = float(torch.stack(
+            out["adapter_grad_norm_first_step"] = float(opt.grad_norm()) if fused else float(torch.stack(
                 [p.grad.float().norm() for p in trainable if p.grad is not None]).norm()) if trainable else None
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -293,8 +333,10 @@ def main() -> int:
     ap.add_argument("--bundle", help="tools/gpu_bundle.py --with-lora's tar.xz or folder (default "
                     "build/gpu-bundle-lora.tar.xz where it exists, not with --cpu-check; 'none': the interpreter's "
                     "own packages)")
-    ap.add_argument("--cases", default="int8,none", help="comma-separated, in order: int8 (first: the figure the "
-                    "issue compares with SimpleTuner's) and none")
+    ap.add_argument("--cases", default="int8,none", help="comma-separated, in order, each QUANT[/OPTIMIZER[/fused]]: "
+                    "int8 (first: the figure issue 56 compares with SimpleTuner's) or none; a train.optimizer "
+                    "(default adamw); fused = train.fused_backward. E.g. int8,none,int8/ao_adamw8bit,"
+                    "int8/prodigy,int8/adamw/fused (issue 68)")
     ap.add_argument("--steps", type=int, default=6, help="steps a case: one warm-up, then the timed ones")
     ap.add_argument("--budget", type=float, default=300, help="seconds: no case starts past it, a running one is "
                     "stopped at it")
@@ -314,9 +356,11 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = set(cases) - {"int8", "none"}
-    if unknown:
-        ap.error(f"--cases: {sorted(unknown)}; int8 and none")
+    for case in cases:
+        try:
+            parse_case(case)
+        except ValueError as e:
+            ap.error(f"--cases: {e}")
     # The default bundle is the GPU machine's (cp312): --cpu-check takes it only when --bundle names it.
     bundle = None if args.bundle == "none" else Path(args.bundle) if args.bundle else \
         DEFAULT_BUNDLE if DEFAULT_BUNDLE.exists() and not args.cpu_check else None
@@ -331,7 +375,7 @@ def main() -> int:
                            "via": "peft.inject_adapter_in_model"},
                   "precision": "bf16 base weights (int8 weight-only for int8), fp32 adapter and AdamW state, "
                                "bf16 autocast forward, fp32 loss",
-                  "gradient_checkpointing": True, "optimizer": f"AdamW lr {LR}", "steps": args.steps,
+                  "gradient_checkpointing": True, "optimizer": f"per case; adamw: torch's AdamW lr {LR}", "steps": args.steps,
                   "s_per_step": "median of the steps after the first (warm-up)",
                   "peak_gib": "torch.cuda.max_memory_allocated over the case's own process, setup included",
                   "reference": "SimpleTuner's FLUX quickstart: about 18 GB with int8",
@@ -352,7 +396,7 @@ def main() -> int:
                 save()
                 print(f"gpu_flux_lora: {case}: skipped (--budget {args.budget:g} s spent)", flush=True)
                 continue
-            result = Path(tmp) / f"{case}.json"
+            result = Path(tmp) / f"{case.replace('/', '+')}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--result", str(result),
                    "--steps", str(args.steps), "--deadline", str(deadline)]
             cmd += ["--cpu-check"] if args.cpu_check else []

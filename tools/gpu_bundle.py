@@ -45,10 +45,11 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 STRIP_DIRS = {"tests", "__pycache__"}
 HUB = "1.33.0"  # huggingface_hub: see pip_install
 # --with-lora: taken back out of LEFT_OUT; NO_DEPS_LORA require torch, installed without their requirements (named in
-# LORA_EXTRA: accelerate's and peft's besides torch and transformers), and torchao from pyproject's `quantize` extra
-# (its bitsandbytes, nf4, left out: it requires torch, and its CUDA builds alone would fill the 64 MiB).
+# LORA_EXTRA: accelerate's and peft's besides torch and transformers), torchao from pyproject's `quantize` extra
+# (its bitsandbytes, nf4, left out: it requires torch, and its CUDA builds alone would fill the 64 MiB), and the
+# `optimizers` extra's prodigyopt and schedulefree (train.optimizer; bitsandbytes left out for the same reason).
 LORA = {"peft", "transformers"}
-NO_DEPS_LORA = {"peft", "accelerate"}
+NO_DEPS_LORA = {"peft", "accelerate", "prodigyopt", "schedulefree"}
 LORA_EXTRA = ["accelerate", "psutil"]
 DEFAULT_LORA_OUT = ROOT / "build" / "gpu-bundle-lora.tar.xz"
 
@@ -65,7 +66,9 @@ def requirements(lora: bool = False) -> list[str]:
     if not lora:
         return [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT]
     out = [d for d in deps if norm(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) not in LEFT_OUT - LORA]
-    return out + LORA_EXTRA + [r for r in project["optional-dependencies"]["quantize"] if name_of(r) == "torchao"]
+    extras = project["optional-dependencies"]
+    return out + LORA_EXTRA + [r for r in extras["quantize"] if name_of(r) == "torchao"] + \
+        [r for r in extras["optimizers"] if name_of(r) in ("prodigyopt", "schedulefree")]  # pure Python, tiny
 
 
 def name_of(req: str) -> str:
