@@ -100,8 +100,10 @@ def init_(module, gen) -> None:
                 p.zero_()
 
 
-def build(config: dict, device, quant: str, seed: int = 0):
-    """FluxTransformer2DModel(**config) with random bf16 weights on `device`, int8 weight-only where quant == int8.
+def build(config: dict, device, quant: str, seed: int = 0, swap: int = 0):
+    """FluxTransformer2DModel(**config) with random bf16 weights on `device`, int8 weight-only where quant == int8;
+    the last `swap` blocks (in the order they run) moved to the host once made (train.block_swap parks them there,
+    runtime/block_swap.py copies them in): the same weights, so a swapped case's losses are the unswapped one's.
     Returns (model, base parameter count)."""
     from diffusers import FluxTransformer2DModel
 
@@ -113,12 +115,16 @@ def build(config: dict, device, quant: str, seed: int = 0):
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = {"transformer_blocks", "single_transformer_blocks"}
+    order = [*model.transformer_blocks, *model.single_transformer_blocks]
+    parked = {id(b) for b in order[len(order) - swap:]} if swap else set()
     for name in sorted(blocks):
         for block in getattr(model, name):  # one block in bf16 at a time, quantized before the next
             block.to_empty(device=device)
             init_(block, gen)
             if quant == "int8":
                 quantize_(block, Int8WeightOnlyConfig())
+            if id(block) in parked:
+                block.to("cpu")
     for name, child in model.named_children():
         if name not in blocks:
             child.to_empty(device=device)
@@ -176,14 +182,17 @@ def batch(config: dict, shape: dict, device, seed: int = 1) -> dict:
             "img_ids": ids.reshape(-1, 3).to(bf), "txt_ids": torch.zeros(n, 3, device=device, dtype=bf)}
 
 
-def parse_case(case: str) -> tuple[str, str, bool]:
-    """"int8", "none/ao_adamw8bit", "int8/adamw/fused" -> (quantize_base, train.optimizer, train.fused_backward)."""
-    parts = case.split("/")
-    quant, name = parts[0], parts[1] if len(parts) > 1 else "adamw"
-    fused = len(parts) > 2 and parts[2] == "fused"
-    if quant not in QUANTS or name not in OPTIMIZERS or len(parts) > 3 or (len(parts) == 3 and not fused):
-        raise ValueError(f"{case}: want QUANT[/OPTIMIZER[/fused]], QUANT in {QUANTS}, OPTIMIZER in {OPTIMIZERS}")
-    return quant, name, fused
+def parse_case(case: str) -> tuple[str, str, bool, int]:
+    """"int8", "none/ao_adamw8bit", "int8/adamw/fused", "none/swap16" -> (quantize_base, train.optimizer,
+    train.fused_backward, train.block_swap)."""
+    quant, *rest = case.split("/")
+    names = [p for p in rest if p in OPTIMIZERS]
+    swaps = [p for p in rest if p.startswith("swap") and p[4:].isdigit()]
+    fused = "fused" in rest
+    if quant not in QUANTS or len(names) > 1 or len(swaps) > 1 or len(rest) != len(names) + len(swaps) + fused:
+        raise ValueError(f"{case}: want QUANT[/OPTIMIZER][/fused][/swapN], QUANT in {QUANTS}, OPTIMIZER in "
+                         f"{OPTIMIZERS}, N the blocks train.block_swap keeps on the host")
+    return quant, (names or ["adamw"])[0], fused, int(swaps[0][4:]) if swaps else 0
 
 
 def make_optimizer(name: str, trainable: list, fused: bool):
@@ -210,19 +219,29 @@ def make_optimizer(name: str, trainable: list, fused: bool):
 
 
 def run_case(case: str, config: dict, shape: dict, device, steps: int, deadline: float) -> dict:
-    quant, name, fused = parse_case(case)
-    out = {"quantize_base": None if quant == "none" else quant, "optimizer": name, "fused_backward": fused}
+    quant, name, fused, swap = parse_case(case)
+    out = {"quantize_base": None if quant == "none" else quant, "optimizer": name, "fused_backward": fused,
+           "block_swap": swap}
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    model, params = build(config, device, quant)
+    model, params = build(config, device, quant, swap=swap)
     out["params"] = params
     if config == FLUX_DEV:
         assert params == FLUX_DEV_PARAMS, f"{params} parameters, FLUX.1-dev's transformer has {FLUX_DEV_PARAMS}"
     trainable = attach_lora(model)
     out["trainable"] = sum(p.numel() for p in trainable)
     out["lora_layers"] = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    if swap:  # as training/state.py: parked, the rest (the swapped blocks' adapters too) moved, hooked
+        sys.path.insert(0, str(ROOT / "src"))
+        from diffrelay.runtime import block_swap
+
+        swapper = block_swap.BlockSwap(block_swap.swap_blocks(
+            model, ("transformer_blocks", "single_transformer_blocks"), swap), device)
+        model.to(device)
+        swapper.hook()
+        out["host_gib"] = gib(swapper.frozen_bytes())
     model.enable_gradient_checkpointing()
     model.train()
     opt = make_optimizer(name, trainable, fused)
@@ -265,6 +284,20 @@ def run_case(case: str, config: dict, shape: dict, device, steps: int, deadline:
         import resource
 
         out["max_rss_gib"] = gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return out
+
+
+def against_unswapped(case: str, res: dict, done: dict) -> dict:
+    """A /swapN case beside the same case without it, run before: the peak it saved, the time it cost, and
+    whether the losses are the same numbers."""
+    plain = done.get("/".join(p for p in case.split("/") if not p.startswith("swap")))
+    if plain is None or not parse_case(case)[3] or not (res.get("ok") and plain.get("ok")):
+        return {}
+    out = {"same_losses_as_unswapped": res["losses"] == plain["losses"][:len(res["losses"])]}
+    if res.get("peak_gib") is not None and plain.get("peak_gib") is not None:
+        out["peak_gib_saved"] = round(plain["peak_gib"] - res["peak_gib"], 3)
+    if res.get("s_per_step") and plain.get("s_per_step"):
+        out["s_per_step_cost"] = round(res["s_per_step"] - plain["s_per_step"], 4)
     return out
 
 
@@ -333,10 +366,11 @@ def main() -> int:
     ap.add_argument("--bundle", help="tools/gpu_bundle.py --with-lora's tar.xz or folder (default "
                     "build/gpu-bundle-lora.tar.xz where it exists, not with --cpu-check; 'none': the interpreter's "
                     "own packages)")
-    ap.add_argument("--cases", default="int8,none", help="comma-separated, in order, each QUANT[/OPTIMIZER[/fused]]: "
-                    "int8 (first: the figure issue 56 compares with SimpleTuner's) or none; a train.optimizer "
-                    "(default adamw); fused = train.fused_backward. E.g. int8,none,int8/ao_adamw8bit,"
-                    "int8/prodigy,int8/adamw/fused (issue 68)")
+    ap.add_argument("--cases", default="int8,none", help="comma-separated, in order, each "
+                    "QUANT[/OPTIMIZER][/fused][/swapN]: int8 (first: the figure issue 56 compares with SimpleTuner's) "
+                    "or none; a train.optimizer (default adamw); fused = train.fused_backward; swapN = train.block_swap"
+                    " N. E.g. int8,none,int8/ao_adamw8bit,int8/prodigy,int8/adamw/fused,none/swap16,int8/swap16 "
+                    "(issue 68)")
     ap.add_argument("--steps", type=int, default=6, help="steps a case: one warm-up, then the timed ones")
     ap.add_argument("--budget", type=float, default=300, help="seconds: no case starts past it, a running one is "
                     "stopped at it")
@@ -410,6 +444,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 res = {"ok": False, "error": f"stopped at --budget {args.budget:g} s"}
             res["wall_s"] = round(time.time() - t0, 1)
+            res.update(against_unswapped(case, res, report["cases"]))
             report["cases"][case] = res
             save()
             keys = ("ok", "peak_gib", "s_per_step", "params", "trainable", "error", "max_rss_gib")

@@ -35,16 +35,25 @@ def dev(tmp_path_factory):
     return {"work": work, "pipe": pipe, "cfg": d}
 
 
-def test_a_flux_lora_on_an_nf4_base_in_two_segments_equals_one_run(dev):
+def test_a_flux_lora_on_an_nf4_base_in_two_segments_equals_one_run(dev, monkeypatch):
+    """The two segments swap both blocks (train.block_swap: 2, under activation checkpointing): the same bits."""
+    from diffrelay.runtime import block_swap
+
+    swaps, hook = [], block_swap.BlockSwap.hook
+    monkeypatch.setattr(block_swap.BlockSwap, "hook", lambda self: swaps.append(self) or hook(self))
     work, spec = dev["work"], {"rank": 2, "quantize_base": "nf4"}
     assert train.run(config.Config(dev["cfg"]), until_step=2, dataset_dir=work / "dataset") == 0
-    two = config.Config(config.validate(flux_raw(work, dev["pipe"], "two", lora=spec)))
+    two = config.Config(config.validate(flux_raw(work, dev["pipe"], "two", lora=spec, block_swap=2,
+                                                 activation_checkpointing=True)))
     for until in (1, 2):
         assert train.run(two, until_step=until, dataset_dir=work / "dataset") == 0
     a, _ = checkpoint.load_checkpoint(work / "results" / "one" / "checkpoints" / "step_0000002")
     b, _ = checkpoint.load_checkpoint(work / "results" / "two" / "checkpoints" / "step_0000002")
     assert a["net"] and set(a["net"]) == set(b["net"]) and any("ff_context.net.2" in k for k in a["net"])
     assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
+    # each segment swapped both blocks out and in again, the nf4 weights among them
+    assert len(swaps) == 2 and all(s.events.count(("in", 0)) == 2 and ("out", 1) in s.events for s in swaps)
+    assert any(type(p).__name__ == "Params4bit" for p in sum(swaps[0].host, []))
     assert all(torch.equal(x["exp_avg_sq"], b["optimizer"]["state"][i]["exp_avg_sq"])
                for i, x in a["optimizer"]["state"].items())
     # The base was quantized: its linear layers are bitsandbytes' 4-bit ones, the convolutions none.
@@ -73,6 +82,11 @@ def test_flux_refusals_are_one_line_each(dev, tmp_path):
     d = flux_raw(tmp_path, schnell, "s")
     d["sample"]["guidance"] = 3.5
     assert "guidance_embeds false (schnell)" in one_line(lambda: config.validate(d, "s.yaml"))
+    d = flux_raw(tmp_path, pipe, "sw", lora={"rank": 2}, block_swap=1)
+    assert "needs train.activation_checkpointing: true" in one_line(lambda: config.validate(d, "sw.yaml"))
+    d = flux_raw(tmp_path, pipe, "sw", lora={"rank": 2}, block_swap=3, activation_checkpointing=True)
+    assert "config.json has 2 blocks (transformer_blocks + single_transformer_blocks); swap at most 2" in one_line(
+        lambda: config.validate(d, "sw.yaml"))
     d = flux_raw(tmp_path, pipe, "odd")
     d["data"]["resolution"] = 14  # latents of 7 x 7: no 2 x 2 packing (checked against the VAE's latents)
     (tmp_path / "odd.yaml").write_text(yaml.safe_dump(d))

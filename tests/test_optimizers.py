@@ -178,6 +178,7 @@ def test_fused_backward_steps_the_same_bits_and_its_checkpoint_resumes_unfused(n
     ({"optimizer": "schedulefree_adamw"}, "train.ema_decays", "set train.ema_decays: []"),
     ({"optimizer": "schedulefree_adamw", "ema_decays": [], "lr_schedule": "cosine"}, "train.lr_schedule=cosine",
      "set train.lr_schedule: constant"),
+    ({"block_swap": 4}, "train.block_swap=4", "set train.lora, or train.block_swap: 0"),
 ])
 def test_what_an_optimizer_cannot_take_is_refused_in_one_line_when_the_config_is_read(train, key, fix):
     d = {"train": train} | ({"sample": {"ema_decay": None}} if train.get("ema_decays") == [] else {})

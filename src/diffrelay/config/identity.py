@@ -46,6 +46,7 @@ _NOT_TRAJECTORY = {"segment_steps", "nproc_per_node", "nnodes", "grad_accum", "t
                    "snapshot_every", "recovery_every", "keep_recovery", "timeout_minutes", "tensorboard",
                    # speed switches: the same run, numerically equal up to rounding
                    "compile", "tf32", "fused_optimizer", "channels_last", "deterministic", "fused_backward",
+                   "block_swap",  # where the frozen weights wait: bitwise the same (runtime/block_swap.py)
                    "activation_checkpointing",  # memory, not arithmetic: bitwise the same (nets/memory.py)
                    "sharding"}  # where the state lives: a resume with the other is refused in one line (state.py)
 

@@ -8,10 +8,9 @@ import sys
 import torch
 
 from diffrelay import config
-
-
-
 from diffrelay.config import preflight
+
+
 def micro_batch(cfg: config.Config) -> int:
     """Images one process runs through forward and backward at once: train.batch_size over processes
     (nproc_per_node x nnodes) and grad_accum, as the training loop splits it (config checks it divides)."""
@@ -115,12 +114,17 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     chosen = (cfg.to_dict()["train"]["lora"] or {}).get("quantize_base")
     if base is not None and chosen in base:  # the quantized base replaces the fp32 one in the weights
         state["weights"] += base[chosen] - base[None]
+    capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
+    blocks = []  # each swappable block's frozen bytes, where the swap is on or a card's size is asked about
+    if base is not None and (t.block_swap or capacity is not None):
+        blocks = _block_bytes(build, base[chosen] / base[None] if base[None] else 1.0)
+    if t.block_swap and blocks:
+        state["weights"] -= swap_saving(blocks, t.block_swap)
     est = footprint.Estimate(state, act, how)
     setting = (f"{t.precision}{' autocast' if amp else ''}, {batch} image(s) a process and micro-batch "
                f"(train.batch_size {t.batch_size} / ({processes} process(es) x grad_accum {t.grad_accum})), "
                f"activation checkpointing {_checkpointing(t.activation_checkpointing)}{sharded_note}"
                f"{', fused backward: the largest gradient alone held' if t.fused_backward else ''}")
-    capacity, against = footprint.gpu_memory(cfg.run.device, cfg.run.gpus, gpu_memory_gib)
     fixes = ["lower train.batch_size or raise train.grad_accum or train.nproc_per_node"]
     fixes += [] if t.activation_checkpointing else ["set train.activation_checkpointing: true"]
     fixes += [] if amp else ["train.precision: bf16"]
@@ -133,6 +137,11 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
                   f"against {footprint.gib(state['optimizer'])})"]
     if base is not None and chosen is None and len(base) > 1:
         fixes += ["train.lora.quantize_base: int8 (the frozen base's linear weights in 1 byte)"]
+    if capacity is not None and blocks and est.total > capacity:  # the fewest swapped blocks that would fit
+        need = next((k for k in range(t.block_swap + 1, len(blocks) + 1)
+                     if est.total - swap_saving(blocks, k) + swap_saving(blocks, t.block_swap) <= capacity), None)
+        if need:
+            fixes += [f"train.block_swap: {need} (with train.activation_checkpointing)"]
     out, warning = footprint.lines(est, n, emas, t.optimizer, setting, capacity, against, ", or ".join(fixes),
                                    None if t.optimizer in optimizers.TORCH_ADAM else optimizers.CHOICES[t.optimizer].state)
     if capacity is not None and t.sharding == "ddp":  # (fsdp2 trains torch's Adam(W) only: optimizers.check_config)
@@ -140,7 +149,37 @@ def lines(cfg: config.Config, params: int, classes: int, text=None,
     if base is not None:
         out.insert(1, "# memory: frozen base by train.lora.quantize_base: " + ", ".join(
             f"{kind or 'null (fp32)'} {footprint.gib(size)}" for kind, size in base.items()) + f" (this run: {chosen})")
+    if t.block_swap and blocks:
+        swapped = blocks[len(blocks) - t.block_swap:]
+        out.insert(2, f"# memory: train.block_swap {t.block_swap} of {len(blocks)} blocks: "
+                      f"{footprint.gib(sum(swapped))} of frozen weights wait in pinned host memory, "
+                      f"{footprint.gib(swap_saving(blocks, t.block_swap))} of them off the GPU at its peak (two "
+                      f"swapped blocks resident at once)")
     return out, warning
+
+
+def swap_saving(blocks: list, k: int) -> int:
+    """The frozen bytes train.block_swap: k keeps off the GPU at the training peak: the last k blocks' (`blocks`, each
+    block's frozen bytes in the order they run), less the two largest of them, resident while one runs and the next
+    is copied in (runtime/block_swap.py)."""
+    swapped = sorted(blocks[len(blocks) - k:]) if k else []
+    return int(sum(swapped[:-2]))
+
+
+def _block_bytes(build, scale: float) -> list:
+    """Each swappable block's frozen bytes (the family's swap_lists, in the order they run), fp32 bytes x `scale`
+    (the quantized base's share); [] for a network that refuses meta or a family with none."""
+    from diffrelay.nets import registry
+
+    try:
+        with registry.on_device("meta"), contextlib.redirect_stdout(sys.stderr):
+            text_net = getattr(build(), "net", None)  # the objective's wrapper of a families.network.TextNet
+            lists = text_net.family.swap_lists
+            blocks = [b for name in lists for b in getattr(text_net.model, name, None) or []]
+    except (Exception, SystemExit):  # noqa: BLE001 -- no breakdown
+        return []
+    return [int(sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad) * scale)
+            for b in blocks]
 
 
 def _checkpointing(setting) -> str:

@@ -46,6 +46,7 @@ class Family:
     single_file = False  # diffusers' from_single_file loads the network (model.pretrained {path: file, config: dir})
     guidance = 1.0  # the training guidance input of a guidance-distilled network (guidance_input)
     # --- training
+    swap_lists: tuple = ("transformer_blocks",)  # the network's ModuleLists of blocks train.block_swap may swap
     fsdp_views: tuple = ()  # block classes whose outputs FSDP2 may hand on as views (warnings filtered, sharding)
     # --- docs/pretrained.md's memory table (benchmarks/pretrained_memory.py): name -> published config
     published: dict = {}
@@ -112,6 +113,10 @@ class Family:
     def zeros_for_empty_prompt(self, index: dict) -> bool:
         """The pipeline guides an image without a negative prompt against zero embeddings (SDXL)."""
         return False
+
+    def block_count(self, config: dict) -> int | None:
+        """The blocks of `swap_lists` a network of `config` has (train.block_swap's bound), None when unknown."""
+        return config.get("num_layers")
 
     def guidance_input(self, model_cfg: dict) -> bool | None:
         """None for a family without a guidance input; else whether this network takes one (FLUX.1-dev)."""

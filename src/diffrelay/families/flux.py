@@ -39,6 +39,7 @@ class Flux(Family):
         "ff_context.net.0.proj", "ff_context.net.2")
     comfyui = "kohya-flux"  # sd-scripts' networks/lora_flux.py: "lora_unet_" + Black Forest Labs' module names
     comfyui_label = "FLUX.1"
+    swap_lists = ("transformer_blocks", "single_transformer_blocks")  # in the order they run
     fsdp_views = ("FSDPFluxSingleTransformerBlock",)
     published = {"flux.1-dev": {
         "repo": "black-forest-labs/FLUX.1-dev transformer/config.json", "objective": "flow",
@@ -86,6 +87,11 @@ class Flux(Family):
                         pooled_projections=text.pooled.to(x.dtype), encoder_hidden_states=states,
                         txt_ids=states.new_zeros(states.shape[1], 3), img_ids=net.cache[key], return_dict=False)[0]
         return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def block_count(self, config: dict) -> int | None:
+        if "num_layers" not in config or "num_single_layers" not in config:
+            return None
+        return config["num_layers"] + config["num_single_layers"]
 
     def downsampling(self, kwargs: dict) -> int:
         return 2  # 2 x 2 latent pixels a token

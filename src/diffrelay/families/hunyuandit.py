@@ -25,6 +25,9 @@ ROPE_BASE = 512 // 8  # pipeline_hunyuandit: base_size = 512 // 8 // patch_size 
 class HunyuanDiT(Family):
     name = short = "HunyuanDiT"
     arch = "hunyuandit"
+    # Its blocks are recomputed by diffrelay's own wrapper (recompute_blocks), whose rerun calls forward, not the
+    # module, so the swap's hooks would not run in the backward; at 1.5B parameters it fits without a swap.
+    swap_lists = ()
     network_class = "HunyuanDiT2DModel"
     pipelines = ("HunyuanDiTPipeline",)
     own_kwargs = ("time_scale", "pixel_size")

@@ -14,6 +14,7 @@ BLOCKS = [320, 640, 1280, 1280]  # UNet2DConditionModel's default block_out_chan
 class StableDiffusion(Family):
     name = short = "SD 1.x/2.x"
     arch = "diffusers-unet"
+    swap_lists = ()  # a UNet: no list of transformer blocks
     network_class = "UNet2DConditionModel"
     pipelines = ("StableDiffusionPipeline",)
     own_kwargs = ("time_scale", "use_mask", "pixel_size")

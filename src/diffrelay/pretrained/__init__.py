@@ -101,6 +101,10 @@ def _expand(d: dict, spec) -> list[tuple[str, str]]:
             if section.get("shift", 1.0) == 1.0:
                 section["shift"] = schedule["shift"]
     bad += family.expand(pipe, kwargs, d["sample"])  # the family's own keys (FLUX.1's guidance input)
+    swap, blocks = d["train"].get("block_swap", 0), family.block_count(kwargs)
+    if swap and family.swap_lists and blocks is not None and swap > blocks:
+        bad.append((f"train.block_swap={swap}", f"{pipe.root / pipe.net}/config.json has {blocks} blocks "
+                    f"({' + '.join(family.swap_lists)}); swap at most {blocks}"))
     if data["encoder"] not in ("none", "sd-vae", "sd-vae-ft-mse", "sd-vae-ft-ema"):
         bad.append(_conflict("data.encoder", data["encoder"], "sd-vae (its vae/)", "drop it, or give data.encoder_path "
                              "another AutoencoderKL folder"))

@@ -88,7 +88,28 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if t["activation_checkpointing"] == "offload" and t["compile"]:
         bad.append(("train.activation_checkpointing=offload", "moves saved tensors with autograd hooks, not verified "
                     "under train.compile; set train.compile: false, or activation_checkpointing: true"))
+    if t["block_swap"]:
+        bad += _check_block_swap(d["model"], t)
     return bad
+
+
+def _check_block_swap(m: dict, t: dict) -> list[tuple[str, str]]:
+    """What runtime/block_swap.py cannot swap."""
+    from diffrelay import families
+
+    key, family = f"train.block_swap={t['block_swap']}", families.of_config(m)
+    if t["lora"] is None:
+        return [(key, "swaps a LoRA run's frozen base, and a full fine-tune trains every weight (they would travel "
+                 "with their gradients and optimizer state); set train.lora, or train.block_swap: 0")]
+    if family is None or not family.swap_lists:
+        name = family.short if family else m["arch"]
+        return [(key, f"{name} names no transformer blocks to swap (docs/gpus.md, \"Block swap\": the transformer "
+                 "families); set train.block_swap: 0")]
+    checks = [(not t["activation_checkpointing"], "train.activation_checkpointing: true (a swapped block runs its "
+               "forward again in the backward, so no saved tensor holds its weights)"),
+              (t["sharding"] == "fsdp2", "train.sharding: ddp (fully_shard already moves the blocks' weights)"),
+              (t["compile"], "train.compile: false (the swap's hooks run between the blocks)")]
+    return [(key, f"needs {need}") for bad, need in checks if bad]
 
 
 def _check_fsdp2(m: dict, t: dict) -> list[tuple[str, str]]:

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrelay import logs
 from diffrelay.data import loader
 from diffrelay.data.order import BucketOrder, DataOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
 from diffrelay.pretrained import folder, lora, weights
-from diffrelay.runtime import speed
+from diffrelay.runtime import block_swap, speed
 from diffrelay.errors import UserError
 from diffrelay.runtime import distributed
 from diffrelay.training import fused_backward, optim, optimizers, phema, sharded_checkpoint, sharding
@@ -31,6 +32,7 @@ class TrainState:
     lora: dict | None = None  # train.lora's spec: the net's and EMAs' state is the adapter's tensors only
     sharded: bool = False  # train.sharding: fsdp2: parameters, gradients, optimizer state and averages sharded
     optimizer: str = "adam"  # train.optimizer
+    swap: block_swap.BlockSwap | None = None  # train.block_swap's, None when off
 
     @classmethod
     def build(cls, cfg, data, device) -> "TrainState":
@@ -42,7 +44,9 @@ class TrainState:
                                text=text.dims if text else None)
         # Sharded, the network and its averages stay in the CPU's memory until fully_shard moves each block's shard
         # to the device (FSDP2's _move_states_to_device, block by block): the whole never has to fit one GPU.
-        net = net if t.sharding == "fsdp2" else net.to(device)
+        # With train.block_swap the network waits on the host until the swapped blocks' frozen weights are parked
+        # there (block_swap.py), so they never reach the GPU whole.
+        net = net if t.sharding == "fsdp2" or t.block_swap else net.to(device)
         if cfg.model.pretrained is not None:  # step 0 starts from the pipeline's weights; a resume loads over them
             weights.load_initial(net, cfg.to_dict()["model"]["pretrained"])
         # The adapter on the pipeline's weights; the EMAs copy the frozen base too (it stays equal to the net's).
@@ -52,8 +56,18 @@ class TrainState:
         params = net.parameters() if spec is None else lora.attach(net, spec, cfg.run.seed)
         if t.activation_checkpointing:
             registry.enable_checkpointing(net, cfg.model.arch)
+        swap = None
+        if t.block_swap:
+            text_net = getattr(net, "net", net)  # the objective's wrapper of a families.network.TextNet (weights.text_net)
+            blocks = block_swap.swap_blocks(text_net.model, text_net.family.swap_lists, t.block_swap)
+            swap = block_swap.BlockSwap(blocks, device)
+            net = net.to(device)
         net = speed.to_memory_format(net, t.channels_last)  # before the EMA copies, so they match
         ema = optim.EMA(net, t.ema_decays, t.ema_halflife_kimg, t.ema_rampup_ratio, t.batch_size)
+        if swap is not None:  # after the EMAs' copies: they share the frozen base and carry no hooks
+            swap.hook()
+            logs.get().info("train.block_swap: the frozen weights of the last %d blocks (%.3f GB) wait on the host",
+                            len(blocks), swap.frozen_bytes() / 1e9)
         pema = phema.PowerEMA(net, t.phema.profiles) if t.phema.every else None
         sharded = t.sharding == "fsdp2"
         if sharded:  # the network and every average alike; the optimizer then holds the sharded parameters
@@ -71,7 +85,7 @@ class TrainState:
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
                    order=_order(cfg.run.seed, data, t.batch_size), lora=spec, sharded=sharded,
-                   optimizer=t.optimizer)
+                   optimizer=t.optimizer, swap=swap)
 
     def load(self, state: dict, meta: dict, path) -> None:
         made = (state.get("sharding") or {}).get("kind", "ddp")
