@@ -113,6 +113,10 @@ def trajectory_of(d: dict) -> dict:
     center = ("crop",) if data.get("crop") == "center" else ()  # the default: hashed as before data.crop existed
     if data.get("buckets", 0) is None:
         del data["buckets"]  # off: hashed as before data.buckets existed
+    if data.get("subsets", 0) is None:
+        del data["subsets"]  # off: hashed as before data.subsets existed
+    if data.get("min_size", 1) == 0:
+        del data["min_size"]  # off: likewise
     for key in ("encoder_path", "keep_images") + center + (() if _latent(data) else ("encoder", "latent_norm")):
         data.pop(key, None)
     if data.get("encoder") == "sd-vae":

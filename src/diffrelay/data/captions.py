@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from diffrelay import io
-from diffrelay.data import shapes
+from diffrelay.data import shapes, subsets
 from diffrelay.errors import UserError
 
 FORMAT = "captions/1"
@@ -192,8 +192,10 @@ def table(path: Path, root: Path, rels, file_col: str, cap_col: str, key: str) -
     return got
 
 
-def folder(root: Path, files, setting: str, file_col: str, cap_col: str, key: str = "data.path") -> tuple:
-    """(source, [captions of each (rel, sha) of `files`]); an unreadable image (sha None: skipped) may have none."""
+def folder(root: Path, files, setting: str, file_col: str, cap_col: str, key: str = "data.path",
+           subset_rels=(), subset_settings=()) -> tuple:
+    """(source, [captions of each (rel, sha) of `files`]); an unreadable image (sha None: skipped) may have none.
+    With data.subsets, each image's captions get its subset's trigger words (subsets.captions)."""
     rels = [f[0] for f in files]
     meta = root / METADATA
     if setting == "auto" and not (meta.exists() or meta.is_symlink()):
@@ -203,10 +205,14 @@ def folder(root: Path, files, setting: str, file_col: str, cap_col: str, key: st
         source = METADATA if setting == "auto" else str(path.resolve())
         by = table(path, root, rels, file_col, cap_col, key)
         found = [by.get(rel) for rel in rels]
+    if subset_rels:
+        which = subsets.of_rels(rels, list(subset_rels))
+        found = [subsets.captions(caps, subset_settings[k]) for caps, k in zip(found, which)]
     for (rel, sha), caps in zip(files, found):
         if caps is None and sha is not None:
             stem = Path(rel).with_suffix("").name
-            why = (f"{stem}.txt or {stem}.caption not found beside it; write one" if source == "sidecars" else
+            why = (f"{stem}.txt or {stem}.caption not found beside it; write one" + (
+                   ", give its data.subsets entry class_tokens" if subset_rels else "") if source == "sidecars" else
                    f"no row of {path} names it in column '{file_col}'; add one")
             raise UserError(f"{root / rel}: no caption ({why}, or remove the image)")
     return source, [caps or [] for caps in found]
@@ -270,7 +276,8 @@ def attach(p, data, hash_files, folder_labels):
         per, val_per = ([shapes.captions(p.seed, f[0], p.resolution) for f in fs]
                         for fs in (files or [(i,) for i in range(p.count)], val_files))
     else:
-        source, per = folder(p.root, p.files, data.captions, data.file_column, data.caption_column)
+        source, per = folder(p.root, p.files, data.captions, data.file_column, data.caption_column,
+                             subset_rels=p.subsets, subset_settings=p.subset_settings)
         if data.val_path:
             val_root = Path(data.val_path).expanduser()
             a, b = p.root.resolve(), val_root.resolve()
@@ -308,7 +315,8 @@ def val_plan(p):
     return dataclasses.replace(
         p, files=p.val_files, root=root, source=str(root.resolve()) if root else p.source, texts=p.val_texts,
         caption_rows=p.val_caption_rows, val_files=(), val_texts=(), val_caption_rows=(), val_root=None, latent=None,
-        xflip=False, keep_images=True, buckets=(), bucket_of=(), bucket_settings=None)  # held-out images: squares
+        xflip=False, keep_images=True, buckets=(), bucket_of=(), bucket_settings=None,  # held-out images: squares
+        subsets=(), subset_settings=(), too_small=())
 
 
 def label_of(rels, class_names, where: Path) -> tuple[list[int], list]:

@@ -16,9 +16,10 @@ from PIL import Image, UnidentifiedImageError
 
 from diffrelay import io, logs
 from diffrelay.runtime import parallel
-from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents
+from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents, subsets
 from diffrelay.data.files import (EXTENSIONS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageTooLarge,  # noqa: F401
-                                  folder_labels, hash_files, list_images, open_image, to_rgb, unopenable)
+                                  folder_labels, hash_files, image_size, list_images, open_image, to_rgb,
+                                  unopenable)
 from diffrelay.data.shapes import SHAPE_NAMES, SHAPES_VERSION, draw_shape, shape_row  # noqa: F401 (re-exported)
 from diffrelay.errors import UserError
 
@@ -56,12 +57,16 @@ class Plan:
     bucket_of: tuple = ()  # each file's bucket index; -1: unreadable, skipped
     bucket_settings: dict | None = None
     max_pixels: int = MAX_IMAGE_PIXELS  # data.max_image_pixels: a larger image is refused (or skipped) unread
+    subsets: tuple = ()  # data.subsets: each subset's folder relative to root (data/subsets.py); () = none
+    subset_settings: tuple = ()  # their config entries (captions: prefix, suffix, class_tokens)
+    too_small: tuple = ()  # data.min_size: the images left out for it (relative paths)
 
     def __post_init__(self):  # a plan read back from JSON (encoding.read_plan) holds lists
         for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text",
-                     "buckets", "bucket_of"):
+                     "buckets", "bucket_of", "subsets", "subset_settings", "too_small"):
             v = getattr(self, name)
-            object.__setattr__(self, name, tuple(v) if "text" in name or name == "bucket_of" else tuple(map(tuple, v)))
+            flat = "text" in name or name in ("bucket_of", "subsets", "subset_settings", "too_small")
+            object.__setattr__(self, name, tuple(v) if flat else tuple(map(tuple, v)))
 
     @property
     def total(self) -> int:
@@ -87,6 +92,8 @@ class Prepared:
     captions: "captions.Captions | None" = None  # a captioned dataset's (captions.json)
     text: object = None  # a text run's text.source.TextSource, set by training (train._set_up)
     buckets: "bucketed.Buckets | None" = None  # data.buckets: each bucket's arrays (data/bucketed.py)
+    subsets: np.ndarray | None = None  # data.subsets: int16 (N,), each row's subset (data/subsets.py)
+    subset_names: tuple = ()  # their folders, relative to data.path
 
     @property
     def shape(self) -> tuple:
@@ -230,15 +237,31 @@ def _pixel_plan(data) -> Plan:
                     count=data.count)
     root = Path(data.path).expanduser()
     files = hash_files(root, data.on_corrupt)
+    part, subset_rels, settings, small = {}, (), (), ()
+    if getattr(data, "min_size", 0):  # data.min_size: read from each header, the image is left out unread
+        small = tuple(rel for rel, sha in files if sha is not None and min(image_size(root / rel)) < data.min_size)
+        gone = set(small)
+        files = tuple(f for f in files if f[0] not in gone)
+        part["min_size"] = data.min_size
+        if not files:
+            raise UserError(f"{io.shown(root)}: data.min_size={data.min_size}: every image has a shorter side below it; "
+                            "lower data.min_size, or add larger images")
+    if getattr(data, "subsets", None) is not None:  # each image in one subset (data/subsets.py)
+        as_dict = data.to_dict() if hasattr(data, "to_dict") else dict(data)
+        subset_rels, settings = tuple(subsets.relative(as_dict)), tuple(as_dict["subsets"])
+        subsets.check_files(root, files, list(subset_rels))
+        part["subsets"] = list(subset_rels)
     # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
     # The crop joins only when it is not center, so datasets made before data.crop existed keep theirs.
     # So does data.max_image_pixels off its default where data.on_corrupt skip leaves out the images past it.
     mode, bound = getattr(data, "crop", "center"), getattr(data, "max_image_pixels", MAX_IMAGE_PIXELS)
     fp = _digest({"format": f"folder/{FOLDER_VERSION}", "resolution": data.resolution, "labels": data.labels,
                   "files": [list(f) for f in files]} | ({} if mode == "center" else {"crop": mode})
-                 | ({"max_pixels": bound} if data.on_corrupt == "skip" and bound != MAX_IMAGE_PIXELS else {}))
+                 | ({"max_pixels": bound} if data.on_corrupt == "skip" and bound != MAX_IMAGE_PIXELS else {}) | part)
     return Plan("folder", data.resolution, data.labels, fp, str(root.resolve()), root=root, files=files,
-                on_corrupt=data.on_corrupt, crop=mode, max_pixels=bound)
+                on_corrupt=data.on_corrupt, crop=mode, max_pixels=bound, subsets=subset_rels,
+                subset_settings=settings, too_small=small)
+
 
 
 def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None) -> dict:
@@ -289,6 +312,9 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
                             f"(all skipped); fix the files or point data.path at another folder")
         if p.labels == "auto":
             labels, class_names = folder_labels(rels) if fixed is None else captions.label_of(rels, fixed, p.root)
+    if p.too_small:
+        logs.get().info(f"prepare: left out {len(p.too_small)} image(s) with a side below data.min_size, e.g. "
+                        f"{io.shown(p.too_small[0])}; listed in dataset.json 'too_small'")
     if skipped:
         logs.get().warning(f"prepare: skipped {len(skipped)} unreadable image(s) (or of more than "
                            f"data.max_image_pixels={p.max_pixels:,} pixels), e.g. {io.shown(skipped[0])}; listed in "
@@ -301,6 +327,11 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
         info["latent"] = p.latent | {"xflip": p.xflip, "keep_images": p.keep_images}
     if p.buckets:
         info["buckets"] = bucketed.record(p, out)
+    if p.subsets:  # each trained row's subset (data/subsets.py)
+        np.save(out / subsets.FILE, subsets.of_rels(rels, list(p.subsets)))
+        info["subsets"] = list(p.subsets)
+    if p.too_small:
+        info["too_small"] = list(p.too_small)
     if p.texts:
         info["captions"] = captions.write(p, out, rels, build, workers, class_names)
     info |= extra or {}
@@ -340,8 +371,20 @@ def open_prepared(path) -> Prepared:
     encoded, flipped = latents.open_arrays(path, info, n) if latent and "buckets" not in info else (None, None)
     texts = captions.open_file(path / captions.FILE, n) if "captions" in info else None
     held = bucketed.open_arrays(path, info, n) if "buckets" in info else None
+    of_row = None
+    if "subsets" in info:
+        try:
+            io.check_regular_file(path / subsets.FILE, 1 << 40, "dataset array", fix)
+            of_row = np.load(path / subsets.FILE)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path / subsets.FILE}: missing or unreadable ({e}); {fix}") from e
+        if of_row.shape != (n,) or of_row.dtype != np.int16 or of_row.min(initial=0) < 0 or \
+                of_row.max(initial=0) >= len(info["subsets"]):
+            raise UserError(f"{path / subsets.FILE}: shape {of_row.shape} {of_row.dtype} does not match dataset.json "
+                            f"(count={n}, int16 below {len(info['subsets'])}); {fix}")
     return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"],
-                    latent, encoded, flipped, texts, buckets=held)
+                    latent, encoded, flipped, texts, buckets=held, subsets=of_row,
+                    subset_names=tuple(info.get("subsets", ())))
 
 
 def open_val(path) -> Prepared | None:

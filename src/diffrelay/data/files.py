@@ -163,3 +163,12 @@ def to_rgb(img: Image.Image) -> Image.Image:
         white = Image.new("RGBA", img.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, img).convert("RGB")
     return img.convert("RGB")
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the file's header (nothing decoded); (0, 0) when it cannot be read: too small."""
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return 0, 0

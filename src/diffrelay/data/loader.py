@@ -41,6 +41,8 @@ class Batch:
     masks: list = field(default_factory=list)  # one (drop, flip) augment.Rows per round, on the device
     augments: list = field(default_factory=list)  # one edm_augment.Draws per round (rows on the device); [] = off
     pipe: edm_augment.Pipe | None = None  # EDM's augmentation pipe at train.augment; None = off
+    bucket: int | None = None  # the step's bucket (data.buckets), None for squares
+    subsets: np.ndarray | None = None  # the global batch's rows of each subset (data.subsets), None without
 
     def augmented(self, k: int, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(images, augmentation labels) of round k: EDM's pipe applied to its clean images, or (images, None)."""
@@ -154,7 +156,9 @@ class BatchMaker:
         # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
                  for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
-        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe)
+        of = getattr(self.data, "subsets", None)
+        counts = None if of is None else np.bincount(of[global_indices], minlength=len(self.data.subset_names))
+        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe, bucket, counts)
 
     def _sizes(self, rows: np.ndarray, bucket: int) -> torch.Tensor:
         """(B, 6) float32: original height, width, crop top, left, target height, width of each row, in pixels

@@ -63,14 +63,20 @@ class DataOrder:
     at 1.28 M), the only per-image memory of a training process besides the memory-mapped arrays.
     """
 
-    def __init__(self, seed: int, n: int, global_batch: int, consumed: int = 0):
+    def __init__(self, seed: int, n: int, global_batch: int, consumed: int = 0, repeats: np.ndarray | None = None):
+        # data.subsets' repeats: an epoch is a permutation of the rows each listed `repeats` times (None: once, the
+        # order of every run without them, unchanged)
+        self.repeats = repeats
+        self.rows = None if repeats is None else np.repeat(np.arange(n, dtype=np.int64), repeats)
+        n = n if self.rows is None else len(self.rows)
         self.seed, self.n, self.global_batch, self.consumed = seed, n, global_batch, consumed
         self._epoch, self._perm = None, None
         self.bucket = None  # BucketOrder: the bucket of the last batch made
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            self._epoch, self._perm = epoch, epoch_permutation(self.seed, epoch, self.n)
+            perm = epoch_permutation(self.seed, epoch, self.n)
+            self._epoch, self._perm = epoch, perm if self.rows is None else self.rows[perm]
         return self._perm
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +88,9 @@ class DataOrder:
 
     def copy(self) -> "DataOrder":
         """A copy at the same position (the prefetcher reads ahead with one)."""
-        return DataOrder(self.seed, self.n, self.global_batch, self.consumed)
+        if self.rows is None:
+            return DataOrder(self.seed, self.n, self.global_batch, self.consumed)
+        return DataOrder(self.seed, len(self.repeats), self.global_batch, self.consumed, self.repeats)
 
     def advance(self) -> None:
         """Count one global batch as consumed without computing it (a read-ahead copy computed it)."""
@@ -106,8 +114,12 @@ class BucketOrder(DataOrder):
     `consumed` is the whole state. Building an epoch is O(dataset), once per epoch; a step is O(batch).
     """
 
-    def __init__(self, seed: int, groups: list, global_batch: int, consumed: int = 0):
+    def __init__(self, seed: int, groups: list, global_batch: int, consumed: int = 0,
+                 repeats: np.ndarray | None = None):
+        # data.subsets' repeats: each bucket lists a row `repeats` times before its epoch's permutation
         self.groups = [np.asarray(g, dtype=np.int64) for g in groups]
+        if repeats is not None:
+            self.groups = [np.repeat(g, repeats[g]) for g in self.groups]
         self.per_epoch = sum(len(g) // global_batch for g in self.groups)
         if not self.per_epoch:
             raise ValueError("no bucket fills one global batch")  # bucketed.check_batches says it first

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrelay import logs
-from diffrelay.data import loader
+from diffrelay.data import loader, subsets
 from diffrelay.data.order import BucketOrder, DataOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
@@ -84,7 +84,8 @@ class TrainState:
         return cls(net=net, ema=ema, pema=pema, opt=opt, sched=optim.build_schedule(opt, t),
                    scaler=torch.amp.GradScaler(device.type, init_scale=_first_scale(t, data.shape),
                                                enabled=t.precision == "fp16"),
-                   order=_order(cfg.run.seed, data, t.batch_size), lora=spec, sharded=sharded,
+                   order=_order(cfg.run.seed, data, t.batch_size, cfg.to_dict()["data"].get("subsets")),
+                   lora=spec, sharded=sharded,
                    optimizer=t.optimizer, swap=swap)
 
     def load(self, state: dict, meta: dict, path) -> None:
@@ -245,9 +246,10 @@ def _first_scale(t, shape) -> float:
     return 2.0**16 / 2 ** math.ceil(math.log2(elements)) if t.loss_reduction == "sum" else 2.0**16
 
 
-def _order(seed: int, data, global_batch: int) -> DataOrder:
+def _order(seed: int, data, global_batch: int, subset_settings=None) -> DataOrder:
     """The data order: each global batch from one bucket in a bucketed dataset (data.buckets), else the shuffled
-    stream of every row."""
+    stream of every row; each row as many times an epoch as its subset's repeats (data.subsets)."""
+    repeats = subsets.repeats(subset_settings, getattr(data, "subsets", None))
     if data.buckets is None:
-        return DataOrder(seed, data.count, global_batch)
-    return BucketOrder(seed, data.buckets.members(), global_batch)
+        return DataOrder(seed, data.count, global_batch, repeats=repeats)
+    return BucketOrder(seed, data.buckets.members(), global_batch, repeats=repeats)

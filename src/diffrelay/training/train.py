@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffrelay import config, io, logs, nets, objectives
 from diffrelay.config import preflight
-from diffrelay.data import augment, datasets, latents, loader, sources as data_sources
+from diffrelay.data import augment, datasets, latents, loader, sources as data_sources, subsets
 from diffrelay.data.order import step_seed
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
@@ -197,6 +197,7 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
         stop.acknowledged = any_stop  # every rank got past the step's reduction: no watcher needed
         stop.longest_step = max(stop.longest_step, time.perf_counter() - step_t0)
         _apply_update(st, step, mean_loss, any_bad, gnorm, window, log)
+        subsets.tally(window, batch.bucket, batch.subsets, data)
         step += 1
         window["steps"] += 1
 
@@ -390,6 +391,7 @@ def _report(log, metrics_path, step, until, t, window, sched, skipped, seg_t0, s
               "grad_norm": gnorm, "skipped": skipped, "skipped_in_window": window["steps"] - n,
               "steps_per_s": round(rate, 4), "images_per_s": round(rate * t.batch_size, 2),
               "elapsed": round(time.perf_counter() - seg_t0, 3)}
+    record |= {k: window[k] for k in ("buckets", "subsets") if k in window}  # absent without buckets or subsets
     logs.append_jsonl(metrics_path, record)
     return record
 

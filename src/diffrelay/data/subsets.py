@@ -1,0 +1,134 @@
+"""data.subsets: several image folders in one run, each with its repeats and its trigger words (docs/data.md,
+"Subsets"; kohya sd-scripts' [[datasets.subsets]], docs/config_README-en.md).
+
+A subset is a folder inside data.path, so one root keeps its one fingerprint, caption sources and held-out split;
+every image of data.path must lie in exactly one subset (a stray one is refused in one line, not trained silently).
+- captions: caption_prefix and caption_suffix are joined to each caption with a space, and class_tokens is the
+  caption of an image that has none, as kohya's train_util does (`caption_prefix + " " + caption`; DreamBooth-style
+  folders captioned by their class tokens). They are applied when `prepare` reads the captions, so the cached
+  embeddings hold the trigger words.
+- repeats: an image counts `repeats` times in an epoch (kohya's num_repeats). The data order draws each epoch's
+  permutation over the repeated rows (order.DataOrder), so the order stays a function of the seed and the position
+  alone, and changing repeats changes the order, not the prepared dataset.
+- `subsets.npy` in the dataset folder holds each trained row's subset; train.jsonl counts them per logged window.
+
+Torch-free (config checks at Snakefile parse time).
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from diffrelay.errors import UserError
+
+FILE = "subsets.npy"
+
+
+def relative(data: dict) -> list[str]:
+    """Each subset's folder as a posix path relative to data.path ("" is data.path itself; check_config first)."""
+    root = Path(os.path.expanduser(data["path"]))
+    out = []
+    for s in data["subsets"]:
+        path = Path(os.path.expanduser(s["path"]))
+        posix = (path.relative_to(root) if path.is_absolute() else path).as_posix()
+        out.append("" if posix == "." else posix.strip("/"))
+    return out
+
+
+def _within(a: str, b: str) -> bool:
+    """Folder a (relative) is b or lies inside it."""
+    return not b or a == b or a.startswith(b + "/")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def check_config(d: dict) -> list[tuple[str, str]]:
+    """(key, message) of data.subsets that cannot work, before any file is read."""
+    data = d["data"]
+    subsets = data.get("subsets")
+    if subsets is None:
+        return []
+    if data["kind"] != "folder" or not data.get("path"):
+        return [("data.subsets", "are folders inside data.path; set data.kind: folder and data.path")]
+    if not subsets:
+        return [("data.subsets", "is an empty list; give at least one subset, or set it to null")]
+    root = Path(os.path.expanduser(data["path"]))
+    for i, s in enumerate(subsets):
+        path = Path(os.path.expanduser(s["path"]))
+        if path.is_absolute() and not _inside(path, root) or ".." in path.parts:
+            return [(f"data.subsets[{i}].path={s['path']}", f"lies outside data.path ({data['path']}); give a folder "
+                     "inside it (relative to data.path, or absolute), or set data.path to a folder that holds every "
+                     "subset")]
+    rels = relative(data)
+    for i, a in enumerate(rels):
+        for j, b in enumerate(rels[:i]):
+            if _within(a, b) or _within(b, a):
+                return [(f"data.subsets[{i}].path={subsets[i]['path']}", f"lies in data.subsets[{j}].path="
+                         f"{subsets[j]['path']}; an image belongs to one subset: give folders side by side")]
+    return []
+
+
+def of_rels(rels, subset_rels: list[str]) -> np.ndarray:
+    """int16: the subset of each image (relative posix path); -1 where it lies in none."""
+    out = np.full(len(rels), -1, dtype=np.int16)
+    for i, rel in enumerate(rels):
+        for k, folder in enumerate(subset_rels):
+            if _within(rel, folder):
+                out[i] = k
+                break
+    return out
+
+
+def check_files(root: Path, files, subset_rels: list[str]) -> None:
+    """Refuse an image of data.path that lies in no subset (planning, before any image is decoded)."""
+    which = of_rels([f[0] for f in files], subset_rels)
+    stray = [f[0] for f, k in zip(files, which) if k < 0]
+    if stray:
+        more = f" and {len(stray) - 1} more" if len(stray) > 1 else ""
+        raise UserError(f"{root / stray[0]}{more}: in no folder of data.subsets ({', '.join(subset_rels)}); add a "
+                        "subset for its folder, or move it out of data.path")
+    empty = [folder for k, folder in enumerate(subset_rels) if not (which == k).any()]
+    if empty:
+        raise UserError(f"{root / empty[0]}: data.subsets folder with no image (searched recursively); add images, "
+                        "or drop the subset")
+
+
+def captions(caps: list[str] | None, subset: dict) -> list[str] | None:
+    """A subset's captions of one image: class_tokens where it has none, prefix and suffix joined by a space."""
+    if not caps and subset.get("class_tokens"):
+        caps = [subset["class_tokens"]]
+    if caps is None:
+        return None
+    pre, post = subset.get("caption_prefix") or "", subset.get("caption_suffix") or ""
+    return [" ".join(x for x in (pre, c, post) if x) for c in caps]
+
+
+def repeats(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray | None:
+    """Each trained row's repeats (None: all once, the order of a run without subsets)."""
+    if subsets is None or of_row is None:
+        return None
+    per = np.asarray([s["repeats"] for s in subsets], dtype=np.int64)
+    if len(of_row) and int(of_row.max()) >= len(per):
+        raise UserError(f"the prepared dataset has more subsets than data.subsets' {len(per)}; rerun `diffrelay "
+                        "prepare --config <your config>`")
+    out = per[np.asarray(of_row, dtype=np.int64)]
+    return None if (out == 1).all() else out
+
+
+def tally(window: dict, bucket: int | None, counts: np.ndarray | None, data) -> None:
+    """Add one step to a logged window: its bucket's steps and each subset's rows of the global batch (train.jsonl's
+    "buckets" and "subsets": a user sees that the repeats did what they set)."""
+    if bucket is not None:
+        key = "x".join(map(str, data.buckets.sizes[bucket]))
+        window.setdefault("buckets", {})[key] = window.get("buckets", {}).get(key, 0) + 1
+    if counts is not None:
+        total = window.setdefault("subsets", dict.fromkeys([n or "." for n in data.subset_names], 0))
+        for name, n in zip(list(total), counts.tolist(), strict=True):
+            total[name] += n
