@@ -3,8 +3,8 @@ families/flux.py against the loss lines of diffusers' train_dreambooth_lora_flux
 with diffusers, so the stand-in below restates what its lines do (get_sigmas; in the accumulate block the VAE's
 scale factor, the packed grid's ids, the time rounded to the scheduler's table, x_t = (1 - sigma) x + sigma noise
 packed 2 x 2 into tokens, the guidance input of a guidance-distilled transformer, its time input sigma, the
-prediction unpacked, the velocity loss); the check passes against it with the installed diffusers and fails when one
-line changes."""
+prediction unpacked, the velocity loss, and with --with_prior_preservation the class half's loss added at
+--prior_loss_weight); the check passes against it with the installed diffusers and fails when one line changes."""
 
 import sys
 from pathlib import Path
@@ -47,8 +47,17 @@ def main(args):
                                                       width=w * vae_scale_factor, vae_scale_factor=vae_scale_factor)
             weighting = compute_loss_weighting_for_sd3(weighting_scheme=args.weighting_scheme, sigmas=sigmas)
             target = noise - model_input
-            loss = ((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(b, -1)).mean(1)
+            if args.with_prior_preservation:
+                model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+                target, target_prior = torch.chunk(target, 2, dim=0)
+                weighting, weighting_prior = torch.chunk(weighting, 2, dim=0)
+                prior = (weighting_prior.float() * (model_pred_prior.float() - target_prior.float()) ** 2)
+                prior_loss = prior.reshape(target_prior.shape[0], -1).mean(1).mean()
+            loss = ((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1))
+            loss = loss.mean(1)
             loss = loss.mean()
+            if args.with_prior_preservation:
+                loss = loss + args.prior_loss_weight * prior_loss
             accelerator.backward(loss)
 '''
 
@@ -77,10 +86,15 @@ def test_the_check_passes_and_fails_when_the_guidance_or_the_target_changes(tmp_
     assert run(STAND_IN) == (0, [])
     # The guidance input of dev (schnell takes none): the guidance figure and dev's loss.
     code, fails = run(change(STAND_IN, "float(args.guidance_scale)", "float(args.guidance_scale) - 0.5"))
-    assert code == 1 and {line.split(":")[0] for line in fails} == {"FAIL guidance/dev", "FAIL loss/dev"}, fails
+    assert code == 1 and {line.split(":")[0] for line in fails} == {
+        "FAIL guidance/dev", "FAIL loss/dev", "FAIL guidance/dev-prior", "FAIL loss/dev-prior"}, fails
     # The velocity's sign: the loss of both cases, nothing the transformer saw.
     code, fails = run(change(STAND_IN, "target = noise - model_input", "target = model_input - noise"))
-    assert code == 1 and {line.split(":")[0] for line in fails} == {"FAIL loss/dev", "FAIL loss/schnell"}, fails
+    assert code == 1 and {line.split(":")[0] for line in fails} == {"FAIL loss/dev", "FAIL loss/schnell",
+                                                                    "FAIL loss/dev-prior"}, fails
+    # Prior preservation's weight dropped (0.7 in the check): the prior case's loss alone.
+    code, fails = run(change(STAND_IN, "loss + args.prior_loss_weight * prior_loss", "loss + prior_loss"))
+    assert code == 1 and {line.split(":")[0] for line in fails} == {"FAIL loss/dev-prior"}, fails
     # Rows and columns swapped in the packing: the tokens (x_t) and the loss.
     code, fails = run(change(STAND_IN, "noisy_model_input, b, c, h, w)", "noisy_model_input, b, c, w, h)"))
     assert code == 1 and {"FAIL x_t/dev", "FAIL x_t/schnell"} <= {line.split(":")[0] for line in fails}, fails

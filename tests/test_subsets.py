@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import run_cli
 from diffrelay import config
 from diffrelay.data import datasets, subsets
-from diffrelay.data.order import BucketOrder, DataOrder
+from diffrelay.data.order import BucketOrder, DataOrder, PairedOrder
 from diffrelay.errors import UserError
 
 
@@ -66,6 +66,20 @@ def test_trigger_words_enter_the_captions_and_an_epoch_holds_each_row_its_repeat
     assert Counter(int(buckets.next_batch()[0][0]) for _ in range(11)) == Counter(epoch)
 
 
+def test_a_paired_order_holds_instance_rows_then_regularisation_rows_and_resumes():
+    order = PairedOrder(3, [0, 1, 2], [3, 4], 4, repeats=np.array([2, 1, 1, 1, 1]))
+    batches = [order.next_batch()[0].tolist() for _ in range(4)]  # 2 + 2 a step: one instance epoch (4 rows)
+    assert all(set(b[:2]) <= {0, 1, 2} and set(b[2:]) <= {3, 4} for b in batches)
+    assert Counter(sum((b[:2] for b in batches), [])) == {0: 4, 1: 2, 2: 2}  # two epochs, row 0 twice in each
+    again = PairedOrder(0, [0, 1, 2], [3, 4], 4, repeats=np.array([2, 1, 1, 1, 1]))
+    again.load_state_dict(order.state_dict() | {"consumed": 4})
+    assert again.state_dict() == {"seed": 3, "consumed": 4} and again.copy().next_batch()[0].tolist() == batches[2]
+    w = subsets.prior_weights(4, 0.5)
+    losses = np.array([1.0, 3.0, 10.0, 20.0])  # diffusers: mean(instance) + w x mean(class) = 2 + 0.5 x 15
+    assert float((w * losses).mean()) == 9.5
+    assert float((w[0::2] * losses[0::2]).mean() + (w[1::2] * losses[1::2]).mean()) / 2 == 9.5  # over 2 ranks
+
+
 @pytest.mark.parametrize("subset, stray, why", [
     ({"path": "/elsewhere"}, None, "lies outside data.path"),
     ({"path": "dog/inner"}, None, "lies in data.subsets[0].path=dog"),
@@ -80,19 +94,33 @@ def test_what_subsets_cannot_take_is_one_line(tmp_path, subset, stray, why):
     assert why in str(e.value) and "\n" not in str(e.value)
 
 
-def test_train_jsonl_counts_each_subsets_rows(write_config, tmp_path):
-    folder(tmp_path / "src", {"dog": [(16, 16)] * 3, "cat": [(16, 16)] * 2})
-    cfg = write_config({"data": {"kind": "folder", "path": str(tmp_path / "src"),
-                                 "subsets": [{"path": "dog", "repeats": 3}, {"path": "cat"}]},
-                        "model": {"class_conditional": False},
-                        "train": {"total_steps": 11, "segment_steps": 11, "batch_size": 1, "log_every": 11},
-                        "sample": {"num_images": 2, "batch_size": 2}, "fid": {"batch_size": 2}})
-    run_cli("prepare", "--config", cfg)
-    run_cli("train", "--config", cfg, "--until-step", 11)
+def test_train_jsonl_counts_each_subsets_rows_and_prior_preservation_resumes_bit_for_bit(write_config, tmp_path):
+    """Batches of one instance and one regularisation row (is_reg): 11 steps hold one instance epoch (the dogs
+    three times, the cats once) and 11 regularisation rows; two segments of 4 and 7 steps equal one run."""
+    from test_train import assert_tensors_equal, load_state
+
+    folder(tmp_path / "src", {"dog": [(16, 16)] * 3, "cat": [(16, 16)] * 2, "reg": [(16, 16)] * 4})
+    over = {"data": {"kind": "folder", "path": str(tmp_path / "src"),
+                     "subsets": [{"path": "dog", "repeats": 3}, {"path": "cat"}, {"path": "reg", "is_reg": True}]},
+            "model": {"class_conditional": False},
+            "train": {"total_steps": 11, "segment_steps": 11, "batch_size": 2, "log_every": 11,
+                      "prior_loss_weight": 0.5},
+            "sample": {"num_images": 2, "batch_size": 2}, "fid": {"batch_size": 2}}
+    one = write_config(over)
+    run_cli("prepare", "--config", one)
+    run_cli("train", "--config", one, "--until-step", 11)
     records = [json.loads(x) for x in (tmp_path / "results/tiny/metrics/train.jsonl").read_text().splitlines()]
     step = next(r for r in records if r.get("step") == 11 and "loss" in r)
-    assert step["subsets"] == {"dog": 9, "cat": 2}  # one epoch: the repeated, weighted union
-    assert np.load(tmp_path / "results/tiny/dataset/subsets.npy").tolist() == [1, 1, 0, 0, 0]
+    assert step["subsets"] == {"dog": 9, "cat": 2, "reg": 11}  # one instance epoch: the repeated union
+    assert np.load(tmp_path / "results/tiny/dataset/subsets.npy").tolist() == [1, 1, 0, 0, 0, 2, 2, 2, 2]
+    two = write_config(over | {"run": {"name": "two", "results": str(tmp_path / "results"),
+                                       "resources": str(tmp_path / "resources")}}, name="two.yaml")
+    for until in (4, 11):
+        run_cli("train", "--config", two, "--dataset", tmp_path / "results/tiny/dataset", "--until-step", until)
+    a = load_state(tmp_path / "results/tiny/checkpoints/step_0000011")
+    b = load_state(tmp_path / "results/two/checkpoints/step_0000011")
+    for key in ("net", "ema", "optimizer", "order"):
+        assert_tensors_equal(a[key], b[key], key)
 
 
 def test_a_kohya_dataset_config_imports_as_subsets_and_says_what_it_leaves(tmp_path):
@@ -128,18 +156,68 @@ bucket_no_upscale = true
     p = run_cli("import-dataset", tmp_path / "dataset.toml", "--out", tmp_path / "data.yaml")
     lines = p.stderr.strip().splitlines()
     assert all(line.startswith(f"diffrelay: import-dataset: {tmp_path / 'dataset.toml'}: ") for line in lines)
-    assert any("subsets[2].is_reg=True: not carried over: regularisation images" in x for x in lines)
-    assert any("subsets[0].shuffle_caption=True: not carried over" in x for x in lines)
+    assert any("subsets[2].is_reg: carried over; diffrelay makes each batch half instance" in x for x in lines)
+    assert any("set data.text_cache: false (a new caption each step" in x for x in lines)
     assert any("flip_aug: set on some subsets only" in x for x in lines)
     overlay = __import__("yaml").safe_load((tmp_path / "data.yaml").read_text())
     assert overlay["train"] == {"batch_size": 2} and overlay["data"]["buckets"] == {"step": 64, "upscale": False}
+    assert (overlay["data"]["shuffle_caption"], overlay["data"]["keep_tokens"], overlay["data"]["text_cache"]) == (
+        True, 1, False)
     assert overlay["data"]["subsets"] == [{"path": "10_dog", "repeats": 10, "caption_prefix": "ohwx"},
-                                          {"path": "cat", "class_tokens": "sks cat"}]
-    (tmp_path / "img/reg/0.png").unlink()  # what import left out is not in data.path (or prepare would refuse it)
-    (tmp_path / "img/reg").rmdir()
-    d = config.validate({"data": overlay["data"] | {"captions": "none", "buckets": None}})
+                                          {"path": "cat", "class_tokens": "sks cat"}, {"path": "reg", "is_reg": True}]
+    (tmp_path / "img/reg/0.txt").write_text("a dog\n")
+    d = config.validate({"data": overlay["data"] | {"captions": "none", "buckets": None, "shuffle_caption": False,
+                                                    "keep_tokens": 0}, "train": overlay["train"]})
     d["data"]["captions"] = "auto"
     plan = datasets.plan(config.Config(d).data)
-    assert plan.texts == ("", "ohwx a dog", "sks cat") and plan.subsets == ("10_dog", "cat")
+    assert plan.texts == ("", "ohwx a dog", "sks cat", "a dog") and plan.subsets == ("10_dog", "cat", "reg")
     again = run_cli("import-dataset", tmp_path / "dataset.toml", "--out", tmp_path / "data.yaml", check=False)
     assert again.returncode == 2 and "exists; give --out a new file" in again.stderr
+
+
+@pytest.mark.parametrize("train, data, why", [
+    ({"batch_size": 3}, {}, "train.batch_size=3: is half instance, half regularisation images"),
+    ({}, {"buckets": {}}, "with data.buckets is not built"),
+    ({}, {"all_reg": True}, "marks every subset; prior preservation needs instance images too"),
+])
+def test_what_prior_preservation_cannot_take_is_one_line(tmp_path, train, data, why):
+    subs = [{"path": "dog", "is_reg": bool(data.pop("all_reg", False))}, {"path": "reg", "is_reg": True}]
+    d = {"data": {"kind": "folder", "path": str(tmp_path), "subsets": subs} | data, "train": train}
+    with pytest.raises(UserError) as e:
+        config.validate(d)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_caption_tags_are_kept_dropped_and_shuffled_by_seed_and_position_alone():
+    from types import SimpleNamespace
+
+    from diffrelay.data import tags
+
+    caption = "ohwx, a dog, grass, sky, red collar, running"
+    rng = np.random.Generator(np.random.PCG64(1))
+    out = tags.process(caption, rng, shuffle=True, keep=2, keep_separator="", dropout=0.0)
+    assert out.startswith("ohwx, a dog, ") and sorted(out.split(", ")) == sorted(caption.split(", "))
+    kept = tags.process("ohwx, a dog ||| grass, sky", rng, shuffle=True, keep=0, keep_separator="|||", dropout=0.99)
+    assert kept == "ohwx, a dog"  # everything before the separator stays; the rest dropped at 0.99
+    data = SimpleNamespace(shuffle_caption=True, keep_tokens=1, keep_tokens_separator="", caption_tag_dropout=0.3)
+    texts = [caption] * 4
+    whole = tags.rows(texts, 0, 5, np.arange(4), data)
+    assert len(set(whole)) > 1 and all(t.startswith("ohwx, ") for t in whole)
+    # rank r of 2 holds positions r::2: the same captions as the whole batch's, and again on a rerun (a resume)
+    assert tags.rows(texts[0::2], 0, 5, np.arange(4)[0::2], data) == whole[0::2]
+    assert tags.rows(texts[1::2], 0, 5, np.arange(4)[1::2], data) == whole[1::2] == tags.rows(texts, 0, 5,
+                                                                                                 np.arange(4), data)[1::2]
+    assert tags.rows(texts, 0, 6, np.arange(4), data) != whole  # another step, other draws
+    assert tags.process("", rng, True, 0, "", 0.5) == ""  # a dropped caption stays empty
+
+
+@pytest.mark.parametrize("data, why", [
+    ({"shuffle_caption": True}, "data.shuffle_caption=True: makes a new caption each step, and data.text_cache"),
+    ({"keep_tokens": 2, "text_cache": False}, "says which tags stay in place"),
+    ({"caption_tag_dropout": 0.1, "captions": "none"}, "processes captions; this run has none"),
+])
+def test_what_caption_tags_cannot_take_is_one_line(data, why):
+    d = {"data": {"kind": "shapes", "captions": "auto"} | data}
+    with pytest.raises(UserError) as e:
+        config.validate(d)
+    assert why in str(e.value) and "\n" not in str(e.value)

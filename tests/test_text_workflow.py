@@ -225,6 +225,12 @@ def test_encoding_in_the_step_trains_the_weights_of_the_cache(text_run):
     a, _ = checkpoint.load_checkpoint(work / "results" / "t2i" / "checkpoints" / "step_0000002")
     b, _ = checkpoint.load_checkpoint(work / "results" / "t2i-live" / "checkpoints" / "step_0000002")
     assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
+    # Tag dropout (data/tags.py) goes through the same step: its captions, encoded there, train other weights.
+    tagged = write(work, text_config(work, name="t2i-tags", data={"text_cache": False, "caption_tag_dropout": 0.5}),
+                   "tags.yaml")
+    run_cli("train", "--config", tagged, "--dataset", work / "results" / "t2i-live" / "dataset", "--until-step", "2")
+    c, _ = checkpoint.load_checkpoint(work / "results" / "t2i-tags" / "checkpoints" / "step_0000002")
+    assert not all(torch.equal(a["net"][k], c["net"][k]) for k in a["net"])
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ FLUX.1-dev's dynamic shifting, and with schnell's shift 1, the training table is
 and time.
 
 Cases: dev (scheduler shift 3, use_dynamic_shifting, base_shift 0.5, max_shift 1.15, base_image_seq_len 256,
-max_image_seq_len 4096; guidance_embeds, the guidance input 3.5) and schnell (shift 1, no dynamic shifting; no
-guidance input). Compared: the packed x_t each transformer saw (max abs), its time input (ours t against the
+max_image_seq_len 4096; guidance_embeds, the guidance input 3.5), schnell (shift 1, no dynamic shifting; no
+guidance input) and dev-prior (dev with --with_prior_preservation and --prior_loss_weight 0.7: the batch's last
+three rows are the class images, the script's lines run on to its `loss + args.prior_loss_weight * prior_loss`;
+ours weighs the rows as diffrelay's loader does under data.subsets' is_reg, data.subsets.prior_weights). Compared: the packed x_t each transformer saw (max abs), its time input (ours t against the
 script's timesteps / 1000, max abs), its guidance input (equal: None for schnell), its img_ids and txt_ids (max
 abs), the loss (relative); rounding/*: |sigma - (1 - u)|, the distance of the script's time from the continuous
 time diffrelay draws, at most one table step; table/*: the sigma table the script's lines index
@@ -51,6 +53,7 @@ from official import Gate, script_command, write_results
 
 from check_diffusers_objective import import_diffusers
 from check_diffusers_sd3_loss import accumulate_block
+from diffrelay.data import subsets
 from diffrelay.families import flux as flux_family
 from diffrelay.objectives import flow
 from diffrelay.text.condition import Text
@@ -61,9 +64,12 @@ U = [0.0004, 0.03, 0.31, 0.5, 0.77, 0.9993]  # the script's u: both ends of the 
 GUIDANCE = 3.5  # the script's --guidance_scale default, diffrelay's model.kwargs.guidance default
 TRANSFORMER = {"patch_size": 1, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
                "num_attention_heads": 2, "axes_dims_rope": (2, 2, 4)}  # in_channels 4C, D, P: set by build_flux
-CASES = {"dev": ({"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-                  "base_image_seq_len": 256, "max_image_seq_len": 4096}, True),
-         "schnell": ({"shift": 1.0, "use_dynamic_shifting": False}, False)}  # (scheduler config, guidance_embeds)
+DEV = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+       "max_image_seq_len": 4096}
+# (scheduler config, guidance_embeds, with_prior_preservation)
+CASES = {"dev": (DEV, True, False), "schnell": ({"shift": 1.0, "use_dynamic_shifting": False}, False, False),
+         "dev-prior": (DEV, True, True)}
+PRIOR_WEIGHT = 0.7  # --prior_loss_weight of the prior case (not 1, so a dropped weight shows)
 BOUNDS = {"x_t": 1e-6, "time": 1e-6, "ids": 0.0,  # max abs
           "loss": 1e-6,  # relative: float32 losses, summed per sample (the script) or at once (ours) (1.0e-7)
           "rounding": 1.001e-3,  # |sigma - (1 - u)|: at most one table step (1e-3), plus float32's rounding of u
@@ -72,10 +78,14 @@ READ = ("vae_scale_factor", "latent_image_ids")  # assigned before FIRST in the 
 VAE_BLOCKS = [8, 16]  # vae_config_block_out_channels: scale factor 2 ** (len - 1) = 2
 
 
-def statements(path: Path):
-    """(get_sigmas' definition, the loss statements) of the script, with the READ assignments made before them."""
+def statements(path: Path, prior: bool = False):
+    """(get_sigmas' definition, the loss statements) of the script, with the READ assignments made before them;
+    `prior`: on to the statement before accelerator.backward (the prior loss added to the instance loss)."""
     get_sigmas, block, first, last = accumulate_block(path)
-    lines = block[first:last + 1]
+    end = last + 1
+    if prior:
+        end = next((i for i in range(end, len(block)) if "backward" in ast.unparse(block[i])), end)
+    lines = block[first:end]
 
     def assigns(st) -> set:
         return {t.id for t in ast.walk(st) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)} \
@@ -106,17 +116,19 @@ def recording(model) -> dict:
     return seen
 
 
-def script_loss(diffusers, path: Path, model, x0, noise, u, text: Text, scheduler: dict):
-    """The script's loss, the inputs its transformer saw, its sigmas and the sigma table it indexed."""
+def script_loss(diffusers, path: Path, model, x0, noise, u, text: Text, scheduler: dict, prior: bool = False):
+    """The script's loss, the inputs its transformer saw, its sigmas and the sigma table it indexed; `prior`: with
+    --with_prior_preservation, the batch's second half the class images."""
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    get_sigmas, body = statements(path)
+    get_sigmas, body = statements(path, prior)
     seen = recording(model)
     fake = types.ModuleType("torch")
     fake.__getattr__ = lambda name: getattr(torch, name)
     fake.randn_like = lambda x, **kw: noise.clone()
     args = types.SimpleNamespace(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
-                                 guidance_scale=GUIDANCE, with_prior_preservation=False, prior_loss_weight=1.0)
+                                 guidance_scale=GUIDANCE, with_prior_preservation=prior,
+                                 prior_loss_weight=PRIOR_WEIGHT)
     ns = {"torch": fake, "args": args, "model_input": x0.clone(), "transformer": model, "unwrap_model": lambda m: m,
           "noise_scheduler_copy": diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **scheduler),
           "accelerator": types.SimpleNamespace(device=torch.device("cpu")), "FluxPipeline": diffusers.FluxPipeline,
@@ -155,17 +167,21 @@ def main() -> None:
                 torch.randn(B, P, generator=g_))
     u = torch.tensor(U)
     grid = torch.arange(1000, 0, -1, dtype=torch.float64) / 1000
-    for case, (scheduler, guidance_embeds) in CASES.items() if path.exists() else []:
+    for case, (scheduler, guidance_embeds, prior) in CASES.items() if path.exists() else []:
         theirs_model = transformer(diffusers, guidance_embeds)
         with torch.no_grad():
-            theirs, seen, sigma, table = script_loss(diffusers, path, theirs_model, x0, noise, u, text, scheduler)
+            theirs, seen, sigma, table = script_loss(diffusers, path, theirs_model, x0, noise, u, text, scheduler,
+                                                     prior)
         net = flux_family.FAMILY.build(resolution=H, in_channels=C, num_classes=0, text={"states": D, "length": L,
                                        "pooled": P}, guidance=GUIDANCE, guidance_embeds=guidance_embeds, **TRANSFORMER)
         net.model.load_state_dict(theirs_model.state_dict())
         ours_seen = recording(net.model.eval())
         st = flow.TrainSettings("uniform", shift=1.0)
         with torch.no_grad():
-            ours = flow.loss(flow.VelocityModel(net), x0, text, torch.special.ndtri(sigma.double()).float(), noise, st)
+            # prior: the row weights diffrelay's loader gives a batch of instance then regularisation rows
+            weights = torch.from_numpy(subsets.prior_weights(B, PRIOR_WEIGHT)) if prior else None
+            ours = flow.loss(flow.VelocityModel(net), x0, text, torch.special.ndtri(sigma.double()).float(), noise, st,
+                             weights=weights)
         figures = {"x_t": maxabs(ours_seen.get("hidden_states"), seen.get("hidden_states")),
                    "time": maxabs(ours_seen.get("timestep"), seen.get("timestep")),
                    "ids": max(maxabs(ours_seen.get("img_ids"), seen.get("img_ids")),

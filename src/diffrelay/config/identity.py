@@ -115,8 +115,10 @@ def trajectory_of(d: dict) -> dict:
         del data["buckets"]  # off: hashed as before data.buckets existed
     if data.get("subsets", 0) is None:
         del data["subsets"]  # off: hashed as before data.subsets existed
-    if data.get("min_size", 1) == 0:
-        del data["min_size"]  # off: likewise
+    for key, off in (("min_size", 0), ("shuffle_caption", False), ("keep_tokens", 0), ("keep_tokens_separator", ""),
+                     ("caption_tag_dropout", 0.0)):
+        if key in data and data[key] == off:
+            del data[key]  # off: hashed as before the key existed
     for key in ("encoder_path", "keep_images") + center + (() if _latent(data) else ("encoder", "latent_norm")):
         data.pop(key, None)
     if data.get("encoder") == "sd-vae":

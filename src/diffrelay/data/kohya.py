@@ -18,15 +18,10 @@ from diffrelay.errors import UserError
 
 # kohya's subset keys diffrelay takes one to one, and what it calls them
 SUBSET_KEYS = {"num_repeats": "repeats", "class_tokens": "class_tokens", "caption_prefix": "caption_prefix",
-               "caption_suffix": "caption_suffix"}
+               "caption_suffix": "caption_suffix", "is_reg": "is_reg"}
 # kohya's keys diffrelay has no equivalent of yet, and why the line says so
 NOT_YET = {
-    "is_reg": "regularisation images (prior preservation) are not built yet; the subset is left out",
-    "shuffle_caption": "caption shuffling is not built yet",
-    "keep_tokens": "caption shuffling is not built yet",
-    "keep_tokens_separator": "caption shuffling is not built yet",
-    "secondary_separator": "caption shuffling is not built yet",
-    "caption_tag_dropout_rate": "tag dropout is not built yet",
+    "secondary_separator": "diffrelay splits tags at ',' only",
     "caption_dropout_every_n_epochs": "diffrelay drops captions per row (data.caption_dropout), not per epoch",
     "random_crop": "a random crop is not built yet (diffrelay crops each image once, at prepare: data.crop)",
     "color_aug": "colour augmentation is not built",
@@ -41,8 +36,11 @@ NOT_YET = {
     "alpha_mask": "alpha masks are not read",
     "cache_info": "diffrelay's prepare keeps its own records",
 }
+# kohya's caption keys, one value a run in diffrelay (data.<key>)
+RUN_KEYS = {"shuffle_caption": "shuffle_caption", "keep_tokens": "keep_tokens",
+            "keep_tokens_separator": "keep_tokens_separator", "caption_tag_dropout_rate": "caption_tag_dropout"}
 KNOWN = {"resolution", "batch_size", "enable_bucket", "bucket_reso_steps", "bucket_no_upscale", "image_dir",
-         "flip_aug", "caption_extension", "caption_dropout_rate", *SUBSET_KEYS, *NOT_YET}
+         "flip_aug", "caption_extension", "caption_dropout_rate", *SUBSET_KEYS, *NOT_YET, *RUN_KEYS}
 
 
 def convert(path: Path) -> tuple[dict, list[str]]:
@@ -64,7 +62,7 @@ def convert(path: Path) -> tuple[dict, list[str]]:
         if key not in KNOWN:
             lines.append(f"{key}: not a kohya dataset key diffrelay knows; not carried over")
     base = general | first
-    subsets, flips, drops, dirs = [], set(), set(), []
+    subsets, flips, drops, dirs, run_values = [], set(), set(), [], {k: [] for k in RUN_KEYS}
     for i, raw in enumerate(datasets[0]["subsets"]):
         s, where = base | raw, f"datasets[0].subsets[{i}]"
         for key in sorted(s):
@@ -73,18 +71,22 @@ def convert(path: Path) -> tuple[dict, list[str]]:
             elif key not in KNOWN:
                 lines.append(f"{where}.{key}: not a kohya subset key diffrelay knows; not carried over")
         if s.get("is_reg"):
-            continue
+            lines.append(f"{where}.is_reg: carried over; diffrelay makes each batch half instance, half "
+                         "regularisation images (diffusers' DreamBooth), where kohya mixes them in and weighs their "
+                         "loss; set train.prior_loss_weight (kohya's --prior_loss_weight)")
         if "image_dir" not in s:
             raise UserError(f"{path}: {where}: no image_dir; give each subset its folder")
         ext = s.get("caption_extension", ".caption")
         if ext not in (".txt", ".caption"):
             lines.append(f"{where}.caption_extension={ext!r}: diffrelay reads .txt, else .caption, beside each image")
         dirs.append(os.path.abspath(os.path.expanduser(s["image_dir"])))
-        sub = {"path": dirs[-1]} | {SUBSET_KEYS[k]: s[k] for k in SUBSET_KEYS if s.get(k) not in (None, "")}
+        sub = {"path": dirs[-1]} | {SUBSET_KEYS[k]: s[k] for k in SUBSET_KEYS if s.get(k) not in (None, "", False)}
         subsets.append(sub)
         flips.add(bool(s.get("flip_aug", False)))
+        for k in RUN_KEYS:
+            run_values[k].append(s.get(k))
         drops.add(float(s.get("caption_dropout_rate", 0.0)))
-    if not subsets:
+    if subsets and all(s.get("is_reg") for s in subsets):
         raise UserError(f"{path}: every subset is is_reg; there are no training images to import")
     root = os.path.commonpath(dirs)
     data = {"kind": "folder", "path": root, "captions": "auto",
@@ -104,6 +106,16 @@ def convert(path: Path) -> tuple[dict, list[str]]:
         lines.append("caption_dropout_rate: differs between subsets; diffrelay drops one rate a run; took the largest")
     if max(drops) > 0:
         data["caption_dropout"] = max(drops)
+    for k, values in run_values.items():
+        given = [v for v in values if v not in (None, False, 0, 0.0, "")]
+        if given:
+            data[RUN_KEYS[k]] = given[0]
+            if len(set(map(str, values))) > 1:
+                lines.append(f"{k}: differs between subsets; diffrelay keeps one value a run; took {given[0]!r}")
+    if data.get("shuffle_caption") or data.get("caption_tag_dropout"):
+        data["text_cache"] = False
+        lines.append("shuffle_caption / caption_tag_dropout_rate: set data.text_cache: false (a new caption each "
+                     "step is encoded in the training job, as kohya refuses them with cache_text_encoder_outputs)")
     if base.get("enable_bucket"):
         data["buckets"] = {"step": int(base.get("bucket_reso_steps", 64)),
                            "upscale": not base.get("bucket_no_upscale", False)}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffrelay.data import augment, edm_augment
+from diffrelay.data import augment, edm_augment, subsets, tags
 from diffrelay.objectives import ddpm, edm
 from diffrelay.errors import UserError
 from diffrelay.data.order import DataOrder, noise_seed
@@ -43,6 +43,7 @@ class Batch:
     pipe: edm_augment.Pipe | None = None  # EDM's augmentation pipe at train.augment; None = off
     bucket: int | None = None  # the step's bucket (data.buckets), None for squares
     subsets: np.ndarray | None = None  # the global batch's rows of each subset (data.subsets), None without
+    weights: list = field(default_factory=list)  # prior preservation: each round's per-row loss weights; [] = none
 
     def augmented(self, k: int, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(images, augmentation labels) of round k: EDM's pipe applied to its clean images, or (images, None)."""
@@ -101,9 +102,13 @@ class BatchMaker:
 
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
                  label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
-                 caption_dropout: float = 0.0, noise_offset: float = 0.0):
+                 caption_dropout: float = 0.0, noise_offset: float = 0.0, prior_weight: float | None = None,
+                 caption_tags=None):
         self.data, self.seed, self.global_batch = data, seed, global_batch
         self.noise_offset = noise_offset  # model.ddpm.noise_offset (objectives.noise_offset)
+        # train.prior_loss_weight where the order is order.PairedOrder: each row's weight (subsets.prior_weights)
+        self.prior_weight = prior_weight
+        self.tags = caption_tags  # the data section where data/tags.py processes the captions, else None
         # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
         self.text, self.caption_dropout = text, caption_dropout
         self.label_dropout, self.xflip = label_dropout, xflip
@@ -134,7 +139,13 @@ class BatchMaker:
             u, drop = augment.captions(self.seed, step, self.global_batch, self.rank, self.world, self.caption_dropout)
             ids = self.data.captions.pick(mine, u)
             ids[drop] = 0  # texts[0] is the empty caption, the unconditional branch of guidance
-            labels = self.text.take(ids, self.device, labels if self.data.num_classes else None)
+            labels = labels if self.data.num_classes else None
+            if self.tags is None:
+                labels = self.text.take(ids, self.device, labels)
+            else:  # data.shuffle_caption / caption_tag_dropout: this step's captions, encoded now (data/tags.py)
+                own = np.arange(self.global_batch)[self.rank::self.world]
+                texts = tags.rows([self.data.captions.texts[i] for i in ids], self.seed, step, own, self.tags)
+                labels = dataclasses.replace(self.text.encode(texts, self.device), labels=labels)
             if bucket is not None:  # SDXL's size conditioning of each row: its original size, crop and bucket
                 labels = dataclasses.replace(labels, sizes=self._sizes(mine, bucket))
         # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
@@ -156,9 +167,14 @@ class BatchMaker:
         # The masks on the device here, so that the loop never copies them from pageable memory.
         masks = [(augment.to_device(d, self.device, cuda), augment.to_device(f, self.device, cuda))
                  for d, f in zip(np.split(drops, self.grad_accum), np.split(flips, self.grad_accum))]
+        weights = []
+        if self.prior_weight is not None:
+            coef = subsets.prior_weights(self.global_batch, self.prior_weight)[self.rank::self.world]
+            weights = [torch.from_numpy(c).to(self.device) for c in np.split(coef, self.grad_accum)]
         of = getattr(self.data, "subsets", None)
         counts = None if of is None else np.bincount(of[global_indices], minlength=len(self.data.subset_names))
-        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe, bucket, counts)
+        return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe, bucket, counts,
+                     weights)
 
     def _sizes(self, rows: np.ndarray, bucket: int) -> torch.Tensor:
         """(B, 6) float32: original height, width, crop top, left, target height, width of each row, in pixels

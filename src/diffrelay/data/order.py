@@ -148,3 +148,44 @@ class BucketOrder(DataOrder):
 
     def copy(self) -> "BucketOrder":
         return BucketOrder(self.seed, self.groups, self.global_batch, self.consumed)
+
+
+class PairedOrder:
+    """Prior preservation (data.subsets marked is_reg): each global batch is `global_batch / 2` instance rows, then as
+    many regularisation rows, as diffusers' train_dreambooth.py collates a batch with --with_prior_preservation
+    (instance examples, then class examples). Each half is a DataOrder of its own rows (their repeats too), the
+    regularisation one seeded apart; both advance by one half a step, so {seed, consumed} (the instance half's)
+    is still the whole state, and a batch a function of the seed and the position alone."""
+
+    def __init__(self, seed: int, instance_rows, reg_rows, global_batch: int, consumed: int = 0,
+                 repeats: np.ndarray | None = None):
+        self.seed, self.global_batch, self.repeats, self.bucket = seed, global_batch, repeats, None
+        self.instance_rows = np.asarray(instance_rows, dtype=np.int64)
+        self.reg_rows = np.asarray(reg_rows, dtype=np.int64)
+        self._build(consumed)
+
+    def _build(self, consumed: int) -> None:
+        half = self.global_batch // 2
+        rep = (lambda rows: None) if self.repeats is None else (lambda rows: self.repeats[rows])
+        self.instance = DataOrder(self.seed, len(self.instance_rows), half, consumed, rep(self.instance_rows))
+        self.reg = DataOrder(derive_seed(self.seed, 0x8E6), len(self.reg_rows), half, consumed, rep(self.reg_rows))
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        a, pa = self.instance.next_batch()
+        b, pb = self.reg.next_batch()
+        return np.concatenate([self.instance_rows[a], self.reg_rows[b]]), np.concatenate([pa, pb])
+
+    def copy(self) -> "PairedOrder":
+        return PairedOrder(self.seed, self.instance_rows, self.reg_rows, self.global_batch, self.instance.consumed,
+                           self.repeats)
+
+    def advance(self) -> None:
+        self.instance.advance()
+        self.reg.advance()
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "consumed": self.instance.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = int(state["seed"])
+        self._build(int(state["consumed"]))

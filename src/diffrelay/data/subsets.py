@@ -66,12 +66,31 @@ def check_config(d: dict) -> list[tuple[str, str]]:
             return [(f"data.subsets[{i}].path={s['path']}", f"lies outside data.path ({data['path']}); give a folder "
                      "inside it (relative to data.path, or absolute), or set data.path to a folder that holds every "
                      "subset")]
+    if any(s.get("is_reg") for s in subsets):
+        bad = _check_reg(d)
+        if bad:
+            return bad
     rels = relative(data)
     for i, a in enumerate(rels):
         for j, b in enumerate(rels[:i]):
             if _within(a, b) or _within(b, a):
                 return [(f"data.subsets[{i}].path={subsets[i]['path']}", f"lies in data.subsets[{j}].path="
                          f"{subsets[j]['path']}; an image belongs to one subset: give folders side by side")]
+    return []
+
+
+def _check_reg(d: dict) -> list[tuple[str, str]]:
+    """What prior preservation (is_reg subsets) cannot take."""
+    data, t = d["data"], d["train"]
+    key = "data.subsets[].is_reg"
+    if all(s.get("is_reg") for s in data["subsets"]):
+        return [(key, "marks every subset; prior preservation needs instance images too: unmark one")]
+    if t["batch_size"] % 2:
+        return [(f"train.batch_size={t['batch_size']}", "is half instance, half regularisation images with is_reg "
+                 "subsets; use an even batch size")]
+    if data.get("buckets") is not None:
+        return [(key, "with data.buckets is not built (a bucket's batch is not split in halves yet); set "
+                 "data.buckets: null, or drop is_reg")]
     return []
 
 
@@ -120,6 +139,22 @@ def repeats(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray
                         "prepare --config <your config>`")
     out = per[np.asarray(of_row, dtype=np.int64)]
     return None if (out == 1).all() else out
+
+
+def regularisation(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray | None:
+    """bool (N,): the rows of is_reg subsets (prior preservation), None where no subset is one."""
+    if subsets is None or of_row is None or not any(s.get("is_reg") for s in subsets):
+        return None
+    return np.asarray([s.get("is_reg", False) for s in subsets], dtype=bool)[np.asarray(of_row, dtype=np.int64)]
+
+
+def prior_weights(global_batch: int, weight: float) -> np.ndarray:
+    """float32 (global_batch,): each row's loss weight under prior preservation, the instance half first (order.
+    PairedOrder): 2 and 2 x weight, so that a batch's weighted mean is the instance rows' mean plus weight x the
+    regularisation rows' mean, diffusers' train_dreambooth.py `loss + args.prior_loss_weight * prior_loss`; a rank's
+    rows r::world keep their weights, and DDP's average over ranks gives the same sum."""
+    half = global_batch // 2
+    return np.where(np.arange(global_batch) < half, 2.0, 2.0 * weight).astype(np.float32)
 
 
 def tally(window: dict, bucket: int | None, counts: np.ndarray | None, data) -> None:

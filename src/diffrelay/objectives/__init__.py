@@ -51,20 +51,23 @@ def noise_offset(cfg) -> float:
     return Options.of(getattr(cfg.model, "ddpm", None)).noise_offset
 
 
-def loss(cfg, net, images, labels, rnd_normal, noise, augment_labels=None):
+def loss(cfg, net, images, labels, rnd_normal, noise, augment_labels=None, weights=None):
     """The training loss of cfg's objective (a Config) at the caller's standard normal draws: one per sample
-    (EDM's ln sigma, flow's time) and the noise images; augment_labels those of EDM's augmentation pipe (edm only).
-    The training loop calls this and nothing else."""
+    (EDM's ln sigma, flow's time) and the noise images; augment_labels those of EDM's augmentation pipe (edm only);
+    weights a sample's weight (prior preservation, objectives/reduce.py) or None. The training loop calls this and
+    nothing else."""
     from diffrelay.objectives import ddpm, edm, flow
 
     t = cfg.train
     if cfg.model.objective == "ddpm":
-        out = ddpm.loss(net, images, labels, rnd_normal, noise, ddpm.Options.of(getattr(cfg.model, "ddpm", None)))
+        out = ddpm.loss(net, images, labels, rnd_normal, noise, ddpm.Options.of(getattr(cfg.model, "ddpm", None)),
+                        weights=weights)
     elif cfg.model.objective == "flow":
-        out = flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]))
+        out = flow.loss(net, images, labels, rnd_normal, noise, flow.TrainSettings(**cfg.to_dict()["train"]["flow"]),
+                        weights=weights)
     else:  # edm2's network learns its uncertainty u(sigma), and edm2's loss weights by it (nets/edm2.py).
         out = edm.loss(net, images, labels, rnd_normal, noise, t.p_mean, t.p_std, cfg.model.sigma_data,
-                       uncertainty=cfg.model.arch == "edm2", augment_labels=augment_labels)
+                       uncertainty=cfg.model.arch == "edm2", augment_labels=augment_labels, weights=weights)
     # Each objective returns the mean over every element. train.loss_reduction sum is EDM's and edm2's: a sample's
     # loss summed over its C x H x W elements, averaged over the batch (NVlabs/edm training/training_loop.py:132,
     # loss.sum() / batch_gpu_total, then DDP's average over ranks): the mean times the elements of a sample.

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from diffrelay.errors import UserError
+from diffrelay.objectives import reduce
 from diffrelay.objectives.draws import ahead
 from diffrelay.objectives.ddpm_options import DEFAULT, Options
 from diffrelay.text import condition
@@ -237,7 +238,7 @@ def snr_weights(chain, t, gamma: float, prediction: str, like):
     return w.to(like.dtype)
 
 
-def loss(net, images, labels, rnd_normal, noise, options: Options = DEFAULT):
+def loss(net, images, labels, rnd_normal, noise, options: Options = DEFAULT, weights=None):
     """DiT's training loss at timesteps drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller (with
     model.ddpm.noise_offset's offset in it already: data/loader.py); model.ddpm's target and weights."""
     t = (0.5 * (1 + torch.erf(rnd_normal.double() / math.sqrt(2))) * T).long().clamp(0, T - 1)
@@ -263,7 +264,7 @@ def loss(net, images, labels, rnd_normal, noise, options: Options = DEFAULT):
         kl = _normal_kl(true_mean, _gather(chain.log_var_small, t, images), mean, log_var).mean(dim=(1, 2, 3))
         nll = _decoder_nll(images, mean, 0.5 * log_var).mean(dim=(1, 2, 3))
         per_sample = per_sample + torch.where(t == 0, nll, kl) / math.log(2)
-    return per_sample.mean()
+    return reduce.mean(per_sample, weights)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from diffrelay import nets
+from diffrelay.objectives import reduce
 from diffrelay.objectives.draws import ahead
 from diffrelay.nets import registry
 from diffrelay.text import condition
@@ -79,7 +80,7 @@ def build(model_cfg: dict, resolution: int, num_classes: int, in_channels: int =
 
 
 def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, sigma_data: float,
-         uncertainty: bool = False, augment_labels=None):
+         uncertainty: bool = False, augment_labels=None, weights=None):
     """Weighted denoising loss at log-normal noise levels.
 
     rnd_normal (B,) and noise (B, C, H, W) are standard normal draws made by the caller (see
@@ -93,9 +94,9 @@ def loss(net, images, labels, rnd_normal, noise, p_mean: float, p_std: float, si
     aug = {} if augment_labels is None else {"augment_labels": augment_labels}
     if not uncertainty:
         denoised = net(images + noise * sigma, sigma, labels, **aug)
-        return (weight * (denoised - images) ** 2).mean()
+        return reduce.mean(weight * (denoised - images) ** 2, weights)
     denoised, logvar = net(images + noise * sigma, sigma, labels, return_logvar=True, **aug)
-    return ((weight / logvar.exp()) * (denoised - images) ** 2 + logvar).mean()
+    return reduce.mean((weight / logvar.exp()) * (denoised - images) ** 2 + logvar, weights)
 
 
 def draw_noise(generator: torch.Generator, count: int, shape, device) -> tuple[torch.Tensor, torch.Tensor]:

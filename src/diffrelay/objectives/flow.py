@@ -27,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from diffrelay.objectives import reduce
 from diffrelay.objectives.draws import ahead
 from diffrelay.text import condition
 
@@ -84,7 +85,7 @@ def time_from_normal(rnd, st: TrainSettings):
     return shift_time(t, st.shift)
 
 
-def loss(net, images, labels, rnd_normal, noise, st: TrainSettings):
+def loss(net, images, labels, rnd_normal, noise, st: TrainSettings, weights=None):
     """SiT's velocity loss at times drawn from rnd_normal (B,), with noise (B, C, H, W) from the caller; with
     precondition_outputs, the loss on the x0 the velocity implies, as train_dreambooth_lora_sd3.py writes it
     (model_pred * (-sigmas) + noisy_model_input against model_input: t^2 x the velocity loss)."""
@@ -92,8 +93,8 @@ def loss(net, images, labels, rnd_normal, noise, st: TrainSettings):
     x_t = (1 - t) * images + t * noise
     v = net(x_t, t.flatten(), labels)
     if st.precondition_outputs:
-        return ((v * (-t) + x_t - images) ** 2).mean()
-    return ((v - (noise - images)) ** 2).mean()
+        return reduce.mean((v * (-t) + x_t - images) ** 2, weights)
+    return reduce.mean((v - (noise - images)) ** 2, weights)
 
 
 def _score(v, x, t):

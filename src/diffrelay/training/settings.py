@@ -13,7 +13,7 @@ from diffrelay import nets
 
 # The values that train as before these keys existed.
 DEFAULTS = {"loss_reduction": "mean", "ema_halflife_kimg": None, "warmup_kimg": None, "lr_ref_batches": None,
-            "augment": 0.0, "lora": None, "optimizer_args": {}}
+            "augment": 0.0, "lora": None, "optimizer_args": {}, "prior_loss_weight": 1.0}
 # What a run's trajectory leaves out at its default (these keys above, train.lora's added since it existed:
 # config.identity.trajectory_of), so that runs from before the key keep their hash: a record without it was made so.
 OMITTED = {f"train.{k}": v for k, v in DEFAULTS.items()} | {"train.lora.kind": "lora", "train.lora.quantize_base": None}

@@ -4,11 +4,12 @@ data order and the divergence guard's counters; built, resumed and saved as one 
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from diffrelay import logs
 from diffrelay.data import loader, subsets
-from diffrelay.data.order import BucketOrder, DataOrder
+from diffrelay.data.order import BucketOrder, DataOrder, PairedOrder
 from diffrelay import objectives
 from diffrelay.nets import registry
 from diffrelay.pretrained import folder, lora, weights
@@ -248,8 +249,13 @@ def _first_scale(t, shape) -> float:
 
 def _order(seed: int, data, global_batch: int, subset_settings=None) -> DataOrder:
     """The data order: each global batch from one bucket in a bucketed dataset (data.buckets), else the shuffled
-    stream of every row; each row as many times an epoch as its subset's repeats (data.subsets)."""
-    repeats = subsets.repeats(subset_settings, getattr(data, "subsets", None))
+    stream of every row; each row as many times an epoch as its subset's repeats (data.subsets); half instance, half
+    regularisation rows with is_reg subsets (prior preservation)."""
+    of_row = getattr(data, "subsets", None)
+    repeats = subsets.repeats(subset_settings, of_row)
+    reg = subsets.regularisation(subset_settings, of_row)
+    if reg is not None:
+        return PairedOrder(seed, np.flatnonzero(~reg), np.flatnonzero(reg), global_batch, repeats=repeats)
     if data.buckets is None:
         return DataOrder(seed, data.count, global_batch, repeats=repeats)
     return BucketOrder(seed, data.buckets.members(), global_batch, repeats=repeats)

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffrelay import config, io, logs, nets, objectives
 from diffrelay.config import preflight
-from diffrelay.data import augment, datasets, latents, loader, sources as data_sources, subsets
-from diffrelay.data.order import step_seed
+from diffrelay.data import augment, datasets, latents, loader, sources as data_sources, subsets, tags as data_tags
+from diffrelay.data.order import PairedOrder, step_seed
 from diffrelay.text import source as text_source
 from diffrelay.runtime import distributed, speed
 from diffrelay.training import checkpoint, phema, sharding
@@ -171,7 +171,9 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment,
                               text=data.text, caption_dropout=cfg.data.caption_dropout,
-                              noise_offset=objectives.noise_offset(cfg))
+                              noise_offset=objectives.noise_offset(cfg),
+                              prior_weight=t.prior_loss_weight if isinstance(st.order, PairedOrder) else None,
+                              caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None)
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
@@ -312,7 +314,7 @@ def _forward_backward(model, ddp, st, batch, step, cfg, data, device, amp_dtype)
         with sync, distributed.peers("gradient all-reduce"), speed.offloaded(t.activation_checkpointing, device), \
                 torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = objectives.loss(cfg, model, images, labels if data.num_classes or data.text else None, rnd, noise,
-                                   augment_labels)
+                                   augment_labels, batch.weights[k] if batch.weights else None)
             with speed.backward_errors(model):
                 st.scaler.scale(loss / t.grad_accum).backward()
         loss_sum += loss.detach() / t.grad_accum
