@@ -158,13 +158,14 @@ bucket_no_upscale = true
     assert all(line.startswith(f"diffrelay: import-dataset: {tmp_path / 'dataset.toml'}: ") for line in lines)
     assert any("subsets[2].is_reg: carried over; diffrelay makes each batch half instance" in x for x in lines)
     assert any("set data.text_cache: false (a new caption each step" in x for x in lines)
-    assert any("flip_aug: set on some subsets only" in x for x in lines)
+    assert any("flip_aug: on some subsets only: data.subsets[].flip 0.5 there" in x for x in lines)
     overlay = __import__("yaml").safe_load((tmp_path / "data.yaml").read_text())
     assert overlay["train"] == {"batch_size": 2} and overlay["data"]["buckets"] == {"step": 64, "upscale": False}
     assert (overlay["data"]["shuffle_caption"], overlay["data"]["keep_tokens"], overlay["data"]["text_cache"]) == (
         True, 1, False)
     assert overlay["data"]["subsets"] == [{"path": "10_dog", "repeats": 10, "caption_prefix": "ohwx"},
-                                          {"path": "cat", "class_tokens": "sks cat"}, {"path": "reg", "is_reg": True}]
+                                          {"path": "cat", "class_tokens": "sks cat", "flip": 0.5},
+                                          {"path": "reg", "is_reg": True}]
     (tmp_path / "img/reg/0.txt").write_text("a dog\n")
     d = config.validate({"data": overlay["data"] | {"captions": "none", "buckets": None, "shuffle_caption": False,
                                                     "keep_tokens": 0}, "train": overlay["train"]})
@@ -221,3 +222,19 @@ def test_what_caption_tags_cannot_take_is_one_line(data, why):
     with pytest.raises(UserError) as e:
         config.validate(d)
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_subsets_own_flip_probability_is_compared_with_the_same_draw_as_data_xflip():
+    from diffrelay.data import augment
+
+    subs = [{"flip": None}, {"flip": 1.0}, {"flip": 0.0}]
+    p = subsets.flips(subs, np.array([0, 1, 2, 0, 1, 2, 0, 1], dtype=np.int16), 0.5)
+    assert p.tolist() == [0.5, 1.0, 0.0] * 2 + [0.5, 1.0] and subsets.flips([{"flip": None}], p, 0.5) is None
+    _, plain = augment.masks(0, 3, 8, 0, 1, 0.0, 0.5)
+    _, own = augment.masks(0, 3, 8, 0, 1, 0.0, p)
+    assert own[[1, 4, 7]].all() and not own[[2, 5]].any() and (own[[0, 3, 6]] == plain[[0, 3, 6]]).all()
+    _, rank1 = augment.masks(0, 3, 8, 1, 2, 0.0, p[1::2])  # rank 1 of 2: its rows' own probabilities
+    assert (rank1 == own[1::2]).all()
+    d = {"data": {"kind": "folder", "path": "/x", "encoder": "sd-vae", "subsets": [{"path": "a", "flip": 0.5}]}}
+    with pytest.raises(UserError, match=r"data.subsets\[0\].flip=0.5: flips a latent run by its mirrored latents"):
+        config.validate(d)

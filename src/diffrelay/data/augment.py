@@ -25,8 +25,9 @@ def uniforms(seed: int, tag: int, step: int, global_batch: int) -> np.ndarray:
 
 
 def masks(seed: int, step: int, global_batch: int, rank: int, world: int, label_dropout: float,
-          xflip: float) -> tuple[np.ndarray, np.ndarray]:
-    """(drop, flip): boolean arrays over this process's rows of the global batch."""
+          xflip) -> tuple[np.ndarray, np.ndarray]:
+    """(drop, flip): boolean arrays over this process's rows of the global batch; xflip a probability, or one for
+    each of the process's rows (data.subsets[].flip)."""
     drop = rank_slice(uniforms(seed, LABEL_DROPOUT, step, global_batch), rank, world) < label_dropout
     flip = rank_slice(uniforms(seed, XFLIP, step, global_batch), rank, world) < xflip
     return drop, flip

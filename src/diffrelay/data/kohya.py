@@ -98,8 +98,12 @@ def convert(path: Path) -> tuple[dict, list[str]]:
         res = max(res)
     if res is not None:
         data["resolution"] = int(res)
-    if len(flips) > 1:
-        lines.append("flip_aug: set on some subsets only; diffrelay flips a whole run (data.xflip); left off")
+    if len(flips) > 1:  # kohya flips half of a flip_aug subset's samples
+        for sub, raw in zip(data["subsets"], datasets[0]["subsets"]):
+            if (base | raw).get("flip_aug"):
+                sub["flip"] = 0.5
+        lines.append("flip_aug: on some subsets only: data.subsets[].flip 0.5 there (a latent run needs data.xflip "
+                     "above 0 for its mirrored latents)")
     elif flips == {True}:
         data["xflip"] = 0.5
     if len(drops) > 1:

@@ -103,12 +103,13 @@ class BatchMaker:
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
                  label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
                  caption_dropout: float = 0.0, noise_offset: float = 0.0, prior_weight: float | None = None,
-                 caption_tags=None):
+                 caption_tags=None, flip_rows: np.ndarray | None = None):
         self.data, self.seed, self.global_batch = data, seed, global_batch
         self.noise_offset = noise_offset  # model.ddpm.noise_offset (objectives.noise_offset)
         # train.prior_loss_weight where the order is order.PairedOrder: each row's weight (subsets.prior_weights)
         self.prior_weight = prior_weight
         self.tags = caption_tags  # the data section where data/tags.py processes the captions, else None
+        self.flip_rows = flip_rows  # each row's flip probability (data.subsets[].flip), None: data.xflip for all
         # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
         self.text, self.caption_dropout = text, caption_dropout
         self.label_dropout, self.xflip = label_dropout, xflip
@@ -127,8 +128,10 @@ class BatchMaker:
         mine = global_indices[self.rank::self.world]
         shape = self.data.shape_of(bucket)
         # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position).
+        # data.subsets' own flip probabilities: each row's, compared with the same draw as data.xflip's
+        xflip = self.xflip if self.flip_rows is None else self.flip_rows[mine]
         drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
-                                     self.xflip)
+                                     xflip)
         latent = self.data.latent is not None
         rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None, bucket=bucket)
         if latent:

@@ -70,6 +70,11 @@ def check_config(d: dict) -> list[tuple[str, str]]:
         bad = _check_reg(d)
         if bad:
             return bad
+    flipped = next((i for i, s in enumerate(subsets) if s.get("flip")), None)
+    if flipped is not None and data.get("encoder", "none") != "none" and not data.get("xflip"):
+        return [(f"data.subsets[{flipped}].flip={subsets[flipped]['flip']}", "flips a latent run by its mirrored "
+                 "latents, which prepare encodes where data.xflip > 0; set data.xflip (its probability for the "
+                 "subsets without a flip of their own)")]
     rels = relative(data)
     for i, a in enumerate(rels):
         for j, b in enumerate(rels[:i]):
@@ -139,6 +144,14 @@ def repeats(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray
                         "prepare --config <your config>`")
     out = per[np.asarray(of_row, dtype=np.int64)]
     return None if (out == 1).all() else out
+
+
+def flips(subsets: list[dict] | None, of_row: np.ndarray | None, xflip: float) -> np.ndarray | None:
+    """float64 (N,): each row's flip probability where a subset sets its own (data.subsets[].flip), else None."""
+    if subsets is None or of_row is None or all(s.get("flip") is None for s in subsets):
+        return None
+    per = np.asarray([xflip if s.get("flip") is None else s["flip"] for s in subsets], dtype=np.float64)
+    return per[np.asarray(of_row, dtype=np.int64)]
 
 
 def regularisation(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray | None:

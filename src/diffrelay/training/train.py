@@ -173,7 +173,8 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
                               text=data.text, caption_dropout=cfg.data.caption_dropout,
                               noise_offset=objectives.noise_offset(cfg),
                               prior_weight=t.prior_loss_weight if isinstance(st.order, PairedOrder) else None,
-                              caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None)
+                              caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None,
+                              flip_rows=subsets.flips(cfg.to_dict()["data"]["subsets"], data.subsets, cfg.data.xflip))
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
