@@ -59,7 +59,7 @@ def test_a_swapped_transformer_gives_the_same_bits_and_holds_at_most_two_swapped
         assert all(torch.equal(ga[k], gb[k]) and ga[k].abs().sum() > 0 for k in ga), seed
     assert max(most) == 2
     # forward 0 1 2, backward 2 1 0: each block in twice a step, out once it ran (the last kept for the backward)
-    assert swap.events[:9] == [("in", 0), ("in", 1), ("out", 0), ("in", 2), ("out", 1), ("in", 1), ("out", 2),
+    assert list(swap.events)[:9] == [("in", 0), ("in", 1), ("out", 0), ("in", 2), ("out", 1), ("in", 1), ("out", 2),
                                ("in", 0), ("out", 1)]
     assert list(swap.resident) == [0]  # the first stays for the next step's forward
     args = torch.randn(2, 16, 16), torch.randn(2, 4, 16), torch.randn(2, 16), None

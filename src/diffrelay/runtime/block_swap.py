@@ -23,10 +23,14 @@ read of stale memory. On the CPU (nothing needs to move: the tests) a resident b
 built with: the same bits, and the schedule's mechanics tested.
 """
 
+import collections
+
 import torch
 from torch import nn
 
 from diffrelay.errors import UserError
+
+EVENTS = 4096  # the swap events kept (BlockSwap.events)
 
 
 def in_backward() -> bool:
@@ -63,7 +67,8 @@ class BlockSwap:
         self.slots = [[(m, name) for m, name, _ in s] for s in found]
         del found
         self.resident: dict[int, object] = {}  # block index -> its copy's CUDA event (None on the CPU)
-        self.events: list[tuple[str, int]] = []  # ("in" | "out", index), in order: what the tests read
+        # ("in" | "out", index), the latest in order (what the tests read); bounded: a run makes 4N a step
+        self.events: collections.deque = collections.deque(maxlen=EVENTS)
         self.handles = []
         for i in range(len(self.blocks)):  # parked: what the network's move to the device then moves is nothing
             self._set(i, [self._placeholder("cpu") for _ in self.host[i]])
