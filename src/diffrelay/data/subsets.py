@@ -27,7 +27,7 @@ FILE = "subsets.npy"
 
 def relative(data: dict) -> list[str]:
     """Each subset's folder as a posix path relative to data.path ("" is data.path itself; check_config first)."""
-    root = Path(os.path.expanduser(data["path"]))
+    root = Path(os.path.abspath(os.path.expanduser(data["path"])))
     out = []
     for s in data["subsets"]:
         path = Path(os.path.expanduser(s["path"]))
@@ -59,7 +59,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
         return [("data.subsets", "are folders inside data.path; set data.kind: folder and data.path")]
     if not subsets:
         return [("data.subsets", "is an empty list; give at least one subset, or set it to null")]
-    root = Path(os.path.expanduser(data["path"]))
+    root = Path(os.path.abspath(os.path.expanduser(data["path"])))
     for i, s in enumerate(subsets):
         path = Path(os.path.expanduser(s["path"]))
         if path.is_absolute() and not _inside(path, root) or ".." in path.parts:
