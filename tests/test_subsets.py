@@ -228,13 +228,30 @@ def test_a_subsets_own_flip_probability_is_compared_with_the_same_draw_as_data_x
     from diffrelay.data import augment
 
     subs = [{"flip": None}, {"flip": 1.0}, {"flip": 0.0}]
-    p = subsets.flips(subs, np.array([0, 1, 2, 0, 1, 2, 0, 1], dtype=np.int16), 0.5)
-    assert p.tolist() == [0.5, 1.0, 0.0] * 2 + [0.5, 1.0] and subsets.flips([{"flip": None}], p, 0.5) is None
+    p = subsets.per_row(subs, np.array([0, 1, 2, 0, 1, 2, 0, 1], dtype=np.int16), "flip", 0.5)
+    assert p.tolist() == [0.5, 1.0, 0.0] * 2 + [0.5, 1.0] and subsets.per_row([{"flip": None}], p, "flip", 0.5) == 0.5
     _, plain = augment.masks(0, 3, 8, 0, 1, 0.0, 0.5)
     _, own = augment.masks(0, 3, 8, 0, 1, 0.0, p)
     assert own[[1, 4, 7]].all() and not own[[2, 5]].any() and (own[[0, 3, 6]] == plain[[0, 3, 6]]).all()
     _, rank1 = augment.masks(0, 3, 8, 1, 2, 0.0, p[1::2])  # rank 1 of 2: its rows' own probabilities
     assert (rank1 == own[1::2]).all()
+    rows = np.array([0, 1, 2, 0], dtype=np.int16)  # caption dropout likewise: a subset's own, else the run's
+    flip, drop = subsets.probabilities({"subsets": [{}, {"caption_dropout": 0.9}, {}], "xflip": 0.5,
+                                        "caption_dropout": 0.1}, rows)
+    assert flip == 0.5 and drop.tolist() == [0.1, 0.9, 0.1, 0.1]
+    assert (augment.captions(0, 3, 4, 0, 1, drop)[1] == (augment.uniforms(0, augment.CAPTION_DROPOUT, 3, 4) < drop)).all()
     d = {"data": {"kind": "folder", "path": "/x", "encoder": "sd-vae", "subsets": [{"path": "a", "flip": 0.5}]}}
     with pytest.raises(UserError, match=r"data.subsets\[0\].flip=0.5: flips a latent run by its mirrored latents"):
+        config.validate(d)
+
+
+def test_weights_become_repeats_in_proportion_and_exclude_repeats():
+    subs = [{"weight": 1.0}, {"weight": 3.0}, {"weight": None}, {"weight": 2.0, "is_reg": True}]
+    counts = np.array([100, 10, 50, 7])
+    r = subsets.weighted_repeats(subs, counts)
+    assert r.tolist() == [1, 30, 2, 1]  # 100, 300, 100 rows: 1 : 3 : 1; the regularisation group on its own
+    of_row = np.repeat(np.arange(4), counts).astype(np.int16)
+    assert subsets.repeats([s | {"repeats": 1} for s in subs], of_row).tolist() == np.repeat(r, counts).tolist()
+    d = {"data": {"kind": "folder", "path": "/x", "subsets": [{"path": "a", "repeats": 2}, {"path": "b", "weight": 1}]}}
+    with pytest.raises(UserError, match=r"data.subsets\[0\].repeats=2: and data.subsets\[1\].weight both set"):
         config.validate(d)

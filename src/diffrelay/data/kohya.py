@@ -106,9 +106,10 @@ def convert(path: Path) -> tuple[dict, list[str]]:
                      "above 0 for its mirrored latents)")
     elif flips == {True}:
         data["xflip"] = 0.5
-    if len(drops) > 1:
-        lines.append("caption_dropout_rate: differs between subsets; diffrelay drops one rate a run; took the largest")
-    if max(drops) > 0:
+    if len(drops) > 1:  # each subset its own rate
+        for sub, raw in zip(data["subsets"], datasets[0]["subsets"]):
+            sub["caption_dropout"] = float((base | raw).get("caption_dropout_rate", 0.0))
+    elif max(drops) > 0:
         data["caption_dropout"] = max(drops)
     for k, values in run_values.items():
         given = [v for v in values if v not in (None, False, 0, 0.0, "")]

@@ -103,14 +103,14 @@ class BatchMaker:
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
                  label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
                  caption_dropout: float = 0.0, noise_offset: float = 0.0, prior_weight: float | None = None,
-                 caption_tags=None, flip_rows: np.ndarray | None = None):
+                 caption_tags=None):
         self.data, self.seed, self.global_batch = data, seed, global_batch
         self.noise_offset = noise_offset  # model.ddpm.noise_offset (objectives.noise_offset)
         # train.prior_loss_weight where the order is order.PairedOrder: each row's weight (subsets.prior_weights)
         self.prior_weight = prior_weight
         self.tags = caption_tags  # the data section where data/tags.py processes the captions, else None
-        self.flip_rows = flip_rows  # each row's flip probability (data.subsets[].flip), None: data.xflip for all
         # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
+        # xflip and caption_dropout: one probability, or one a dataset row (data.subsets' own: subsets.per_row)
         self.text, self.caption_dropout = text, caption_dropout
         self.label_dropout, self.xflip = label_dropout, xflip
         # train.augment: EDM's CIFAR-10 pipe (EDM train.py:143-146) at that probability.
@@ -128,8 +128,9 @@ class BatchMaker:
         mine = global_indices[self.rank::self.world]
         shape = self.data.shape_of(bucket)
         # Label dropout and x-flips of this step's rows (augment.masks, pure functions of the position).
-        # data.subsets' own flip probabilities: each row's, compared with the same draw as data.xflip's
-        xflip = self.xflip if self.flip_rows is None else self.flip_rows[mine]
+        # data.subsets' own probabilities: each row's, compared with the same draws as the run's one
+        xflip = self.xflip if np.ndim(self.xflip) == 0 else self.xflip[mine]
+        caption_dropout = self.caption_dropout if np.ndim(self.caption_dropout) == 0 else self.caption_dropout[mine]
         drops, flips = augment.masks(self.seed, step, self.global_batch, self.rank, self.world, self.label_dropout,
                                      xflip)
         latent = self.data.latent is not None
@@ -139,7 +140,7 @@ class BatchMaker:
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
         if self.text is not None:  # a text run: the Text of each row's caption travels where labels do
-            u, drop = augment.captions(self.seed, step, self.global_batch, self.rank, self.world, self.caption_dropout)
+            u, drop = augment.captions(self.seed, step, self.global_batch, self.rank, self.world, caption_dropout)
             ids = self.data.captions.pick(mine, u)
             ids[drop] = 0  # texts[0] is the empty caption, the unconditional branch of guidance
             labels = labels if self.data.num_classes else None

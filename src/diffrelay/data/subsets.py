@@ -70,6 +70,15 @@ def check_config(d: dict) -> list[tuple[str, str]]:
         bad = _check_reg(d)
         if bad:
             return bad
+    weighted = next((i for i, s in enumerate(subsets) if s.get("weight") is not None), None)
+    repeated = next((i for i, s in enumerate(subsets) if s.get("repeats", 1) != 1), None)
+    if weighted is not None and repeated is not None:
+        return [(f"data.subsets[{repeated}].repeats={subsets[repeated]['repeats']}", f"and data.subsets[{weighted}]"
+                 ".weight both set how often images come; give every subset a weight, or repeats, not both")]
+    dropped = next((i for i, s in enumerate(subsets) if s.get("caption_dropout")), None)
+    if dropped is not None and data.get("captions", "none") == "none":
+        return [(f"data.subsets[{dropped}].caption_dropout", "applies to captioned datasets only; set data.captions, "
+                 "or drop it")]
     flipped = next((i for i, s in enumerate(subsets) if s.get("flip")), None)
     if flipped is not None and data.get("encoder", "none") != "none" and not data.get("xflip"):
         return [(f"data.subsets[{flipped}].flip={subsets[flipped]['flip']}", "flips a latent run by its mirrored "
@@ -142,16 +151,42 @@ def repeats(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray
     if len(of_row) and int(of_row.max()) >= len(per):
         raise UserError(f"the prepared dataset has more subsets than data.subsets' {len(per)}; rerun `diffrelay "
                         "prepare --config <your config>`")
+    if any(s.get("weight") is not None for s in subsets):
+        per = weighted_repeats(subsets, np.bincount(np.asarray(of_row, dtype=np.int64), minlength=len(subsets)))
     out = per[np.asarray(of_row, dtype=np.int64)]
     return None if (out == 1).all() else out
 
 
-def flips(subsets: list[dict] | None, of_row: np.ndarray | None, xflip: float) -> np.ndarray | None:
-    """float64 (N,): each row's flip probability where a subset sets its own (data.subsets[].flip), else None."""
-    if subsets is None or of_row is None or all(s.get("flip") is None for s in subsets):
-        return None
-    per = np.asarray([xflip if s.get("flip") is None else s["flip"] for s in subsets], dtype=np.float64)
+def per_row(subsets: list[dict] | None, of_row: np.ndarray | None, key: str, default: float):
+    """A probability a subset may set for itself (data.subsets[].flip, .caption_dropout): `default` where none
+    does, else float64 (N,), each row's (the subset's own, or `default`)."""
+    if subsets is None or of_row is None or all(s.get(key) is None for s in subsets):
+        return default
+    per = np.asarray([default if s.get(key) is None else s[key] for s in subsets], dtype=np.float64)
     return per[np.asarray(of_row, dtype=np.int64)]
+
+
+def probabilities(data: dict, of_row: np.ndarray | None) -> tuple:
+    """(data.xflip, data.caption_dropout), each a subset's own per row where one sets it (per_row)."""
+    subs = data.get("subsets")
+    return (per_row(subs, of_row, "flip", data["xflip"]),
+            per_row(subs, of_row, "caption_dropout", data["caption_dropout"]))
+
+
+def weighted_repeats(subsets: list[dict], counts: np.ndarray) -> np.ndarray:
+    """int64 repeats a subset from weights (absent: 1): subset s of n_s images gets r_s = max(1, round(w_s T / n_s)),
+    T = max(n / w) over its group (the instance subsets, or the regularisation ones), so r_s n_s is about in
+    proportion to w_s and the subset that needs the fewest copies appears once an epoch."""
+    out = np.ones(len(subsets), dtype=np.int64)
+    for reg in (False, True):
+        group = [i for i, s in enumerate(subsets) if bool(s.get("is_reg")) == reg and counts[i]]
+        if not group:
+            continue
+        w = {i: float(subsets[i].get("weight") or 1.0) for i in group}
+        top = max(counts[i] / w[i] for i in group)
+        for i in group:
+            out[i] = max(1, round(w[i] * top / counts[i]))
+    return out
 
 
 def regularisation(subsets: list[dict] | None, of_row: np.ndarray | None) -> np.ndarray | None:

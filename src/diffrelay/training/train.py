@@ -168,13 +168,13 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     snapshots = set(config.snapshot_steps(cfg, segment_start, until))
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
+    xflip, caption_dropout = subsets.probabilities(cfg.to_dict()["data"], data.subsets)  # a subset's own, or the run's
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
-                              device=device, label_dropout=t.label_dropout, xflip=cfg.data.xflip, augment=t.augment,
-                              text=data.text, caption_dropout=cfg.data.caption_dropout,
+                              device=device, label_dropout=t.label_dropout, xflip=xflip, augment=t.augment,
+                              text=data.text, caption_dropout=caption_dropout,
                               noise_offset=objectives.noise_offset(cfg),
                               prior_weight=t.prior_loss_weight if isinstance(st.order, PairedOrder) else None,
-                              caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None,
-                              flip_rows=subsets.flips(cfg.to_dict()["data"]["subsets"], data.subsets, cfg.data.xflip))
+                              caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None)
     batches = cleanup.enter_context(loader.Prefetcher(maker, st.order, step, until))
     # Every rank checks, so a missing package stops all of them, not rank 0 alone.
     board = _tensorboard(run_dir, distributed.is_main()) if t.tensorboard else None
