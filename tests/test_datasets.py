@@ -348,7 +348,9 @@ def test_bad_file_found_by_a_worker_is_named_and_workers_stop(write_config, tmp_
 
 
 def test_progress_line_shows_images_per_second_and_eta(write_config, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(datasets, "PROGRESS_SECONDS", 0)
+    from diffrelay import logs
+
+    monkeypatch.setattr(logs, "PROGRESS_SECONDS", 0)  # datasets.Progress is logs.Progress
     caplog.set_level(logging.INFO, logger="diffrelay")
     build(write_config, tmp_path, {"count": 5})
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepare: ")]

@@ -96,11 +96,12 @@ def test_what_subsets_cannot_take_is_one_line(tmp_path, subset, stray, why):
 
 def test_train_jsonl_counts_each_subsets_rows_and_prior_preservation_resumes_bit_for_bit(write_config, tmp_path):
     """Batches of one instance and one regularisation row (is_reg): 11 steps hold one instance epoch (the dogs
-    three times, the cats once) and 11 regularisation rows; two segments of 4 and 7 steps equal one run."""
+    three times, the cats once) and 11 regularisation rows; two segments of 4 and 7 steps equal one run, their
+    wide images cut at random places (data.random_crop) too."""
     from test_train import assert_tensors_equal, load_state
 
-    folder(tmp_path / "src", {"dog": [(16, 16)] * 3, "cat": [(16, 16)] * 2, "reg": [(16, 16)] * 4})
-    over = {"data": {"kind": "folder", "path": str(tmp_path / "src"),
+    folder(tmp_path / "src", {"dog": [(16, 16)] * 3, "cat": [(16, 16)] * 2, "reg": [(40, 16)] * 4})
+    over = {"data": {"kind": "folder", "path": str(tmp_path / "src"), "random_crop": True,
                      "subsets": [{"path": "dog", "repeats": 3}, {"path": "cat"}, {"path": "reg", "is_reg": True}]},
             "model": {"class_conditional": False},
             "train": {"total_steps": 11, "segment_steps": 11, "batch_size": 2, "log_every": 11,
@@ -113,6 +114,7 @@ def test_train_jsonl_counts_each_subsets_rows_and_prior_preservation_resumes_bit
     step = next(r for r in records if r.get("step") == 11 and "loss" in r)
     assert step["subsets"] == {"dog": 9, "cat": 2, "reg": 11}  # one instance epoch: the repeated union
     assert np.load(tmp_path / "results/tiny/dataset/subsets.npy").tolist() == [1, 1, 0, 0, 0, 2, 2, 2, 2]
+    assert (tmp_path / "results/tiny/dataset/wide.u8").stat().st_size == (5 * 16 * 16 + 4 * 40 * 16) * 3
     two = write_config(over | {"run": {"name": "two", "results": str(tmp_path / "results"),
                                        "resources": str(tmp_path / "resources")}}, name="two.yaml")
     for until in (4, 11):
@@ -255,3 +257,33 @@ def test_weights_become_repeats_in_proportion_and_exclude_repeats():
     d = {"data": {"kind": "folder", "path": "/x", "subsets": [{"path": "a", "repeats": 2}, {"path": "b", "weight": 1}]}}
     with pytest.raises(UserError, match=r"data.subsets\[0\].repeats=2: and data.subsets\[1\].weight both set"):
         config.validate(d)
+
+
+def test_a_random_crop_cuts_each_step_its_own_square_of_the_resized_image(tmp_path):
+    from diffrelay.data import augment, wide
+
+    root = tmp_path / "src"
+    root.mkdir()
+    for i, (w, h) in enumerate([(48, 16), (16, 40), (16, 16)]):
+        a = np.zeros((h, w, 3), dtype=np.uint8)
+        a[..., 0] = np.arange(w, dtype=np.uint8)[None, :] * 5  # a ramp along x, one along y: where the cut was
+        a[..., 1] = np.arange(h, dtype=np.uint8)[:, None] * 5
+        Image.fromarray(a).save(root / f"{i}.png")
+    d = config.validate({"data": {"kind": "folder", "path": str(root), "resolution": 16, "random_crop": True}})
+    p = datasets.plan(config.Config(d).data)
+    assert p.random_crop and p.fingerprint != datasets.plan(config.Config(config.validate(
+        {"data": {"kind": "folder", "path": str(root), "resolution": 16}})).data).fingerprint
+    datasets.build(p, tmp_path / "ds")
+    ds = datasets.open_prepared(tmp_path / "ds")
+    assert ds.wide.index[:, 1:].tolist() == [[16, 48], [40, 16], [16, 16]]  # the short side at the resolution
+    ends = [ds.wide.crops(np.array([0]), np.array([u]))[0] for u in (0.0, 0.999)]
+    assert ends[0][0, 0, 0] == 0 and ends[1][0, -1, 0] == 235  # the leftmost and the rightmost square
+    assert (ds.wide.crops(np.array([2]), np.array([0.7]))[0] == ds.images[2]).all()  # a square: its only cut
+    u = augment.uniforms(0, augment.CROP, 3, 4)
+    assert (ds.wide.crops(np.array([0, 1]), u[1::2])[0] == ds.wide.crops(np.array([1, 0, 0]), u[[0, 1, 3]])[1]).all()
+    (tmp_path / "ds" / wide.FILE).write_bytes(b"\0" * 10)  # damaged: refused in one line
+    with pytest.raises(UserError, match="wide.u8: does not match wide_index.npy"):
+        datasets.open_prepared(tmp_path / "ds")
+    for over, why in (({"encoder": "sd-vae"}, "trains on latents encoded once"), ({"buckets": {}}, "inside a bucket")):
+        with pytest.raises(UserError, match=why):
+            config.validate({"data": {"kind": "folder", "path": str(root), "random_crop": True} | over})

@@ -84,3 +84,28 @@ def workflow_end(run: str, run_dir: str, ok: bool, scheduler=None) -> str:
                 else "no job failed")
         return f"diffrelay: run {run} stopped by a signal; {jobs}; rerun the same command to go on, finished work is kept"
     return f"diffrelay: run {run} failed; see the failed job's log above (logs/{run}/)"
+
+
+PROGRESS_SECONDS = 10  # between progress lines
+
+
+class Progress:
+    """`prepare: 12000/1281167 images | 850 img/s | eta 24m53s`, at most every PROGRESS_SECONDS."""
+
+    def __init__(self, total: int, what: str = "prepare:", verb: str = "decoded"):
+        self.total, self.done, self.what, self.verb = total, 0, what, verb
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        self.done = done
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            get().info(self.line())
+
+    def line(self, final: bool = False) -> str:
+        elapsed = time.monotonic() - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        head = f"{self.what} {self.done}/{self.total} images | {rate:.0f} img/s | "
+        if final:
+            return head + f"{self.verb} in {fmt_duration(elapsed)}"
+        return head + (f"eta {fmt_duration((self.total - self.done) / rate)}" if rate else "eta ?")

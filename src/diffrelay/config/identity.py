@@ -116,7 +116,7 @@ def trajectory_of(d: dict) -> dict:
     if data.get("subsets", 0) is None:
         del data["subsets"]  # off: hashed as before data.subsets existed
     for key, off in (("min_size", 0), ("shuffle_caption", False), ("keep_tokens", 0), ("keep_tokens_separator", ""),
-                     ("caption_tag_dropout", 0.0)):
+                     ("caption_tag_dropout", 0.0), ("random_crop", False)):
         if key in data and data[key] == off:
             del data[key]  # off: hashed as before the key existed
     for key in ("encoder_path", "keep_images") + center + (() if _latent(data) else ("encoder", "latent_norm")):

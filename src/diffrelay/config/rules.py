@@ -50,9 +50,9 @@ def check(d: dict, schema: dict) -> list[tuple[str, str]]:
         bad.append(("data.path", "required when data.kind is folder; give the image folder"))
     elif data["kind"] == "shapes" and data["crop"] != "center":
         bad.append((f"data.crop={data['crop']}", "crops folder images; shapes are drawn at data.resolution: drop it"))
-    from diffrelay.data import subsets, tags  # torch-free
+    from diffrelay.data import subsets, tags, wide  # torch-free
 
-    bad += subsets.check_config(d) + tags.check_config(d)
+    bad += subsets.check_config(d) + tags.check_config(d) + wide.check_config(d)
     width = m["channels"] * max(m["channel_mult"])
     if width > MAX_WIDTH:
         bad.append((f"model.channels={m['channels']}",

@@ -17,6 +17,7 @@ from diffrelay.text.condition import Text
 
 LABEL_DROPOUT, XFLIP = 0x1AB3, 0xF11B  # tags that keep the two draws independent
 CAPTION, CAPTION_DROPOUT = 0xCA97, 0xCAD0  # which of an image's captions, and the empty caption (text runs)
+CROP = 0xC209  # where data.random_crop cuts a row's square (data/wide.py)
 
 
 def uniforms(seed: int, tag: int, step: int, global_batch: int) -> np.ndarray:

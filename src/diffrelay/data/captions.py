@@ -316,7 +316,7 @@ def val_plan(p):
         p, files=p.val_files, root=root, source=str(root.resolve()) if root else p.source, texts=p.val_texts,
         caption_rows=p.val_caption_rows, val_files=(), val_texts=(), val_caption_rows=(), val_root=None, latent=None,
         xflip=False, keep_images=True, buckets=(), bucket_of=(), bucket_settings=None,  # held-out images: squares
-        subsets=(), subset_settings=(), too_small=())
+        subsets=(), subset_settings=(), too_small=(), random_crop=False)
 
 
 def label_of(rels, class_names, where: Path) -> tuple[list[int], list]:

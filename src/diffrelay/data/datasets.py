@@ -7,7 +7,6 @@ import hashlib
 import io as bytes_io
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +14,9 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from diffrelay import io, logs
+from diffrelay.logs import Progress  # noqa: F401 (re-exported: encoding.py)
 from diffrelay.runtime import parallel
-from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents, subsets
+from diffrelay.data import buckets, bucketed, captions, crop, encoders, latents, subsets, wide
 from diffrelay.data.files import (EXTENSIONS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageTooLarge,  # noqa: F401
                                   folder_labels, hash_files, image_size, list_images, open_image, to_rgb,
                                   unopenable)
@@ -60,6 +60,7 @@ class Plan:
     subsets: tuple = ()  # data.subsets: each subset's folder relative to root (data/subsets.py); () = none
     subset_settings: tuple = ()  # their config entries (captions: prefix, suffix, class_tokens)
     too_small: tuple = ()  # data.min_size: the images left out for it (relative paths)
+    random_crop: bool = False  # data.random_crop: each image also kept resized to cover the square (data/wide.py)
 
     def __post_init__(self):  # a plan read back from JSON (encoding.read_plan) holds lists
         for name in ("files", "caption_rows", "val_files", "val_caption_rows", "texts", "val_texts", "text",
@@ -94,6 +95,7 @@ class Prepared:
     buckets: "bucketed.Buckets | None" = None  # data.buckets: each bucket's arrays (data/bucketed.py)
     subsets: np.ndarray | None = None  # data.subsets: int16 (N,), each row's subset (data/subsets.py)
     subset_names: tuple = ()  # their folders, relative to data.path
+    wide: "wide.Wide | None" = None  # data.random_crop's resized images (data/wide.py)
 
     @property
     def shape(self) -> tuple:
@@ -130,9 +132,11 @@ def decode(data: bytes, path="image", max_pixels: int = MAX_IMAGE_PIXELS) -> Ima
         return to_rgb(img)
 
 
-def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, max_pixels: int, item: tuple):
+def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, max_pixels: int, item: tuple,
+              random_crop: bool = False):
     """The image of one (rel, sha) entry of a plan; None when it cannot be read and on_corrupt is skip. An entry
-    (rel, sha, width, height) of a bucketed plan gives (square, bucket's image, its sizes: buckets.cut)."""
+    (rel, sha, width, height) of a bucketed plan gives (square, bucket's image, its sizes: buckets.cut); with
+    data.random_crop, (square, the image resized to cover it: wide.resized)."""
     rel, sha = item[:2]
     path = root / rel
     if sha is None:
@@ -147,6 +151,9 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, max_pixel
         if len(item) > 2:
             img = decode(data, path, max_pixels)
             return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]))
+        if random_crop:
+            img = decode(data, path, max_pixels)
+            return crop.square(img, resolution, mode), wide.resized(img, resolution)
         return load_image(data, resolution, mode, path, max_pixels)
     except ImageTooLarge:
         if on_corrupt != "skip":
@@ -174,7 +181,8 @@ def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
         fn = functools.partial(shape_row, p.seed, p.resolution, p.labels)
     else:
         # Only the few fields a worker needs travel with each chunk, not the whole plan.
-        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop, p.max_pixels), p.files
+        fn, items = functools.partial(_file_row, p.root, p.resolution, p.on_corrupt, p.crop, p.max_pixels,
+                                      random_crop=p.random_crop), p.files
         if p.buckets:  # the bucket's size travels with each file; a file found unreadable by its header is skipped
             items = [(rel, sha if b >= 0 else None, *p.buckets[b]) for (rel, sha), b in zip(items, p.bucket_of)]
     if indices is not None:
@@ -188,31 +196,6 @@ def source_rows(p: Plan, workers: int, indices=None, start: str = "fork"):
 
 
 # ---------------------------------------------------------------- plan, build, open
-
-PROGRESS_SECONDS = 10  # between progress lines
-
-
-class Progress:
-    """`prepare: 12000/1281167 images | 850 img/s | eta 24m53s`, at most every PROGRESS_SECONDS."""
-
-    def __init__(self, total: int, what: str = "prepare:", verb: str = "decoded"):
-        self.total, self.done, self.what, self.verb = total, 0, what, verb
-        self.t0 = self.last = time.monotonic()
-
-    def update(self, done: int) -> None:
-        self.done = done
-        if time.monotonic() - self.last >= PROGRESS_SECONDS:
-            self.last = time.monotonic()
-            logs.get().info(self.line())
-
-    def line(self, final: bool = False) -> str:
-        elapsed = time.monotonic() - self.t0
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        head = f"{self.what} {self.done}/{self.total} images | {rate:.0f} img/s | "
-        if final:
-            return head + f"{self.verb} in {logs.fmt_duration(elapsed)}"
-        return head + (f"eta {logs.fmt_duration((self.total - self.done) / rate)}" if rate else "eta ?")
-
 
 def plan(data, latent: dict | None = None, batch: int | None = None) -> Plan:
     """Check the `data` config section and fingerprint its source. Folder datasets hash every file. `latent`:
@@ -251,7 +234,7 @@ def _pixel_plan(data) -> Plan:
         subset_rels, settings = tuple(subsets.relative(as_dict)), tuple(as_dict["subsets"])
         subsets.check_files(root, files, list(subset_rels))
         part["subsets"] = list(subset_rels)
-    # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
+    part |= {"random_crop": True} if getattr(data, "random_crop", False) else {}    # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
     # The crop joins only when it is not center, so datasets made before data.crop existed keep theirs.
     # So does data.max_image_pixels off its default where data.on_corrupt skip leaves out the images past it.
     mode, bound = getattr(data, "crop", "center"), getattr(data, "max_image_pixels", MAX_IMAGE_PIXELS)
@@ -260,7 +243,7 @@ def _pixel_plan(data) -> Plan:
                  | ({"max_pixels": bound} if data.on_corrupt == "skip" and bound != MAX_IMAGE_PIXELS else {}) | part)
     return Plan("folder", data.resolution, data.labels, fp, str(root.resolve()), root=root, files=files,
                 on_corrupt=data.on_corrupt, crop=mode, max_pixels=bound, subsets=subset_rels,
-                subset_settings=settings, too_small=small)
+                subset_settings=settings, too_small=small, random_crop="random_crop" in part)
 
 
 
@@ -276,6 +259,7 @@ def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None)
                                        shape=(total, p.resolution, p.resolution, 3))
     labels, rels, skipped = [], [], []
     progress, cuts = Progress(total), bucketed.Writer(p, out) if p.buckets else None
+    whole = wide.Writer(out) if p.random_crop else None
     with contextlib.closing(source_rows(p, workers, start=start)) as rows:
         for img, label, rel in rows:
             if img is None:
@@ -284,12 +268,16 @@ def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None)
                 if cuts is not None:  # (square, the bucket's image, its sizes); the square is the FID reference
                     img, cut, sizes = img
                     cuts.add(p.bucket_of[len(labels) + len(skipped)], cut, sizes)
+                if whole is not None:  # (square, the resized image)
+                    img, full = img
+                    whole.add(full)
                 images[len(labels)] = img
                 labels.append(label)
                 rels.append(rel)
             progress.update(len(labels) + len(skipped))
-    if cuts is not None:
-        cuts.close()
+    for writer in (cuts, whole):
+        if writer is not None:
+            writer.close()
     count = len(labels)
     images.flush()
     del images
@@ -332,6 +320,8 @@ def finish(p: Plan, out: Path, labels: list, rels: list, skipped: list, extra: d
         info["subsets"] = list(p.subsets)
     if p.too_small:
         info["too_small"] = list(p.too_small)
+    if p.random_crop:
+        info["random_crop"] = True
     if p.texts:
         info["captions"] = captions.write(p, out, rels, build, workers, class_names)
     info |= extra or {}
@@ -384,7 +374,7 @@ def open_prepared(path) -> Prepared:
                             f"(count={n}, int16 below {len(info['subsets'])}); {fix}")
     return Prepared(path, images, labels, info["num_classes"], tuple(info["class_names"]), res, n, info["fingerprint"],
                     latent, encoded, flipped, texts, buckets=held, subsets=of_row,
-                    subset_names=tuple(info.get("subsets", ())))
+                    subset_names=tuple(info.get("subsets", ())), wide=wide.open_store(path, info, n, fix))
 
 
 def open_val(path) -> Prepared | None:

@@ -23,7 +23,6 @@ SUBSET_KEYS = {"num_repeats": "repeats", "class_tokens": "class_tokens", "captio
 NOT_YET = {
     "secondary_separator": "diffrelay splits tags at ',' only",
     "caption_dropout_every_n_epochs": "diffrelay drops captions per row (data.caption_dropout), not per epoch",
-    "random_crop": "a random crop is not built yet (diffrelay crops each image once, at prepare: data.crop)",
     "color_aug": "colour augmentation is not built",
     "face_crop_aug_range": "face crops are not built",
     "token_warmup_min": "token warm-up is not built",
@@ -38,7 +37,8 @@ NOT_YET = {
 }
 # kohya's caption keys, one value a run in diffrelay (data.<key>)
 RUN_KEYS = {"shuffle_caption": "shuffle_caption", "keep_tokens": "keep_tokens",
-            "keep_tokens_separator": "keep_tokens_separator", "caption_tag_dropout_rate": "caption_tag_dropout"}
+            "keep_tokens_separator": "keep_tokens_separator", "caption_tag_dropout_rate": "caption_tag_dropout",
+            "random_crop": "random_crop"}
 KNOWN = {"resolution", "batch_size", "enable_bucket", "bucket_reso_steps", "bucket_no_upscale", "image_dir",
          "flip_aug", "caption_extension", "caption_dropout_rate", *SUBSET_KEYS, *NOT_YET, *RUN_KEYS}
 
@@ -124,6 +124,9 @@ def convert(path: Path) -> tuple[dict, list[str]]:
     if base.get("enable_bucket"):
         data["buckets"] = {"step": int(base.get("bucket_reso_steps", 64)),
                            "upscale": not base.get("bucket_no_upscale", False)}
+    if data.get("random_crop") and "buckets" in data:
+        del data["random_crop"]
+        lines.append("random_crop: with buckets (enable_bucket) is not built yet; left off")
     out = {"data": data}
     if "batch_size" in base:
         out["train"] = {"batch_size": int(base["batch_size"])}

@@ -24,7 +24,7 @@ import torch
 from diffrelay.data import augment, edm_augment, subsets, tags
 from diffrelay.objectives import ddpm, edm
 from diffrelay.errors import UserError
-from diffrelay.data.order import DataOrder, noise_seed
+from diffrelay.data.order import DataOrder, noise_seed, rank_slice
 from diffrelay.runtime import mapped
 
 # Bumped whenever the same checkpoint would go on to different noise: 1 = one generator per sample,
@@ -135,6 +135,10 @@ class BatchMaker:
                                      xflip)
         latent = self.data.latent is not None
         rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None, bucket=bucket)
+        if getattr(self.data, "wide", None) is not None:  # data.random_crop: this step's squares (data/wide.py)
+            u = rank_slice(augment.uniforms(self.seed, augment.CROP, step, self.global_batch), self.rank, self.world)
+            rows = torch.from_numpy(self.data.wide.crops(mine, u))
+            rows = rows.pin_memory() if cuda else rows
         if latent:
             flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
