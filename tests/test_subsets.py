@@ -276,14 +276,53 @@ def test_a_random_crop_cuts_each_step_its_own_square_of_the_resized_image(tmp_pa
     datasets.build(p, tmp_path / "ds")
     ds = datasets.open_prepared(tmp_path / "ds")
     assert ds.wide.index[:, 1:].tolist() == [[16, 48], [40, 16], [16, 16]]  # the short side at the resolution
-    ends = [ds.wide.crops(np.array([0]), np.array([u]))[0] for u in (0.0, 0.999)]
-    assert ends[0][0, 0, 0] == 0 and ends[1][0, -1, 0] == 235  # the leftmost and the rightmost square
-    assert (ds.wide.crops(np.array([2]), np.array([0.7]))[0] == ds.images[2]).all()  # a square: its only cut
+    def cut(rows, u_top, u_left, w=16, h=16):
+        return ds.wide.crops(np.array(rows), np.array(u_top), np.array(u_left), w, h)
+
+    ends = [cut([0], [0.5], [u]) for u in (0.0, 0.999)]
+    assert ends[0][0][0, 0, 0, 0] == 0 and ends[1][0][0, -1, -1, 0] == 235  # the leftmost and the rightmost square
+    assert ends[0][1].tolist() == [[0, 0]] and ends[1][1].tolist() == [[0, 32]]  # their top and left
+    assert (cut([2], [0.7], [0.7])[0][0] == ds.images[2]).all()  # a square: its only cut
     u = augment.uniforms(0, augment.CROP, 3, 4)
-    assert (ds.wide.crops(np.array([0, 1]), u[1::2])[0] == ds.wide.crops(np.array([1, 0, 0]), u[[0, 1, 3]])[1]).all()
+    both = cut([0, 1], u[:2], u[2:])[0]  # a row's cut depends on its own draws alone, not on the batch around it
+    assert (both[0] == cut([0], u[:1], u[2:3])[0][0]).all() and (both[1] == cut([1], u[1:2], u[3:])[0][0]).all()
     (tmp_path / "ds" / wide.FILE).write_bytes(b"\0" * 10)  # damaged: refused in one line
     with pytest.raises(UserError, match="wide.u8: does not match wide_index.npy"):
         datasets.open_prepared(tmp_path / "ds")
-    for over, why in (({"encoder": "sd-vae"}, "trains on latents encoded once"), ({"buckets": {}}, "inside a bucket")):
+    for over, why in (({"encoder": "sd-vae"}, "trains on latents encoded once"), ({"crop": "dhariwal"}, "fixed protocol")):
         with pytest.raises(UserError, match=why):
             config.validate({"data": {"kind": "folder", "path": str(root), "random_crop": True} | over})
+
+
+def test_a_random_crop_inside_buckets_is_the_same_on_two_processes_and_across_segments(tmp_path):
+    """A bucketed pixel run with data.random_crop: 4 steps on 1 process, on 2, and in 2 segments of 2: the same
+    batches, K segments equal one run bit for bit, 2 processes within rounding; the windows move with the step."""
+    import shutil
+
+    import torch
+    from test_buckets import bucket_config, make_folder
+    from test_train import assert_tensors_equal, load_state, torchrun
+
+    from diffrelay.data import augment
+
+    make_folder(tmp_path / "imgs", count=24)
+    runs = {name: (bucket_config(tmp_path, name, data={"random_crop": True}), tmp_path / name / "b")
+            for name in ("one", "two", "segments")}
+    run_cli("prepare", "--config", runs["one"][0])
+    for name in ("two", "segments"):
+        shutil.copytree(runs["one"][1] / "dataset", runs[name][1] / "dataset")
+    torchrun(1, "--config", runs["one"][0], "--until-step", 4)
+    torchrun(2, "--config", runs["two"][0], "--until-step", 4)
+    torchrun(1, "--config", runs["segments"][0], "--until-step", 2)
+    torchrun(1, "--config", runs["segments"][0], "--until-step", 4)
+    a, b, c = (load_state(runs[k][1] / "checkpoints/step_0000004") for k in ("one", "two", "segments"))
+    for key in ("net", "ema", "optimizer", "order"):
+        assert_tensors_equal(a[key], c[key], key)
+    for k, v in a["net"].items():
+        assert torch.allclose(v, b["net"][k], rtol=1e-4, atol=1e-5), k
+    ds = datasets.open_prepared(runs["one"][1] / "dataset")
+    row = int(np.flatnonzero(ds.buckets.rows[:, 0] == 2)[0])  # a 40x24 bucket's image, resized wider than 40
+    w, h = ds.buckets.sizes[2]
+    cuts = {tuple(ds.wide.crops(np.array([row]), augment.uniforms(0, augment.CROP, s, 4)[:1],
+                                augment.uniforms(0, augment.CROP + 1, s, 4)[:1], w, h)[1][0]) for s in range(6)}
+    assert len(cuts) > 1 and all(top == 0 for top, _ in cuts)  # the window moves along the width alone

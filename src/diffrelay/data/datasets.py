@@ -150,7 +150,8 @@ def _file_row(root: Path, resolution: int, on_corrupt: str, mode: str, max_pixel
     try:
         if len(item) > 2:
             img = decode(data, path, max_pixels)
-            return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]))
+            full = (wide.resized(img, resolution, item[2:]),) if random_crop else ()
+            return (crop.square(img, resolution, mode), *buckets.cut(img, item[2:]), *full)
         if random_crop:
             img = decode(data, path, max_pixels)
             return crop.square(img, resolution, mode), wide.resized(img, resolution)
@@ -265,12 +266,13 @@ def build(p: Plan, out, workers: int = 1, start: str = "fork", class_names=None)
             if img is None:
                 skipped.append(rel)
             else:
+                if whole is not None:  # (..., the resized image): data.random_crop
+                    *img, full = img
+                    img = img[0] if len(img) == 1 else tuple(img)
+                    whole.add(full)
                 if cuts is not None:  # (square, the bucket's image, its sizes); the square is the FID reference
                     img, cut, sizes = img
                     cuts.add(p.bucket_of[len(labels) + len(skipped)], cut, sizes)
-                if whole is not None:  # (square, the resized image)
-                    img, full = img
-                    whole.add(full)
                 images[len(labels)] = img
                 labels.append(label)
                 rels.append(rel)

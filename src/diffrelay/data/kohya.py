@@ -124,9 +124,6 @@ def convert(path: Path) -> tuple[dict, list[str]]:
     if base.get("enable_bucket"):
         data["buckets"] = {"step": int(base.get("bucket_reso_steps", 64)),
                            "upscale": not base.get("bucket_no_upscale", False)}
-    if data.get("random_crop") and "buckets" in data:
-        del data["random_crop"]
-        lines.append("random_crop: with buckets (enable_bucket) is not built yet; left off")
     out = {"data": data}
     if "batch_size" in base:
         out["train"] = {"batch_size": int(base["batch_size"])}

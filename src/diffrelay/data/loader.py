@@ -135,10 +135,13 @@ class BatchMaker:
                                      xflip)
         latent = self.data.latent is not None
         rows, labels = read_rows(self.data, mine, pin=cuda, flip=flips if latent else None, bucket=bucket)
-        if getattr(self.data, "wide", None) is not None:  # data.random_crop: this step's squares (data/wide.py)
-            u = rank_slice(augment.uniforms(self.seed, augment.CROP, step, self.global_batch), self.rank, self.world)
-            rows = torch.from_numpy(self.data.wide.crops(mine, u))
-            rows = rows.pin_memory() if cuda else rows
+        cut = None  # data.random_crop: this step's windows and where they were cut (data/wide.py)
+        if getattr(self.data, "wide", None) is not None:
+            u_top, u_left = (rank_slice(augment.uniforms(self.seed, augment.CROP + k, step, self.global_batch),
+                                        self.rank, self.world) for k in (0, 1))
+            w, h = (self.data.resolution,) * 2 if bucket is None else self.data.buckets.sizes[bucket]
+            pixels, cut = self.data.wide.crops(mine, u_top, u_left, w, h)
+            rows = torch.from_numpy(pixels).pin_memory() if cuda else torch.from_numpy(pixels)
         if latent:
             flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))
@@ -155,7 +158,7 @@ class BatchMaker:
                 texts = tags.rows([self.data.captions.texts[i] for i in ids], self.seed, step, own, self.tags)
                 labels = dataclasses.replace(self.text.encode(texts, self.device), labels=labels)
             if bucket is not None:  # SDXL's size conditioning of each row: its original size, crop and bucket
-                labels = dataclasses.replace(labels, sizes=self._sizes(mine, bucket))
+                labels = dataclasses.replace(labels, sizes=self._sizes(mine, bucket, cut))
         # Every rank draws the whole global batch and keeps its rows (rank r: rows r::world), so row i
         # is the same for any process count. That is O(global batch) per rank; on a GPU it is one kernel
         # at memory speed (4096 x 3 x 64 x 64 floats is 200 MB, a fraction of a millisecond), and on a
@@ -184,11 +187,13 @@ class BatchMaker:
         return Batch(step, mine, list(zip(*parts)), masks, self._augments(step, cuda, shape), self.pipe, bucket, counts,
                      weights)
 
-    def _sizes(self, rows: np.ndarray, bucket: int) -> torch.Tensor:
+    def _sizes(self, rows: np.ndarray, bucket: int, cut: np.ndarray | None = None) -> torch.Tensor:
         """(B, 6) float32: original height, width, crop top, left, target height, width of each row, in pixels
-        (StableDiffusionXLPipeline's add_time_ids order)."""
+        (StableDiffusionXLPipeline's add_time_ids order); `cut`: the step's random crops' top and left."""
         w, h = self.data.buckets.sizes[bucket]
         meta = np.asarray(self.data.buckets.meta[rows], dtype=np.float32)
+        if cut is not None:
+            meta[:, 2:4] = cut
         full = np.concatenate([meta, np.tile(np.float32([h, w]), (len(rows), 1))], axis=1)
         return torch.from_numpy(full).to(self.device, non_blocking=True)
 

@@ -5,9 +5,11 @@ and the held-out split read.
 
 Stored ragged beside images.npy: FILE, every image's uint8 (h, w, 3) pixels one after another, and INDEX, int64
 (N, 3) of each row's offset, height and width. Both are memory-mapped: a step reads its rows' bytes alone.
-A row's place is u in [0, 1) drawn from (seed, step, position) (augment.CROP), the window's start floor(u x (L - r
-+ 1)) along the long side L: the same for any process count and on resume. Latents are encoded once, so a latent
-run cannot crop at random (refused, as kohya refuses random_crop with cache_latents).
+A row's place is two draws u in [0, 1) from (seed, step, position) (augment.CROP, CROP + 1), the window's top
+floor(u x (H - h + 1)) and left likewise: the same for any process count and on resume. With data.buckets the
+image is kept resized to cover its bucket (buckets.cover) and its bucket's window is cut, and SDXL's crop_top_left
+of the row is that step's. Latents are encoded once, so a latent run cannot crop at random (refused, as kohya
+refuses random_crop with cache_latents).
 """
 
 import os
@@ -17,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from diffrelay import io
+from diffrelay.data import buckets
 from diffrelay.errors import UserError
 
 FILE, INDEX = "wide.u8", "wide_index.npy"
@@ -32,19 +35,21 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     if data.get("encoder", "none") != "none":
         return [(key, f"needs the pixels at each step, and data.encoder={data['encoder']} trains on latents encoded "
                  "once (kohya refuses random_crop with cache_latents too); set data.encoder: none, or drop it")]
-    if data.get("buckets") is not None:
-        return [(key, "inside a bucket is not built yet; set data.buckets: null, or drop it")]
     if data.get("crop") != "center":
         return [(key, f"replaces the centre crop; data.crop={data.get('crop')} is a fixed protocol: set data.crop: "
                  "center, or drop random_crop")]
     return []
 
 
-def resized(img: Image.Image, resolution: int) -> np.ndarray:
-    """uint8 (h, w, 3): the whole image with its short side at `resolution`, Lanczos (as crop.center's square)."""
+def resized(img: Image.Image, resolution: int, bucket: tuple | None = None) -> np.ndarray:
+    """uint8 (h, w, 3): the whole image resized, Lanczos, to cover the square (its short side at `resolution`) or
+    the bucket (w, h), as buckets.cover sizes it before the centred cut."""
     w, h = img.size
-    size = (resolution, max(resolution, round(h * resolution / w))) if w <= h else \
-        (max(resolution, round(w * resolution / h)), resolution)
+    if bucket is not None:
+        size = buckets.cover(w, h, bucket)[0]
+    else:
+        size = (resolution, max(resolution, round(h * resolution / w))) if w <= h else \
+            (max(resolution, round(w * resolution / h)), resolution)
     return np.asarray(img.resize(size, Image.Resampling.LANCZOS), dtype=np.uint8)
 
 
@@ -74,16 +79,18 @@ class Wide:
     def __init__(self, flat: np.ndarray, index: np.ndarray, resolution: int):
         self.flat, self.index, self.resolution = flat, index, resolution
 
-    def crops(self, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """uint8 (len(rows), r, r, 3): each row's square at its draw u."""
-        r = self.resolution
-        out = np.empty((len(rows), r, r, 3), dtype=np.uint8)
-        for k, (row, x) in enumerate(zip(rows, u)):
+    def crops(self, rows: np.ndarray, u_top: np.ndarray, u_left: np.ndarray, width: int,
+              height: int) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 (len(rows), height, width, 3), int64 (len(rows), 2)): each row's window at its draws, and its
+        top and left in the resized image (SDXL's crop_top_left of a bucketed row)."""
+        out = np.empty((len(rows), height, width, 3), dtype=np.uint8)
+        where = np.zeros((len(rows), 2), dtype=np.int64)
+        for k, (row, ut, ul) in enumerate(zip(rows, u_top, u_left)):
             off, h, w = (int(v) for v in self.index[row])
             a = self.flat[off:off + h * w * 3].reshape(h, w, 3)
-            start = int(x * (max(h, w) - r + 1))
-            out[k] = a[:, start:start + r] if w > h else a[start:start + r, :]
-        return out
+            top, left = int(ut * (h - height + 1)), int(ul * (w - width + 1))
+            out[k], where[k] = a[top:top + height, left:left + width], (top, left)
+        return out, where
 
 
 def open_store(path: Path, info: dict, n: int, fix: str) -> Wide | None:
@@ -100,8 +107,6 @@ def open_store(path: Path, info: dict, n: int, fix: str) -> Wide | None:
         raise UserError(f"{path / INDEX}: missing or unreadable ({e}); {fix}") from e
     r = info["resolution"]
     ends = index[:, 0] + index[:, 1] * index[:, 2] * 3 if len(index) else np.zeros(0, dtype=np.int64)
-    if index.shape != (n, 3) or index.dtype != np.int64 or (len(index) and (int(ends[-1]) != flat.size or
-                                                                              index[:, 1:].min() < r)):
-        raise UserError(f"{path / FILE}: does not match {INDEX} and dataset.json (count={n}, each side at least "
-                        f"{r}); {fix}")
+    if index.shape != (n, 3) or index.dtype != np.int64 or (len(index) and int(ends[-1]) != flat.size):
+        raise UserError(f"{path / FILE}: does not match {INDEX} and dataset.json (count={n}); {fix}")
     return Wide(flat, index, r)
