@@ -326,3 +326,28 @@ def test_a_random_crop_inside_buckets_is_the_same_on_two_processes_and_across_se
     cuts = {tuple(ds.wide.crops(np.array([row]), augment.uniforms(0, augment.CROP, s, 4)[:1],
                                 augment.uniforms(0, augment.CROP + 1, s, 4)[:1], w, h)[1][0]) for s in range(6)}
     assert len(cuts) > 1 and all(top == 0 for top, _ in cuts)  # the window moves along the width alone
+
+
+def test_a_simpletuner_dataloader_config_imports_as_subsets(tmp_path):
+    folder(tmp_path / "img", {"dog": [(16, 16)] * 2, "style": [(16, 16)]})
+    backends = [{"id": "dog", "type": "local", "instance_data_dir": str(tmp_path / "img/dog"), "repeats": 4,
+                 "caption_strategy": "textfile", "instance_prompt": "ohwx", "prepend_instance_prompt": True,
+                 "resolution": 16, "resolution_type": "pixel_area", "minimum_image_size": 8, "crop": True,
+                 "crop_style": "random", "crop_aspect": "square", "cache_dir_vae": "/x", "probability": 0.5},
+                {"id": "style", "instance_data_dir": str(tmp_path / "img/style"), "caption_strategy": "instanceprompt",
+                 "instance_prompt": "in watercolour"},
+                {"id": "reg", "instance_data_dir": "/elsewhere", "is_regularisation_data": True},
+                {"id": "embeds", "dataset_type": "text_embeds", "default": True, "cache_dir": "/c"}]
+    (tmp_path / "multidatabackend.json").write_text(json.dumps(backends))
+    p = run_cli("import-dataset", tmp_path / "multidatabackend.json")
+    overlay = __import__("yaml").safe_load(p.stdout)
+    assert overlay["data"]["subsets"] == [{"path": "dog", "repeats": 5, "caption_prefix": "ohwx"},
+                                          {"path": "style", "class_tokens": "in watercolour"}]
+    assert {k: overlay["data"][k] for k in ("resolution", "min_size", "random_crop")} == {
+        "resolution": 16, "min_size": 8, "random_crop": True}
+    err = p.stderr
+    assert "is_regularisation_data is SimpleTuner's parent-teacher regularisation" in err
+    assert "probability=0.5: diffrelay has no per-step draw" in err and "dataset_type text_embeds" in err
+    d = config.validate({"data": overlay["data"] | {"captions": "none"}})
+    d["data"]["captions"] = "auto"
+    assert datasets.plan(config.Config(d).data).texts == ("", "ohwx a dog", "in watercolour")

@@ -203,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=_non_negative, default=0, help="the step the snapshot is labelled with [0]")
     p.set_defaults(module="diffrelay.training.convert")
 
-    p = sub.add_parser("import-dataset", help="the data: section of a kohya sd-scripts dataset config (.toml), "
-                       "as YAML; one line for each key it cannot carry over")
-    p.add_argument("config_file", help="kohya's dataset config: [general], [[datasets]], [[datasets.subsets]]")
+    p = sub.add_parser("import-dataset", help="the data: section of a kohya sd-scripts dataset config (.toml) or a "
+                       "SimpleTuner multidatabackend.json, as YAML; one line for each key it cannot carry over")
+    p.add_argument("config_file", help="kohya's dataset config ([general], [[datasets]], [[datasets.subsets]]), or "
+                   "SimpleTuner's dataloader config (.json)")
     p.add_argument("--out", help="write the YAML to this new file (default: stdout)")
     p.set_defaults(module="diffrelay.data.kohya")
 

@@ -1,6 +1,7 @@
 """`diffrelay import-dataset kohya.toml`: the `data:` section (and train.batch_size) of a kohya sd-scripts dataset
 config (docs/config_README-en.md: [general], [[datasets]], [[datasets.subsets]]), as YAML, and one line on stderr for
-each key that cannot be carried over (docs/data.md, "Coming from kohya, OneTrainer or SimpleTuner").
+each key that cannot be carried over (docs/data.md, "Coming from kohya, OneTrainer or SimpleTuner"). A .json is
+SimpleTuner's multidatabackend.json instead (data/simpletuner.py).
 
 kohya's [general] keys are the defaults of every dataset and subset, a dataset's keys those of its subsets. The
 subsets' image_dir become data.subsets' paths, inside data.path: their common folder. Torch-free.
@@ -131,7 +132,14 @@ def convert(path: Path) -> tuple[dict, list[str]]:
 
 
 def main(args) -> int:
-    overlay, lines = convert(Path(args.config_file))
+    """kohya's .toml, or SimpleTuner's multidatabackend .json (data/simpletuner.py)."""
+    source = Path(args.config_file)
+    if source.suffix.lower() == ".json":
+        from diffrelay.data import simpletuner
+
+        overlay, lines = simpletuner.convert(source)
+    else:
+        overlay, lines = convert(source)
     for line in lines:
         print(f"diffrelay: import-dataset: {args.config_file}: {line}", file=sys.stderr, flush=True)
     text = "# from " + str(args.config_file) + " (diffrelay import-dataset)\n" + yaml.safe_dump(overlay, sort_keys=False)
