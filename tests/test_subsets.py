@@ -18,11 +18,14 @@ from diffrelay.errors import UserError
 
 
 def folder(root, sizes: dict) -> None:
-    """root/<sub>/<i>.png of the given (width, height), a caption "a <sub>" beside the "dog" ones only."""
+    """root/<sub>/<i>.png of the given (width, height), a ramp along x (so a crop's place shows), a caption
+    "a <sub>" beside the "dog" ones only."""
     for sub, whs in sizes.items():
         (root / sub).mkdir(parents=True)
         for i, (w, h) in enumerate(whs):
-            Image.new("RGB", (w, h), (40 * i, 90, 200)).save(root / sub / f"{i}.png")
+            a = np.zeros((h, w, 3), dtype=np.uint8)
+            a[..., 0], a[..., 1] = (np.arange(w) * 6 % 256)[None, :], 40 * i
+            Image.fromarray(a).save(root / sub / f"{i}.png")
             if sub == "dog":
                 (root / sub / f"{i}.txt").write_text(f"a {sub}\n")
 
@@ -96,13 +99,14 @@ def test_what_subsets_cannot_take_is_one_line(tmp_path, subset, stray, why):
 
 def test_train_jsonl_counts_each_subsets_rows_and_prior_preservation_resumes_bit_for_bit(write_config, tmp_path):
     """Batches of one instance and one regularisation row (is_reg): 11 steps hold one instance epoch (the dogs
-    three times, the cats once) and 11 regularisation rows; two segments of 4 and 7 steps equal one run, their
-    wide images cut at random places (data.random_crop) too."""
+    three times, the cats once) and 11 regularisation rows; two segments of 4 and 7 steps equal one run, the
+    regularisation subset's wide images cut at random places (its own random_crop) too."""
     from test_train import assert_tensors_equal, load_state
 
     folder(tmp_path / "src", {"dog": [(16, 16)] * 3, "cat": [(16, 16)] * 2, "reg": [(40, 16)] * 4})
-    over = {"data": {"kind": "folder", "path": str(tmp_path / "src"), "random_crop": True,
-                     "subsets": [{"path": "dog", "repeats": 3}, {"path": "cat"}, {"path": "reg", "is_reg": True}]},
+    over = {"data": {"kind": "folder", "path": str(tmp_path / "src"),
+                     "subsets": [{"path": "dog", "repeats": 3}, {"path": "cat"},
+                                 {"path": "reg", "is_reg": True, "random_crop": True}]},
             "model": {"class_conditional": False},
             "train": {"total_steps": 11, "segment_steps": 11, "batch_size": 2, "log_every": 11,
                       "prior_loss_weight": 0.5},
@@ -238,7 +242,7 @@ def test_a_subsets_own_flip_probability_is_compared_with_the_same_draw_as_data_x
     _, rank1 = augment.masks(0, 3, 8, 1, 2, 0.0, p[1::2])  # rank 1 of 2: its rows' own probabilities
     assert (rank1 == own[1::2]).all()
     rows = np.array([0, 1, 2, 0], dtype=np.int16)  # caption dropout likewise: a subset's own, else the run's
-    flip, drop = subsets.probabilities({"subsets": [{}, {"caption_dropout": 0.9}, {}], "xflip": 0.5,
+    flip, drop, _ = subsets.probabilities({"subsets": [{}, {"caption_dropout": 0.9}, {}], "xflip": 0.5,
                                         "caption_dropout": 0.1}, rows)
     assert flip == 0.5 and drop.tolist() == [0.1, 0.9, 0.1, 0.1]
     assert (augment.captions(0, 3, 4, 0, 1, drop)[1] == (augment.uniforms(0, augment.CAPTION_DROPOUT, 3, 4) < drop)).all()
@@ -351,3 +355,16 @@ def test_a_simpletuner_dataloader_config_imports_as_subsets(tmp_path):
     d = config.validate({"data": overlay["data"] | {"captions": "none"}})
     d["data"]["captions"] = "auto"
     assert datasets.plan(config.Config(d).data).texts == ("", "ohwx a dog", "in watercolour")
+
+
+def test_a_subset_may_crop_at_random_alone(tmp_path):
+    folder(tmp_path / "src", {"dog": [(32, 16)] * 2, "cat": [(16, 16)]})
+    subs = [{"path": "dog", "random_crop": True}, {"path": "cat"}]
+    d = config.validate({"data": {"kind": "folder", "path": str(tmp_path / "src"), "resolution": 16,
+                                  "subsets": subs}})
+    p = datasets.plan(config.Config(d).data)
+    assert p.random_crop  # the store is made for every row; the cat's rows keep their centred cut
+    _, _, cropped = subsets.probabilities(d["data"], np.array([1, 0, 0], dtype=np.int16))
+    assert cropped.tolist() == [0.0, 1.0, 1.0]
+    with pytest.raises(UserError, match=r"data.subsets\[\].random_crop=true: needs the pixels at each step"):
+        config.validate({"data": {"kind": "folder", "path": "/x", "encoder": "sd-vae", "subsets": subs}})

@@ -235,7 +235,8 @@ def _pixel_plan(data) -> Plan:
         subset_rels, settings = tuple(subsets.relative(as_dict)), tuple(as_dict["subsets"])
         subsets.check_files(root, files, list(subset_rels))
         part["subsets"] = list(subset_rels)
-    part |= {"random_crop": True} if getattr(data, "random_crop", False) else {}    # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
+    part |= {"random_crop": True} if wide.wanted(data) else {}
+    # Relative paths and contents only: the same files copied elsewhere or touched give the same fingerprint.
     # The crop joins only when it is not center, so datasets made before data.crop existed keep theirs.
     # So does data.max_image_pixels off its default where data.on_corrupt skip leaves out the images past it.
     mode, bound = getattr(data, "crop", "center"), getattr(data, "max_image_pixels", MAX_IMAGE_PIXELS)

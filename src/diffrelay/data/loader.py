@@ -103,12 +103,13 @@ class BatchMaker:
     def __init__(self, data, seed: int, global_batch: int, *, rank: int, world: int, grad_accum: int, device,
                  label_dropout: float = 0.0, xflip: float = 0.0, augment: float = 0.0, text=None,
                  caption_dropout: float = 0.0, noise_offset: float = 0.0, prior_weight: float | None = None,
-                 caption_tags=None):
+                 caption_tags=None, random_crop=1.0):
         self.data, self.seed, self.global_batch = data, seed, global_batch
         self.noise_offset = noise_offset  # model.ddpm.noise_offset (objectives.noise_offset)
         # train.prior_loss_weight where the order is order.PairedOrder: each row's weight (subsets.prior_weights)
         self.prior_weight = prior_weight
         self.tags = caption_tags  # the data section where data/tags.py processes the captions, else None
+        self.random_crop = random_crop  # where data.wide is: 1.0 for all rows, or each dataset row's 1.0 or 0.0
         # text: a text.source.TextSource for a captioned dataset (the cached embeddings, or the encoders).
         # xflip and caption_dropout: one probability, or one a dataset row (data.subsets' own: subsets.per_row)
         self.text, self.caption_dropout = text, caption_dropout
@@ -140,8 +141,12 @@ class BatchMaker:
             u_top, u_left = (rank_slice(augment.uniforms(self.seed, augment.CROP + k, step, self.global_batch),
                                         self.rank, self.world) for k in (0, 1))
             w, h = (self.data.resolution,) * 2 if bucket is None else self.data.buckets.sizes[bucket]
-            pixels, cut = self.data.wide.crops(mine, u_top, u_left, w, h)
-            rows = torch.from_numpy(pixels).pin_memory() if cuda else torch.from_numpy(pixels)
+            on = np.ones(len(mine), bool) if np.ndim(self.random_crop) == 0 else self.random_crop[mine] > 0
+            pixels, where = self.data.wide.crops(mine[on], u_top[on], u_left[on], w, h)
+            rows.numpy()[on] = pixels  # the others keep their centred cut
+            if bucket is not None:
+                cut = np.asarray(self.data.buckets.meta[mine][:, 2:4], dtype=np.int64)
+                cut[on] = where
         if latent:
             flips = np.zeros_like(flips)  # flipped already: those rows are the mirrored images' latents
         images = rows.to(self.device, non_blocking=True) if latent else to_float(rows.to(self.device, non_blocking=True))

@@ -167,10 +167,12 @@ def per_row(subsets: list[dict] | None, of_row: np.ndarray | None, key: str, def
 
 
 def probabilities(data: dict, of_row: np.ndarray | None) -> tuple:
-    """(data.xflip, data.caption_dropout), each a subset's own per row where one sets it (per_row)."""
+    """(data.xflip, data.caption_dropout, data.random_crop), each a subset's own per row where one sets it
+    (per_row; random_crop's as 1.0 or 0.0)."""
     subs = data.get("subsets")
     return (per_row(subs, of_row, "flip", data["xflip"]),
-            per_row(subs, of_row, "caption_dropout", data["caption_dropout"]))
+            per_row(subs, of_row, "caption_dropout", data["caption_dropout"]),
+            per_row(subs, of_row, "random_crop", float(data.get("random_crop", False))))
 
 
 def weighted_repeats(subsets: list[dict], counts: np.ndarray) -> np.ndarray:

@@ -25,11 +25,17 @@ from diffrelay.errors import UserError
 FILE, INDEX = "wide.u8", "wide_index.npy"
 
 
+def wanted(data) -> bool:
+    """Whether the run, or one of its subsets, crops at random (a config section or its dict)."""
+    data = data.to_dict() if hasattr(data, "to_dict") else data
+    return bool(data.get("random_crop") or any(s.get("random_crop") for s in data.get("subsets") or []))
+
+
 def check_config(d: dict) -> list[tuple[str, str]]:
     data = d["data"]
-    if not data.get("random_crop"):
+    if not wanted(data):
         return []
-    key = "data.random_crop=true"
+    key = "data.random_crop=true" if data.get("random_crop") else "data.subsets[].random_crop=true"
     if data["kind"] != "folder":
         return [(key, "cuts folder images; shapes are drawn at data.resolution: drop it")]
     if data.get("encoder", "none") != "none":

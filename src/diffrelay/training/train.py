@@ -168,10 +168,10 @@ def _segment(cleanup, cfg, until_step, init, dataset_dir, trace, record_path) ->
     snapshots = set(config.snapshot_steps(cfg, segment_start, until))
     metrics_path = run_dir / "metrics" / "train.jsonl"
     trace_file = open(f"{trace}.rank{rank}", "a") if trace else None
-    xflip, caption_dropout = subsets.probabilities(cfg.to_dict()["data"], data.subsets)  # a subset's own, or the run's
+    xflip, caption_dropout, cropped = subsets.probabilities(cfg.to_dict()["data"], data.subsets)  # a subset's own
     maker = loader.BatchMaker(data, cfg.run.seed, t.batch_size, rank=rank, world=world, grad_accum=t.grad_accum,
                               device=device, label_dropout=t.label_dropout, xflip=xflip, augment=t.augment,
-                              text=data.text, caption_dropout=caption_dropout,
+                              text=data.text, caption_dropout=caption_dropout, random_crop=cropped,
                               noise_offset=objectives.noise_offset(cfg),
                               prior_weight=t.prior_loss_weight if isinstance(st.order, PairedOrder) else None,
                               caption_tags=cfg.data if data_tags.on(cfg.to_dict()["data"]) else None)
