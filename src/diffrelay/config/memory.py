@@ -170,12 +170,12 @@ def _block_bytes(build, scale: float) -> list:
     """Each swappable block's frozen bytes (the family's swap_lists, in the order they run), fp32 bytes x `scale`
     (the quantized base's share); [] for a network that refuses meta or a family with none."""
     from diffrelay.nets import registry
+    from diffrelay.runtime import block_swap
 
     try:
         with registry.on_device("meta"), contextlib.redirect_stdout(sys.stderr):
             text_net = getattr(build(), "net", None)  # the objective's wrapper of a families.network.TextNet
-            lists = text_net.family.swap_lists
-            blocks = [b for name in lists for b in getattr(text_net.model, name, None) or []]
+            blocks = block_swap.all_blocks(text_net.model, text_net.family.swap_lists)
     except (Exception, SystemExit):  # noqa: BLE001 -- no breakdown
         return []
     return [int(sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad) * scale)

@@ -231,7 +231,7 @@ def _pixel_plan(data) -> Plan:
             raise UserError(f"{io.shown(root)}: data.min_size={data.min_size}: every image has a shorter side below it; "
                             "lower data.min_size, or add larger images")
     if getattr(data, "subsets", None) is not None:  # each image in one subset (data/subsets.py)
-        as_dict = data.to_dict() if hasattr(data, "to_dict") else dict(data)
+        as_dict = data.to_dict()
         subset_rels, settings = tuple(subsets.relative(as_dict)), tuple(as_dict["subsets"])
         subsets.check_files(root, files, list(subset_rels))
         part["subsets"] = list(subset_rels)

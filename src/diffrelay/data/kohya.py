@@ -67,7 +67,7 @@ def convert(path: Path) -> tuple[dict, list[str]]:
     for i, raw in enumerate(datasets[0]["subsets"]):
         s, where = base | raw, f"datasets[0].subsets[{i}]"
         for key in sorted(s):
-            if key in NOT_YET and s[key] not in (None, False, 0, 0.0, "", [0.0, 0.0]) and (key in raw or key in base):
+            if key in NOT_YET and s[key] not in (None, False, 0, 0.0, "", [0.0, 0.0]):
                 lines.append(f"{where}.{key}={s[key]!r}: not carried over: {NOT_YET[key]}")
             elif key not in KNOWN:
                 lines.append(f"{where}.{key}: not a kohya subset key diffrelay knows; not carried over")

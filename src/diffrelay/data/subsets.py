@@ -41,14 +41,6 @@ def _within(a: str, b: str) -> bool:
     return not b or a == b or a.startswith(b + "/")
 
 
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 def check_config(d: dict) -> list[tuple[str, str]]:
     """(key, message) of data.subsets that cannot work, before any file is read."""
     data = d["data"]
@@ -62,7 +54,7 @@ def check_config(d: dict) -> list[tuple[str, str]]:
     root = Path(os.path.abspath(os.path.expanduser(data["path"])))
     for i, s in enumerate(subsets):
         path = Path(os.path.expanduser(s["path"]))
-        if path.is_absolute() and not _inside(path, root) or ".." in path.parts:
+        if path.is_absolute() and not path.is_relative_to(root) or ".." in path.parts:
             return [(f"data.subsets[{i}].path={s['path']}", f"lies outside data.path ({data['path']}); give a folder "
                      "inside it (relative to data.path, or absolute), or set data.path to a folder that holds every "
                      "subset")]

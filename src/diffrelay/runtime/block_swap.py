@@ -146,9 +146,14 @@ class BlockSwap:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
+def all_blocks(model: nn.Module, lists: tuple) -> list[nn.Module]:
+    """The blocks of `model`'s ModuleLists named `lists` (a family's swap_lists), in the order they run."""
+    return [b for name in lists for b in getattr(model, name, None) or []]
+
+
 def swap_blocks(model: nn.Module, lists: tuple, n: int, where: str = "train.block_swap") -> list[nn.Module]:
-    """The last `n` of the blocks in `model`'s ModuleLists named `lists`, in the order they run."""
-    blocks = [b for name in lists for b in getattr(model, name, None) or []]
+    """The last `n` of `all_blocks`."""
+    blocks = all_blocks(model, lists)
     if not blocks:
         raise UserError(f"{where}={n}: {type(model).__name__} has no transformer blocks to swap (it holds none of "
                         f"{', '.join(lists) or 'the lists a transformer family names'}); set train.block_swap: 0")
